@@ -1,0 +1,316 @@
+"""Input rows: open the dataset, check its schema and ids at submit time, read one shard at a time.
+
+Nothing here holds all prompts in memory: planning reads only the id column, batch by batch, and a
+shard is read by skipping whole files (their row counts come from metadata) and then streaming.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+from pydantic import ValidationError
+
+from racer_batch.service.spec import InputSpec, JobSpec
+
+Chat = list[dict[str, str]]
+BATCH_ROWS = 1024
+MAX_DUPLICATES_SHOWN = 5
+
+
+class InputError(ValueError):
+    """Input data that cannot be queued; the message names the file, column or row."""
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """What planning learned about the input: files, row counts, which optional columns exist."""
+
+    files: tuple[str, ...]
+    format: str
+    file_rows: tuple[int, ...]  # rows per file, same order as files
+    columns: tuple[str, ...]  # canonical names present (id, prompt, messages, ...)
+    fingerprint: str  # hash of file paths and sizes: a changed input is detected at run time
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.file_rows)
+
+    def num_shards(self, shard_rows: int) -> int:
+        return math.ceil(self.num_rows / shard_rows)
+
+    def shard_range(self, shard: int, shard_rows: int) -> tuple[int, int]:
+        """Row indices [row_start, row_stop) of one shard."""
+        start = shard * shard_rows
+        return start, min(start + shard_rows, self.num_rows)
+
+    def to_dict(self) -> dict:
+        return {
+            "files": list(self.files), "format": self.format, "file_rows": list(self.file_rows),
+            "columns": list(self.columns), "fingerprint": self.fingerprint,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "InputPlan":
+        return cls(
+            files=tuple(d["files"]), format=d["format"], file_rows=tuple(d["file_rows"]),
+            columns=tuple(d["columns"]), fingerprint=d["fingerprint"],
+        )
+
+
+@dataclass
+class RowTask:
+    """One input row, normalised. ``error`` set means the row is bad and is written as status=error."""
+
+    row_idx: int
+    id: str
+    route: str
+    seed: int
+    chat: Optional[Chat] = None  # messages to answer (prompt or messages rows; raw prompts use `raw`)
+    raw: Optional[str] = None  # a raw (non-chat) prompt
+    turns: Optional[list[str]] = None  # user turns answered one after another
+    params: Any = None  # GenerationParams
+    error: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+
+_SUFFIX_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
+
+
+def _list_files(path: str) -> list[str]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in _SUFFIX_FORMAT
+                       and not f.name.startswith((".", "_")))
+    elif any(ch in path for ch in "*?["):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    elif p.is_file():
+        files = [str(p)]
+    else:
+        raise InputError(f"input.path = {path!r}: no such file or folder")
+    if not files:
+        raise InputError(f"input.path = {path!r}: no Parquet or JSONL files found")
+    return files
+
+
+def _format_of(files: list[str], fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    kinds = {_SUFFIX_FORMAT.get(Path(f).suffix) for f in files}
+    if len(kinds) != 1 or None in kinds:
+        raise InputError(
+            f"input files have mixed or unknown extensions ({sorted(str(k) for k in kinds)}); set input.format"
+        )
+    return kinds.pop()
+
+
+def _file_dataset(path: str, fmt: str) -> ds.Dataset:
+    return ds.dataset(path, format="parquet" if fmt == "parquet" else "json")
+
+
+def _type_ok(canonical: str, t: pa.DataType) -> bool:
+    if pa.types.is_null(t):
+        return canonical != "id"
+    if canonical == "id":
+        return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+    if canonical in ("prompt", "route"):
+        return pa.types.is_string(t) or pa.types.is_large_string(t)
+    if canonical in ("max_new_tokens", "seed"):
+        return pa.types.is_integer(t)
+    if canonical in ("temperature", "top_p"):
+        return pa.types.is_floating(t) or pa.types.is_integer(t)
+    if canonical in ("turns", "stop"):
+        if canonical == "stop" and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            return True
+        return (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+            pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)
+            or pa.types.is_null(t.value_type))
+    if canonical == "messages":
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+            return False
+        vt = t.value_type
+        return pa.types.is_struct(vt) and {vt.field(i).name for i in range(vt.num_fields)} >= {"role", "content"}
+    return True
+
+
+_EXPECTED = {
+    "id": "string or integer", "prompt": "string", "route": "string", "max_new_tokens": "integer",
+    "seed": "integer", "temperature": "number", "top_p": "number", "turns": "list of strings",
+    "stop": "string or list of strings", "messages": "list of {role, content}",
+}
+
+
+def plan_input(spec: InputSpec) -> InputPlan:
+    """Find the files, check the columns, count rows (metadata only for Parquet). Raises InputError."""
+    files = _list_files(spec.path)
+    fmt = _format_of(files, spec.format)
+    cols = spec.columns.model_dump()
+    present: Optional[set[str]] = None
+    file_rows = []
+    hasher = hashlib.sha256()
+    for f in files:
+        try:
+            dset = _file_dataset(f, fmt)
+            schema = dset.schema
+            n = dset.count_rows()
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"cannot read input file {f}: {exc}") from None
+        names = set(schema.names)
+        if n > 0 and cols["id"] not in names:
+            raise InputError(f"{f}: missing id column {cols['id']!r} (columns: {sorted(names)})")
+        if n > 0 and not names & {cols["prompt"], cols["messages"], cols["turns"]}:
+            raise InputError(
+                f"{f}: needs one of the columns {cols['prompt']!r}, {cols['messages']!r} or {cols['turns']!r}"
+                f" (columns: {sorted(names)})"
+            )
+        here = set()
+        for canonical, source in cols.items():
+            if source in names:
+                t = schema.field(source).type
+                if not _type_ok(canonical, t):
+                    raise InputError(
+                        f"{f}: column {source!r} has type {t}, expected {_EXPECTED[canonical]}"
+                    )
+                here.add(canonical)
+        present = here if present is None else present | here
+        file_rows.append(n)
+        hasher.update(f"{os.path.abspath(f)}\0{os.path.getsize(f)}\0{n}\n".encode())
+    return InputPlan(
+        files=tuple(files), format=fmt, file_rows=tuple(file_rows), columns=tuple(sorted(present or ())),
+        fingerprint=hasher.hexdigest()[:16],
+    )
+
+
+def check_ids(spec: InputSpec, plan: InputPlan) -> None:
+    """Refuse null ids and duplicate ids (listing the first few), reading only the id column."""
+    id_col = spec.columns.id
+    seen: set = set()
+    dups: list[str] = []
+    n_dups = 0
+    row_idx = 0
+    for f, n in zip(plan.files, plan.file_rows):
+        if n == 0:
+            continue
+        for batch in _file_dataset(f, plan.format).to_batches(columns=[id_col], batch_size=BATCH_ROWS):
+            for v in batch.column(0).to_pylist():
+                if v is None:
+                    raise InputError(f"row {row_idx} ({f}): id is null; every row needs an id")
+                key = str(v)
+                if key in seen:
+                    n_dups += 1
+                    if len(dups) < MAX_DUPLICATES_SHOWN:
+                        dups.append(key)
+                else:
+                    seen.add(key)
+                row_idx += 1
+    if n_dups:
+        more = f" and {n_dups - len(dups)} more" if n_dups > len(dups) else ""
+        raise InputError(f"duplicate ids in input ({n_dups} repeats): {', '.join(map(repr, dups))}{more}")
+
+
+def iter_raw_rows(plan: InputPlan, row_start: int, row_stop: int, columns: list[str]) -> Iterator[tuple[int, dict]]:
+    """Yield (row_idx, {column: value}) for rows [row_start, row_stop), streaming."""
+    base = 0
+    for f, n in zip(plan.files, plan.file_rows):
+        if base + n <= row_start or n == 0:
+            base += n
+            continue
+        if base >= row_stop:
+            return
+        dset = _file_dataset(f, plan.format)
+        cols = [c for c in columns if c in dset.schema.names]
+        row_idx = base
+        for batch in dset.to_batches(columns=cols, batch_size=BATCH_ROWS):
+            if row_idx + batch.num_rows <= row_start:
+                row_idx += batch.num_rows
+                continue
+            lo = max(0, row_start - row_idx)
+            hi = min(batch.num_rows, row_stop - row_idx)
+            part = batch.slice(lo, hi - lo).to_pylist()
+            for i, rec in enumerate(part):
+                yield row_idx + lo + i, rec
+            row_idx += batch.num_rows
+            if row_idx >= row_stop:
+                return
+        base += n
+
+
+def _clean_str(v: Any, what: str) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{what} must be a string, got {type(v).__name__}")
+    if not v.strip():
+        raise ValueError(f"{what} is empty")
+    return v
+
+
+def parse_row(job: JobSpec, row_idx: int, rec: dict) -> RowTask:
+    """Normalise one input record; a bad row comes back with ``error`` set (never raises)."""
+    cols = job.input.columns
+    rid = rec.get(cols.id)
+    route = rec.get(cols.route) or job.route
+    task = RowTask(row_idx=row_idx, id=str(rid), route=str(route), seed=(job.seed + row_idx) % (2**63))
+    try:
+        overrides: dict[str, Any] = {}
+        for name in ("max_new_tokens", "temperature", "top_p", "seed"):
+            v = rec.get(getattr(cols, name))
+            if v is not None:
+                overrides[name] = v
+        stop = rec.get(cols.stop)
+        if stop is not None:
+            overrides["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        try:
+            task.params = job.row_params(overrides, seed=task.seed)
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            field_name = ".".join(str(p) for p in e["loc"])
+            raise ValueError(f"invalid per-row {field_name} = {e.get('input')!r}: {e['msg']}") from None
+        task.seed = task.params.seed
+        system = job.generation.system_prompt
+        head: Chat = [{"role": "system", "content": system}] if system else []
+        prompt, messages, turns = rec.get(cols.prompt), rec.get(cols.messages), rec.get(cols.turns)
+        given = [n for n, v in (("prompt", prompt), ("messages", messages), ("turns", turns)) if v is not None]
+        if not given:
+            raise ValueError("no prompt: prompt, messages and turns are all null")
+        if len(given) > 1:
+            raise ValueError(f"several prompt fields set ({', '.join(given)}); set exactly one")
+        if prompt is not None:
+            text = _clean_str(prompt, "prompt")
+            if job.input.prompt_format == "raw":
+                task.raw = text
+            else:
+                task.chat = head + [{"role": "user", "content": text}]
+        elif messages is not None:
+            if not messages:
+                raise ValueError("messages is empty")
+            chat: Chat = []
+            for i, m in enumerate(messages):
+                role = m.get("role") if isinstance(m, dict) else None
+                if role not in ("system", "user", "assistant"):
+                    raise ValueError(f"messages[{i}].role = {role!r}: expected system, user or assistant")
+                chat.append({"role": role, "content": _clean_str(m.get("content"), f"messages[{i}].content")})
+            if chat[-1]["role"] != "user":
+                raise ValueError("the last message must be from the user")
+            task.chat = (head if chat[0]["role"] != "system" else []) + chat
+        else:
+            if not turns:
+                raise ValueError("turns is empty")
+            task.turns = [_clean_str(t, f"turns[{i}]") for i, t in enumerate(turns)]
+            task.chat = head
+    except ValueError as exc:
+        task.error = str(exc)
+    return task
+
+
+def input_summary(plan: InputPlan) -> str:
+    return json.dumps({"files": len(plan.files), "rows": plan.num_rows, "columns": list(plan.columns)})
+
+
+PathLike = Union[str, Path]

@@ -1,0 +1,166 @@
+"""Local runs: a Redis to talk to (the one at the URL, else a private ``redis-server``), a local Ray,
+and an embedded worker that runs until a given job ends (``submit --local --wait``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from racer_batch.service.actors import RayExecutor, ThreadExecutor
+from racer_batch.service.queue import TERMINAL, JobQueue, QueueUnavailable, connect, redact_url
+from racer_batch.service.worker import Worker
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class PrivateRedis:
+    """A redis-server started for one run (no persistence); ``stop()`` ends it and removes its folder."""
+
+    url: str
+    proc: subprocess.Popen
+    workdir: str
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_private_redis(*, port: Optional[int] = None, password: Optional[str] = None,
+                        timeout_s: float = 10.0) -> PrivateRedis:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise QueueUnavailable("redis-server is not on the PATH; install Redis or set REDIS_URL to a running one")
+    port = port or free_port()
+    workdir = tempfile.mkdtemp(prefix="rb-redis-")
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"]
+    if password:
+        args += ["--requirepass", password]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    auth = f":{password}@" if password else ""
+    url = f"redis://{auth}127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise QueueUnavailable(f"private redis-server exited at start: {err.strip()[:300]}")
+        try:
+            connect(url, timeout_s=0.5)
+            return PrivateRedis(url=url, proc=proc, workdir=workdir)
+        except QueueUnavailable:
+            time.sleep(0.1)
+    proc.kill()
+    shutil.rmtree(workdir, ignore_errors=True)
+    raise QueueUnavailable(f"private redis-server on port {port} did not answer within {timeout_s:.0f} s")
+
+
+def ensure_redis(url: str, *, allow_private: bool = True) -> tuple[str, Optional[PrivateRedis]]:
+    """The URL if Redis answers there; else a private redis-server (when allowed and on the PATH)."""
+    try:
+        connect(url, timeout_s=2.0)
+        return url, None
+    except QueueUnavailable as exc:
+        if not allow_private or shutil.which("redis-server") is None:
+            raise QueueUnavailable(
+                f"{exc}\nStart Redis (redis-server) or set REDIS_URL; with redis-server on the PATH, "
+                "`submit --local` starts a private one."
+            ) from None
+        log.warning("%s; starting a private redis-server for this run", exc)
+    private = start_private_redis()
+    return private.url, private
+
+
+def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
+    """Start (or join, with ``address``) Ray. Local runs use a short private temp folder, no dashboard."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT),
+                                                                   os.environ.get("PYTHONPATH")]))}}
+    if address:
+        ray.init(address=address, runtime_env=env, logging_level=logging.WARNING, log_to_driver=True)
+        return
+    tmp = tempfile.mkdtemp(prefix="rb-ray-", dir="/tmp")
+    ray.init(num_cpus=num_cpus or os.cpu_count(), _temp_dir=tmp, include_dashboard=False, runtime_env=env,
+             logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+
+
+def make_executor(kind: str, *, url: str, prefix: str, name: str, allow_remote_code: bool = False):
+    if kind == "ray":
+        return RayExecutor(url, prefix=prefix, name=name, allow_remote_code=allow_remote_code)
+    assert kind == "thread", f"unknown executor kind {kind!r}"
+    return ThreadExecutor(url, prefix=prefix, allow_remote_code=allow_remote_code)
+
+
+@dataclass
+class EmbeddedRun:
+    state: str
+    elapsed_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def run_until_done(queue: JobQueue, job_id: str, *, url: str, prefix: str, executor_kind: str = "ray",
+                   lease_s: float = 30.0, on_tick: Optional[Callable[[], None]] = None,
+                   tick_s: float = 1.0) -> EmbeddedRun:
+    """Run an in-process worker until ``job_id`` reaches a terminal state. ``on_tick`` runs on the calling
+    thread every ``tick_s`` (progress display) while the worker runs on a background thread."""
+    t0 = time.monotonic()
+    executor = make_executor(executor_kind, url=url, prefix=prefix, name="local")
+    worker = Worker(queue, executor, name=f"local-{os.getpid()}", lease_s=lease_s)
+    stop_flag = threading.Event()
+
+    def _done() -> bool:
+        try:
+            return queue.job_fields(job_id).get("state") in TERMINAL
+        except KeyError:
+            return True
+
+    def _loop() -> None:
+        worker.run(stop=lambda: stop_flag.is_set() or _done())
+
+    th = threading.Thread(target=_loop, name="racer-batch-worker", daemon=True)
+    th.start()
+    try:
+        while th.is_alive():
+            th.join(timeout=tick_s)
+            if on_tick is not None:
+                on_tick()
+    except KeyboardInterrupt:
+        stop_flag.set()
+        th.join()
+        raise
+    finally:
+        executor.shutdown()
+    state = queue.job_fields(job_id).get("state", "?")
+    return EmbeddedRun(state=state, elapsed_s=time.monotonic() - t0)
+
+
+__all__ = ["PrivateRedis", "ensure_redis", "init_local_ray", "make_executor", "redact_url", "run_until_done",
+           "start_private_redis"]

@@ -1,0 +1,454 @@
+"""Job queue, job state and telemetry in Redis (streams with a consumer group; JSON values only).
+
+Keys (``P`` is the key prefix, default ``racer-batch:``):
+
+=============================  ========  ==========================================================
+``P queue:<prio>``             stream    one entry per queued job (field ``job_id``), group ``workers``
+``P jobs``                     zset      job ids by submit time (for ``list``)
+``P job:<id>``                 hash      spec (JSON), plan, state, owner, timestamps, cancel flag
+``P job:<id>:shards``          hash      shard -> committed summary (JSON; idempotent on retries)
+``P job:<id>:inflight``        hash      shard -> progress of the running attempt (JSON)
+``P job:<id>:rows``            stream    per-row telemetry, bounded with MAXLEN ~
+``P job:<id>:errors``          stream    failed rows (id, row_idx, error), bounded with MAXLEN ~
+=============================  ========  ==========================================================
+
+Leases. A worker takes a job with XREADGROUP: the entry stays in the group's pending-entries list until
+the worker acknowledges it at the end of the job. While it works it renews the lease by re-claiming its own
+entry (XCLAIM resets the idle time), but only while the job hash still names it as ``owner`` (one Lua
+script, so the check and the renewal are atomic). A worker that dies stops renewing; after ``lease_ms``
+another worker takes the entry with XAUTOCLAIM, becomes the owner, and resumes the job from the output
+folder. A worker that finds it is no longer the owner stops working on the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_PREFIX = "racer-batch:"
+GROUP = "workers"
+ROW_STREAM_MAXLEN = 10_000
+ERROR_STREAM_MAXLEN = 2_000
+PRIORITIES = range(9, -1, -1)  # read order: 9 first
+TERMINAL = ("done", "cancelled", "failed")
+
+
+class QueueUnavailable(RuntimeError):
+    """Redis cannot be reached or refused us; the message has the redacted URL and the reason."""
+
+
+def redact_url(url: str) -> str:
+    """``rediss://user:secret@host:6380/0`` -> ``rediss://user:***@host:6380/0`` (never log a password)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def resolve_url(*candidates: Optional[str]) -> str:
+    """First non-empty of the candidates (flag, spec), then REDIS_URL, then the default."""
+    for c in candidates:
+        if c:
+            return c
+    return os.environ.get("REDIS_URL") or DEFAULT_URL
+
+
+def connect(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
+    """A client with retries and exponential backoff; raises QueueUnavailable with a clear message."""
+    try:
+        client = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 3), health_check_interval=30,
+        )
+        client.ping()
+    except redis.AuthenticationError as exc:
+        raise QueueUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from None
+    except redis.ResponseError as exc:
+        raise QueueUnavailable(f"Redis at {redact_url(url)} answered with an error: {exc}") from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError, ValueError) as exc:
+        raise QueueUnavailable(f"cannot reach Redis at {redact_url(url)}: {exc}") from None
+    return client
+
+
+@dataclass
+class Lease:
+    job_id: str
+    stream: str
+    entry_id: str
+    owner: str
+    reclaimed: bool = False
+
+
+@dataclass
+class ShardSummary:
+    """Counts of one shard (or of one running attempt): what status and the manifest aggregate."""
+
+    rows: int = 0
+    ok: int = 0
+    error: int = 0
+    cancelled: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    gen_ms: float = 0.0
+    routes: dict[str, list[int]] = field(default_factory=dict)  # route -> [rows, output_tokens, steps]
+
+    def observe_row(self, *, status: str, route: str, output_tokens: int, steps: int, gen_ms: float) -> None:
+        self.rows += 1
+        setattr(self, status, getattr(self, status) + 1)
+        self.output_tokens += output_tokens
+        self.steps += steps
+        self.gen_ms += gen_ms
+        r = self.routes.setdefault(route, [0, 0, 0])
+        r[0] += 1
+        r[1] += output_tokens
+        r[2] += steps
+
+    def merge(self, other: "ShardSummary") -> None:
+        for k in ("rows", "ok", "error", "cancelled", "output_tokens", "steps", "gen_ms"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        for route, (n, tok, st) in other.routes.items():
+            r = self.routes.setdefault(route, [0, 0, 0])
+            r[0] += n
+            r[1] += tok
+            r[2] += st
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in
+                ("rows", "ok", "error", "cancelled", "output_tokens", "steps", "gen_ms", "routes")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardSummary":
+        s = cls(**{k: d.get(k, 0) for k in ("rows", "ok", "error", "cancelled", "output_tokens", "steps",
+                                             "gen_ms")})
+        s.routes = {k: list(v) for k, v in d.get("routes", {}).items()}
+        return s
+
+
+@dataclass
+class JobStatus:
+    job_id: str
+    state: str
+    name: Optional[str]
+    rows_total: int
+    totals: ShardSummary
+    shards_total: int
+    shards_done: int
+    submitted_at: float
+    started_at: Optional[float]
+    finished_at: Optional[float]
+    owner: Optional[str]
+    output: Optional[str]
+    model: Optional[str]
+    method: Optional[str]
+    message: Optional[str]
+
+    @property
+    def rows_done(self) -> int:
+        return self.totals.rows
+
+    @property
+    def elapsed_s(self) -> float:
+        if not self.started_at:
+            return 0.0
+        return (self.finished_at or time.time()) - self.started_at
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows_done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.totals.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> Optional[float]:
+        if self.state in TERMINAL or self.rows_per_s <= 0:
+            return None
+        return max(0.0, (self.rows_total - self.rows_done) / self.rows_per_s)
+
+    @property
+    def mat(self) -> Optional[float]:
+        return self.totals.output_tokens / self.totals.steps if self.totals.steps else None
+
+    def route_mat(self) -> dict[str, dict]:
+        return {
+            route: {"rows": n, "output_tokens": tok, "steps": st, "mat": (tok / st) if st else None}
+            for route, (n, tok, st) in sorted(self.totals.routes.items())
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "job_id": self.job_id, "state": self.state, "name": self.name, "rows_total": self.rows_total,
+            "rows_done": self.rows_done, "ok": self.totals.ok, "error": self.totals.error,
+            "cancelled": self.totals.cancelled, "output_tokens": self.totals.output_tokens,
+            "steps": self.totals.steps, "mat": self.mat, "shards_total": self.shards_total,
+            "shards_done": self.shards_done, "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s,
+            "eta_s": self.eta_s, "elapsed_s": self.elapsed_s, "routes": self.route_mat(), "owner": self.owner,
+            "output": self.output, "model": self.model, "method": self.method, "message": self.message,
+        }
+
+
+# KEYS[1] job hash, KEYS[2] stream; ARGV: group, consumer, entry id. Renew only while we own the job.
+_RENEW_LUA = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 1
+"""
+
+
+class JobQueue:
+    """All Redis access of the service. Plain class: no click, no Ray."""
+
+    def __init__(self, client: redis.Redis, *, prefix: str = DEFAULT_PREFIX) -> None:
+        self.r = client
+        self.prefix = prefix
+        self._renew = client.register_script(_RENEW_LUA)
+        self._groups_ready = False
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX) -> "JobQueue":
+        return cls(connect(url), prefix=prefix)
+
+    # ---- keys
+    def k_queue(self, prio: int) -> str:
+        return f"{self.prefix}queue:{prio}"
+
+    def k_job(self, job_id: str, sub: str = "") -> str:
+        return f"{self.prefix}job:{job_id}" + (f":{sub}" if sub else "")
+
+    def k_index(self) -> str:
+        return f"{self.prefix}jobs"
+
+    def _ensure_groups(self) -> None:
+        if self._groups_ready:
+            return
+        for prio in PRIORITIES:
+            try:
+                self.r.xgroup_create(self.k_queue(prio), GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._groups_ready = True
+
+    # ---- submit side
+    def job_exists(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.k_job(job_id)))
+
+    def enqueue(self, *, job_id: str, spec: dict, plan: dict, priority: int, name: Optional[str]) -> None:
+        """Create (or reset for a re-run) the job hash and put the job on the queue."""
+        self._ensure_groups()
+        now = time.time()
+        key = self.k_job(job_id)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(key, mapping={
+            "job_id": job_id, "spec": json.dumps(spec), "plan": json.dumps(plan), "state": "queued",
+            "priority": priority, "name": name or "", "submitted_at": now, "cancel": 0,
+            "output": spec["output"]["path"], "model": spec["model"]["name"],
+            "method": spec["decoding"]["method"], "message": "",
+        })
+        pipe.hdel(key, "owner", "started_at", "finished_at")
+        pipe.delete(self.k_job(job_id, "inflight"))
+        pipe.zadd(self.k_index(), {job_id: now})
+        pipe.xadd(self.k_queue(priority), {"job_id": job_id})
+        pipe.execute()
+
+    def cancel(self, job_id: str) -> str:
+        """Ask for a stop at the next step boundary. Returns the state the job is now in."""
+        key = self.k_job(job_id)
+        state = self.r.hget(key, "state")
+        if state is None:
+            raise KeyError(job_id)
+        if state in TERMINAL:
+            return state
+        self.r.hset(key, "cancel", 1)
+        if state == "queued":
+            self.r.hset(key, mapping={"state": "cancelled", "finished_at": time.time()})
+            return "cancelled"
+        return "cancelling"
+
+    def is_cancelled(self, job_id: str) -> bool:
+        return self.r.hget(self.k_job(job_id), "cancel") == "1"
+
+    def still_owner(self, job_id: str, owner: str) -> bool:
+        """For actors: keep going only while the job is not cancelled and the lease is ours."""
+        cancel, cur = self.r.hmget(self.k_job(job_id), ["cancel", "owner"])
+        return cancel != "1" and cur == owner
+
+    # ---- worker side
+    def claim(self, *, consumer: str, lease_ms: int, block_ms: int = 1000) -> Optional[Lease]:
+        """Take the next job: first an expired lease (XAUTOCLAIM), then new entries by priority."""
+        self._ensure_groups()
+        for prio in PRIORITIES:
+            stream = self.k_queue(prio)
+            _, entries, deleted = self.r.xautoclaim(stream, GROUP, consumer, min_idle_time=lease_ms, count=1)
+            for entry_id in deleted or []:
+                self.r.xack(stream, GROUP, entry_id)
+            for entry_id, fields in entries:
+                lease = self._take(stream, entry_id, fields, consumer, reclaimed=True)
+                if lease:
+                    return lease
+        for prio in PRIORITIES:
+            got = self.r.xreadgroup(GROUP, consumer, {self.k_queue(prio): ">"}, count=1)
+            lease = self._first(got, consumer)
+            if lease:
+                return lease
+        if block_ms > 0:
+            got = self.r.xreadgroup(GROUP, consumer, {self.k_queue(p): ">" for p in PRIORITIES}, count=1,
+                                    block=block_ms)
+            return self._first(got, consumer)
+        return None
+
+    def _first(self, got: Any, consumer: str) -> Optional[Lease]:
+        for stream, entries in got or []:
+            for entry_id, fields in entries:
+                lease = self._take(stream, entry_id, fields, consumer, reclaimed=False)
+                if lease:
+                    return lease
+        return None
+
+    def _take(self, stream: str, entry_id: str, fields: dict, consumer: str, *, reclaimed: bool
+              ) -> Optional[Lease]:
+        job_id = (fields or {}).get("job_id")
+        key = self.k_job(job_id) if job_id else None
+        state = self.r.hget(key, "state") if key else None
+        if state is None or state in TERMINAL:  # unknown, finished, or cancelled while queued
+            self._drop(stream, entry_id)
+            return None
+        self.r.hset(key, mapping={"owner": consumer, "state": "running", "lease_stream": stream,
+                                  "lease_entry": entry_id})
+        self.r.hsetnx(key, "started_at", time.time())
+        self.r.hincrby(key, "attempts", 1)
+        return Lease(job_id=job_id, stream=stream, entry_id=entry_id, owner=consumer, reclaimed=reclaimed)
+
+    def _drop(self, stream: str, entry_id: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+
+    def renew(self, lease: Lease) -> bool:
+        """Reset the lease's idle clock; False when another worker has taken the job."""
+        return bool(self._renew(keys=[self.k_job(lease.job_id), lease.stream],
+                                args=[GROUP, lease.owner, lease.entry_id]))
+
+    def finish(self, lease: Lease, *, state: str, message: str = "") -> None:
+        assert state in TERMINAL, f"finish({lease.job_id}) with non-terminal state {state!r}"
+        key = self.k_job(lease.job_id)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(key, mapping={"state": state, "finished_at": time.time(), "message": message})
+        pipe.hdel(key, "owner")
+        pipe.delete(self.k_job(lease.job_id, "inflight"))
+        pipe.xack(lease.stream, GROUP, lease.entry_id)
+        pipe.xdel(lease.stream, lease.entry_id)
+        pipe.execute()
+
+    def release(self, lease: Lease, *, message: str = "") -> None:
+        """Give a job back unfinished (worker shutting down): requeue it at once for another worker."""
+        key = self.k_job(lease.job_id)
+        prio = int(self.r.hget(key, "priority") or 5)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(key, mapping={"state": "queued", "message": message})
+        pipe.hdel(key, "owner")
+        pipe.xack(lease.stream, GROUP, lease.entry_id)
+        pipe.xdel(lease.stream, lease.entry_id)
+        pipe.xadd(self.k_queue(prio), {"job_id": lease.job_id})
+        pipe.execute()
+
+    def job_fields(self, job_id: str) -> dict:
+        d = self.r.hgetall(self.k_job(job_id))
+        if not d:
+            raise KeyError(job_id)
+        return d
+
+    def set_message(self, job_id: str, message: str) -> None:
+        self.r.hset(self.k_job(job_id), "message", message)
+
+    # ---- telemetry (written by actors and the worker)
+    def record_row(self, job_id: str, row: dict, *, shard: int, progress: ShardSummary) -> None:
+        """One finished row: telemetry entry (bounded), error entry if failed, in-flight shard progress."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xadd(self.k_job(job_id, "rows"), {"row": json.dumps(row)}, maxlen=ROW_STREAM_MAXLEN,
+                  approximate=True)
+        if row.get("status") == "error":
+            pipe.xadd(self.k_job(job_id, "errors"),
+                      {"row": json.dumps({k: row.get(k) for k in ("id", "row_idx", "route", "error")})},
+                      maxlen=ERROR_STREAM_MAXLEN, approximate=True)
+        pipe.hset(self.k_job(job_id, "inflight"), str(shard), json.dumps(progress.to_dict()))
+        pipe.execute()
+
+    def commit_shard(self, job_id: str, shard: int, summary: dict) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.k_job(job_id, "shards"), str(shard), json.dumps(summary))
+        pipe.hdel(self.k_job(job_id, "inflight"), str(shard))
+        pipe.execute()
+
+    def clear_inflight(self, job_id: str, shard: int) -> None:
+        self.r.hdel(self.k_job(job_id, "inflight"), str(shard))
+
+    def committed(self, job_id: str) -> dict[int, dict]:
+        return {int(k): json.loads(v) for k, v in self.r.hgetall(self.k_job(job_id, "shards")).items()}
+
+    # ---- read side
+    def status(self, job_id: str) -> JobStatus:
+        d = self.job_fields(job_id)
+        spec = json.loads(d["spec"])
+        plan = json.loads(d["plan"])
+        shard_rows = spec["output"]["shard_rows"]
+        rows_total = sum(plan["file_rows"])
+        shards_total = -(-rows_total // shard_rows)
+        totals = ShardSummary()
+        committed = self.committed(job_id)
+        for s in committed.values():
+            totals.merge(ShardSummary.from_dict(s))
+        for shard, v in self.r.hgetall(self.k_job(job_id, "inflight")).items():
+            if int(shard) not in committed:
+                totals.merge(ShardSummary.from_dict(json.loads(v)))
+
+        def _f(key: str) -> Optional[float]:
+            return float(d[key]) if d.get(key) else None
+
+        return JobStatus(
+            job_id=job_id, state=d.get("state", "?"), name=d.get("name") or None, rows_total=rows_total,
+            totals=totals, shards_total=shards_total, shards_done=len(committed),
+            submitted_at=float(d.get("submitted_at", 0)), started_at=_f("started_at"),
+            finished_at=_f("finished_at"), owner=d.get("owner"), output=d.get("output"), model=d.get("model"),
+            method=d.get("method"), message=d.get("message") or None,
+        )
+
+    def list_jobs(self, limit: int = 50) -> list[JobStatus]:
+        ids = self.r.zrevrange(self.k_index(), 0, limit - 1)
+        out = []
+        for job_id in ids:
+            try:
+                out.append(self.status(job_id))
+            except KeyError:
+                self.r.zrem(self.k_index(), job_id)
+        return out
+
+    def errors(self, job_id: str, limit: int = 20) -> list[dict]:
+        entries = self.r.xrevrange(self.k_job(job_id, "errors"), count=limit)
+        return [json.loads(f["row"]) for _, f in reversed(entries)]
+
+    def recent_rows(self, job_id: str, limit: int = 20) -> list[dict]:
+        entries = self.r.xrevrange(self.k_job(job_id, "rows"), count=limit)
+        return [json.loads(f["row"]) for _, f in reversed(entries)]
+
+    def delete_job(self, job_id: str) -> None:
+        keys = [self.k_job(job_id, s) for s in ("", "shards", "inflight", "rows", "errors")]
+        self.r.delete(*keys)
+        self.r.zrem(self.k_index(), job_id)

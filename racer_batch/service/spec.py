@@ -1,0 +1,279 @@
+"""Job specification: the YAML a user submits, validated with pydantic (unknown keys rejected).
+
+Precedence, lowest first: field defaults < preset file (``preset:``) < the job file < overrides from
+``submit`` flags. Paths in a job file are relative to that file's folder; paths given as overrides are
+relative to the current directory. Example::
+
+    input: {path: demo_prompts.jsonl}
+    output: {path: ../out/demo, shard_rows: 8}
+    model: {name: smollm2-135m}
+    preset: racer-cpu            # configs/racer-cpu.yaml supplies decoding settings
+    generation: {max_new_tokens: 96}
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from racer_batch.types import DecodingConfig, GenerationParams
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PRESET_DIRS_ENV = "RACER_BATCH_PRESETS"  # extra folders searched for presets, os.pathsep separated
+
+
+class SpecError(ValueError):
+    """A job spec that cannot be used; the message names the key and the offending value."""
+
+
+class ColumnMap(BaseModel):
+    """Which input column holds each canonical field (missing optional columns are simply absent)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field("id", description="unique row id column (string or integer)")
+    prompt: str = Field("prompt", description="single prompt column (string)")
+    messages: str = Field("messages", description="chat messages column (list of {role, content})")
+    turns: str = Field("turns", description="multi-turn column (list of user turns)")
+    route: str = Field("route", description="route label column (string)")
+    max_new_tokens: str = Field("max_new_tokens", description="per-row max_new_tokens column")
+    temperature: str = Field("temperature", description="per-row temperature column")
+    top_p: str = Field("top_p", description="per-row top_p column")
+    seed: str = Field("seed", description="per-row seed column")
+    stop: str = Field("stop", description="per-row stop strings column (string or list of strings)")
+
+
+class InputSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(..., min_length=1, description="a Parquet/JSONL file, a folder of them, or a glob")
+    format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="file format (auto: by extension)")
+    columns: ColumnMap = Field(default_factory=ColumnMap, description="input column mapping")
+    prompt_format: Literal["chat", "raw"] = Field(
+        "chat", description="chat: a `prompt` becomes one user message under the chat template; raw: plain text"
+    )
+
+
+class OutputSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(..., min_length=1, description="output folder (part files + manifest.json)")
+    shard_rows: int = Field(64, ge=1, le=1_000_000, description="input rows per shard / part file")
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("smollm2-135m", min_length=1, description="model name or local folder (see load_model)")
+    trust_remote_code: bool = Field(False, description="allow model code from the model folder (worker must allow)")
+
+
+class GenerationDefaults(BaseModel):
+    """Defaults for every row; per-row columns override max_new_tokens, temperature, top_p, seed, stop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(256, ge=1, le=1_000_000, description="cap on emitted tokens per turn")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="top-k filter (0 = off)")
+    stop: list[str] = Field(default_factory=list, description="stop strings")
+    system_prompt: Optional[str] = Field(None, description="system message put first in chat rows (None = none)")
+
+
+class Resources(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_actors: Union[int, Literal["auto"]] = Field(
+        "auto", description="generation actors (auto: one per GPU, else one)"
+    )
+    cpus_per_actor: float = Field(0, ge=0, le=512, description="CPUs per actor (0 = all CPUs / actors)")
+    gpus_per_actor: Union[float, Literal["auto"]] = Field(
+        "auto", description="GPUs per actor (auto: 1 when the cluster has GPUs, else 0)"
+    )
+
+    @field_validator("num_actors")
+    @classmethod
+    def _actors_range(cls, v: Union[int, str]) -> Union[int, str]:
+        if isinstance(v, int) and not 1 <= v <= 4096:
+            raise ValueError(f"num_actors must be in 1..4096 or 'auto', got {v}")
+        return v
+
+    @field_validator("gpus_per_actor")
+    @classmethod
+    def _gpus_range(cls, v: Union[float, str]) -> Union[float, str]:
+        if not isinstance(v, str) and not 0 <= v <= 16:
+            raise ValueError(f"gpus_per_actor must be in 0..16 or 'auto', got {v}")
+        return v
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Optional[str] = Field(None, max_length=200, description="free label shown by `list`")
+    preset: Optional[str] = Field(None, description="preset name or file merged under this spec (informational)")
+    input: InputSpec
+    output: OutputSpec
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    generation: GenerationDefaults = Field(default_factory=GenerationDefaults)
+    route: str = Field("default", min_length=1, max_length=200, description="route of rows without one")
+    resources: Resources = Field(default_factory=Resources)
+    priority: int = Field(5, ge=0, le=9, description="queue priority, 9 = first")
+    seed: int = Field(0, ge=0, le=2**62, description="job seed; a row's seed = row seed or job seed + row index")
+    redis_url: Optional[str] = Field(None, description="Redis URL (else flag, else REDIS_URL); never stored")
+
+    def spec_hash(self) -> str:
+        """Hash of everything that changes the output rows (not resources, priority, Redis, labels)."""
+        d = self.model_dump(mode="json", exclude={"name", "preset", "resources", "priority", "redis_url"})
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def row_params(self, overrides: dict[str, Any], *, seed: int) -> GenerationParams:
+        """GenerationParams for one row; raises pydantic ValidationError on a bad per-row value."""
+        g = self.generation
+        base = dict(
+            max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+            stop=list(g.stop), seed=seed,
+        )
+        base.update(overrides)
+        return GenerationParams(**base)
+
+    def stored(self) -> dict:
+        """The spec as stored in Redis and the manifest: credentials (redis_url) dropped."""
+        return self.model_dump(mode="json", exclude={"redis_url"})
+
+
+_PATH_KEYS = (("input", "path"), ("output", "path"))
+
+
+def format_validation_error(err: ValidationError, *, where: str) -> str:
+    lines = [f"invalid job spec ({where}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        value = e.get("input")
+        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        lines.append(f"  {key} = {shown}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """Recursive dict merge; values from ``top`` win, nested dicts merge."""
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def set_dotted(d: dict, dotted: str, value: Any) -> None:
+    """``set_dotted(d, "decoding.capacity", 16)`` sets d["decoding"]["capacity"] = 16."""
+    parts = dotted.split(".")
+    cur = d
+    for p in parts[:-1]:
+        nxt = cur.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise SpecError(f"override {dotted}: {p} is not a section")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"decoding.capacity=16"`` -> ("decoding.capacity", 16); the value is read as a YAML scalar."""
+    if "=" not in text:
+        raise SpecError(f"override {text!r}: expected KEY=VALUE")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise SpecError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise SpecError(f"override {key}: cannot read value {raw!r}: {exc}") from None
+    return key, value
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)  # safe_load: no Python tags, nothing executed
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path} is not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def preset_dirs(spec_dir: Optional[Path]) -> list[Path]:
+    dirs = [Path(p) for p in os.environ.get(PRESET_DIRS_ENV, "").split(os.pathsep) if p]
+    if spec_dir is not None:
+        dirs += [spec_dir, spec_dir / "configs", spec_dir.parent / "configs"]
+    dirs += [Path.cwd() / "configs", PROJECT_ROOT / "configs"]
+    return dirs
+
+
+def resolve_preset(name: str, spec_dir: Optional[Path]) -> Path:
+    cand = Path(name)
+    if cand.suffix in (".yaml", ".yml") and cand.is_file():
+        return cand
+    for d in preset_dirs(spec_dir):
+        for fname in (name, f"{name}.yaml", f"{name}.yml"):
+            p = d / fname
+            if p.is_file():
+                return p
+    raise SpecError(f"preset = {name!r}: no such preset (looked in configs/ and {PRESET_DIRS_ENV})")
+
+
+def _resolve_paths(data: dict, base: Path) -> None:
+    for section, key in _PATH_KEYS:
+        sec = data.get(section)
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and "://" not in sec[key]:
+            p = Path(os.path.expanduser(sec[key]))
+            sec[key] = str(p if p.is_absolute() else (base / p).resolve())
+
+
+def load_spec(path: Optional[str | Path], overrides: Optional[dict[str, Any]] = None) -> JobSpec:
+    """Read a job file, merge its preset and ``overrides`` (dotted keys), validate.
+
+    ``path`` may be None when every required key comes from overrides. Raises SpecError.
+    """
+    data: dict = {}
+    spec_dir: Optional[Path] = None
+    where = "overrides"
+    if path is not None:
+        p = Path(path)
+        data = _read_yaml(p)
+        spec_dir = p.resolve().parent
+        _resolve_paths(data, spec_dir)
+        where = str(path)
+    flat: dict = {}
+    for key, value in (overrides or {}).items():
+        set_dotted(flat, key, value)
+    _resolve_paths(flat, Path.cwd())
+    merged = deep_merge(data, flat)
+    preset = merged.get("preset")
+    if preset is not None:
+        if not isinstance(preset, str):
+            raise SpecError(f"invalid job spec ({where}):\n  preset = {preset!r}: must be a preset name")
+        pdata = _read_yaml(resolve_preset(preset, spec_dir))
+        pdata.pop("preset", None)
+        merged = deep_merge(pdata, merged)
+    try:
+        return JobSpec.model_validate(merged)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc, where=where)) from None

@@ -1,0 +1,125 @@
+"""A stand-in engine with a fixed cost per step, for service tests and scheduling-overhead benchmarks.
+
+Model name ``stand-in`` (options as a query string: ``stand-in?ms_per_step=2&mat=2&context=512``). It
+speaks the Engine interface the service uses (``encode``, ``generate``, ``new_state``, ``free_state``,
+``bundle``), "tokenises" by whitespace, and answers with deterministic words derived from the prompt.
+Each step emits ``mat`` tokens and sleeps ``ms_per_step``. A prompt containing ``[[stand-in:raise]]``
+raises RuntimeError, standing in for a model error. No torch, no weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from racer_batch.types import DecodingConfig, GenerationParams, GenerationResult, RowStats, StepRecord
+
+STANDIN_PREFIX = "stand-in"
+RAISE_MARKER = "[[stand-in:raise]]"
+
+
+def is_standin(name: str) -> bool:
+    return name == STANDIN_PREFIX or name.startswith(STANDIN_PREFIX + "?")
+
+
+@dataclass
+class StandInBundle:
+    name: str
+    ms_per_step: float = 0.0
+    mat: int = 1
+    context_length: int = 2048
+    device: str = "cpu"
+    dtype: str = "none"
+    eos_ids: tuple = ()
+
+
+def load_standin(name: str) -> StandInBundle:
+    q = urllib.parse.parse_qs(name.partition("?")[2])
+    try:
+        return StandInBundle(
+            name=name, ms_per_step=float(q.get("ms_per_step", ["0"])[0]), mat=int(q.get("mat", ["1"])[0]),
+            context_length=int(q.get("context", ["2048"])[0]),
+        )
+    except ValueError as exc:
+        raise ValueError(f"model.name = {name!r}: bad stand-in option: {exc}") from None
+
+
+class StandInState:
+    def __init__(self) -> None:
+        self.rows_seen = 0
+        self.freed = False
+
+    def free(self) -> None:
+        self.freed = True
+
+
+def _render(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"<{m['role']}> {m['content']}" for m in prompt)
+
+
+class StandInEngine:
+    def __init__(self, bundle: StandInBundle, config: Optional[DecodingConfig] = None) -> None:
+        self.bundle = bundle
+        self.config = config or DecodingConfig()
+
+    def new_state(self) -> StandInState:
+        return StandInState()
+
+    def free_state(self, state: StandInState) -> None:
+        state.free()
+
+    def encode(self, prompt: Any) -> list[int]:
+        return [int(hashlib.blake2b(w.encode(), digest_size=2).hexdigest(), 16) for w in _render(prompt).split()]
+
+    def generate(self, prompt: Any, params: Optional[GenerationParams] = None, *, state: Any = None,
+                 should_cancel: Optional[Callable[[], bool]] = None) -> GenerationResult:
+        params = params or GenerationParams()
+        text_in = _render(prompt)
+        if not text_in.strip():
+            raise ValueError("empty prompt")
+        if RAISE_MARKER in text_in:
+            raise RuntimeError("stand-in model error (prompt asked for one)")
+        n_prompt = len(self.encode(prompt))
+        if n_prompt >= self.bundle.context_length:
+            raise ValueError(
+                f"prompt has {n_prompt} tokens but the model's context is {self.bundle.context_length}"
+            )
+        assert state is None or not state.freed, "generate() on a freed draft state"
+        if state is not None:
+            state.rows_seen += 1
+        t0 = time.perf_counter()
+        seed = hashlib.sha256(f"{text_in}|{params.seed}".encode()).digest()
+        stats = RowStats()
+        words: list[str] = []
+        finish = "length"
+        prefill_ms = 0.0
+        step = 0
+        while len(words) < params.max_new_tokens:
+            if should_cancel is not None and should_cancel():
+                finish = "cancelled"
+                break
+            ts = time.perf_counter()
+            if self.bundle.ms_per_step:
+                time.sleep(self.bundle.ms_per_step / 1000.0)
+            emit = 1 if step == 0 else min(self.bundle.mat, params.max_new_tokens - len(words))
+            for _ in range(emit):
+                words.append(f"w{seed[len(words) % len(seed)]}")
+            step_ms = (time.perf_counter() - ts) * 1000.0
+            if step == 0:
+                prefill_ms = step_ms
+            stats.observe_step(StepRecord(
+                tree_size=1 if step == 0 else self.bundle.mat, accepted_length=emit - 1, emitted=emit,
+                accepted_retrieval=emit - 1, accepted_logits=0, accepted_both=0, accepted_other=0,
+                draft_ms=0.0, verify_ms=step_ms, update_ms=0.0))
+            step += 1
+        total_ms = (time.perf_counter() - t0) * 1000.0
+        return GenerationResult(
+            token_ids=list(range(len(words))), text=" ".join(words), finish_reason=finish,
+            prompt_tokens=n_prompt, output_tokens=len(words), prefill_ms=prefill_ms,
+            decode_ms=max(0.0, total_ms - prefill_ms), stats=stats,
+        )

@@ -1,0 +1,58 @@
+"""Submit: validate the spec and the input, claim the output folder, queue the job.
+
+Nothing is queued unless everything checks out. Submitting the same spec with the same output folder again
+resumes the earlier job (same job id; committed shards are skipped).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from racer_batch.service.inputs import InputPlan, check_ids, plan_input
+from racer_batch.service.output import OutputError, check_output_folder, read_manifest, write_manifest
+from racer_batch.service.queue import JobQueue
+from racer_batch.service.spec import JobSpec
+
+
+@dataclass
+class SubmitOutcome:
+    job_id: str
+    plan: InputPlan
+    action: str  # "queued" | "resumed" | "already queued" | "already running"
+
+
+def new_job_id() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def validate_job(spec: JobSpec) -> InputPlan:
+    """Input checks (raises InputError): files, columns and types, ids present and unique."""
+    plan = plan_input(spec.input)
+    check_ids(spec.input, plan)
+    return plan
+
+
+def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) -> SubmitOutcome:
+    """Validate and queue. Raises InputError, OutputError or SpecError (all ValueError) on bad input."""
+    plan = validate_job(spec)
+    spec_hash = spec.spec_hash()
+    prior = check_output_folder(spec.output.path, spec_hash=spec_hash)
+    if prior and job_id and job_id != prior:
+        raise OutputError(f"output.path = {spec.output.path!r} belongs to job {prior}, not {job_id}")
+    job_id = job_id or prior or new_job_id()
+    if queue.job_exists(job_id):
+        state = queue.job_fields(job_id).get("state")
+        if state in ("queued", "running"):
+            return SubmitOutcome(job_id=job_id, plan=plan, action=f"already {state}")
+    if read_manifest(spec.output.path) is None:  # claim the folder for this job and spec
+        write_manifest(spec.output.path, {
+            "job_id": job_id, "name": spec.name, "state": "queued", "spec": spec.stored(), "spec_hash": spec_hash,
+            "config_hash": spec.decoding.config_hash(), "model": spec.model.name, "method": spec.decoding.method,
+            "input": plan.to_dict(), "num_rows": plan.num_rows, "shard_rows": spec.output.shard_rows,
+            "num_shards": plan.num_shards(spec.output.shard_rows), "shards": {}, "totals": {},
+        })
+    queue.enqueue(job_id=job_id, spec=spec.stored(), plan=plan.to_dict(), priority=spec.priority, name=spec.name)
+    return SubmitOutcome(job_id=job_id, plan=plan, action="resumed" if prior else "queued")

@@ -1,0 +1,241 @@
+"""The worker: take a job under a lease, plan its shards, run them on the executor, keep the lease alive,
+record progress in Redis and the manifest, and finish (or hand back) the job.
+
+Plain class: ``Worker(queue, executor).run()``; the CLI and ``submit --local`` wrap it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Callable, Optional
+
+import redis
+
+from racer_batch.service.actors import Executor
+from racer_batch.service.inputs import InputError, InputPlan, iter_raw_rows, plan_input
+from racer_batch.service.output import committed_shards, write_manifest, write_part
+from racer_batch.service.queue import JobQueue, Lease, ShardSummary
+from racer_batch.service.runner import CANCELLED, LEASE_LOST, ShardTask
+from racer_batch.service.schema import error_record, now_utc
+from racer_batch.service.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Worker:
+    def __init__(self, queue: JobQueue, executor: Executor, *, name: Optional[str] = None, lease_s: float = 30.0,
+                 max_shard_attempts: int = 3, poll_s: float = 0.5) -> None:
+        assert lease_s > 1, f"lease_s must exceed one second, got {lease_s}"
+        self.queue = queue
+        self.executor = executor
+        self.name = name or worker_id()
+        self.lease_s = lease_s
+        self.max_shard_attempts = max_shard_attempts
+        self.poll_s = poll_s
+        self.jobs_run = 0
+
+    # ---- main loop
+    def run(self, *, max_jobs: Optional[int] = None, stop: Callable[[], bool] = lambda: False,
+            idle_exit_s: Optional[float] = None) -> int:
+        """Take and run jobs until ``stop()``, ``max_jobs`` jobs, or ``idle_exit_s`` with nothing queued."""
+        idle_since = time.monotonic()
+        while not stop() and (max_jobs is None or self.jobs_run < max_jobs):
+            try:
+                lease = self.queue.claim(consumer=self.name, lease_ms=int(self.lease_s * 1000),
+                                         block_ms=int(self.poll_s * 1000))
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("queue unavailable, retrying: %s", exc)
+                time.sleep(min(5.0, self.poll_s * 4))
+                continue
+            if lease is None:
+                if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
+                    break
+                continue
+            self.run_job(lease, stop=stop)
+            self.jobs_run += 1
+            idle_since = time.monotonic()
+        return self.jobs_run
+
+    # ---- one job
+    def run_job(self, lease: Lease, *, stop: Callable[[], bool] = lambda: False) -> str:
+        """Run one leased job to its end. Returns the final state (done/cancelled/failed/lost/released)."""
+        job_id = lease.job_id
+        fields = self.queue.job_fields(job_id)
+        spec = JobSpec.model_validate(json.loads(fields["spec"]))
+        plan = InputPlan.from_dict(json.loads(fields["plan"]))
+        log.info("job %s: taken by %s%s", job_id, self.name, " (reclaimed)" if lease.reclaimed else "")
+        try:
+            now_plan = plan_input(spec.input)
+        except InputError as exc:
+            self.queue.finish(lease, state="failed", message=f"input no longer readable: {exc}")
+            return "failed"
+        if now_plan.fingerprint != plan.fingerprint:
+            self.queue.finish(lease, state="failed", message="input files changed since submit; submit again")
+            return "failed"
+        shard_rows = spec.output.shard_rows
+        num_shards = plan.num_shards(shard_rows)
+        ranges = {s: plan.shard_range(s, shard_rows) for s in range(num_shards)}
+        spec_hash = spec.spec_hash()
+        done = committed_shards(spec.output.path, spec_hash=spec_hash, ranges=ranges)
+        known = self.queue.committed(job_id)
+        for shard, meta in done.items():  # recovery: the output folder is the truth
+            if shard not in known:
+                self.queue.commit_shard(job_id, shard, meta)
+        self._manifest(job_id, spec, plan, done, state="running")
+        pending = collections.deque(s for s in range(num_shards) if s not in done)
+        attempts: collections.Counter = collections.Counter()
+        running: dict[cf.Future, tuple[int, int]] = {}  # future -> (slot, shard)
+        free_slots: list[int] = []
+        if pending:
+            self.executor.prepare(spec.resources)
+            free_slots = list(range(self.executor.slots))
+        cancelled = lost = released = False
+        failure: Optional[str] = None
+        next_renew = 0.0
+        while pending or running:
+            now = time.monotonic()
+            if now >= next_renew:
+                verdict = self._renew(lease)
+                if verdict is False:
+                    lost = True
+                    pending.clear()
+                next_renew = now + self.lease_s / 3
+                if not cancelled and self._cancel_requested(job_id):
+                    cancelled = True
+                    pending.clear()
+                    log.info("job %s: cancel requested, stopping at the next step boundary", job_id)
+            if stop() and not released:
+                released = True
+                pending.clear()
+            while pending and free_slots and not (cancelled or lost or released or failure):
+                shard = pending.popleft()
+                slot = free_slots.pop()
+                attempts[shard] += 1
+                task = ShardTask(job_id=job_id, shard=shard, row_start=ranges[shard][0], row_stop=ranges[shard][1],
+                                 spec=spec.stored(), plan=plan.to_dict(), spec_hash=spec_hash, owner=self.name,
+                                 attempt=attempts[shard])
+                running[self.executor.submit(slot, task.to_dict())] = (slot, shard)
+            if not running:
+                break
+            finished, _ = cf.wait(list(running), timeout=min(1.0, self.lease_s / 3),
+                                  return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                slot, shard = running.pop(fut)
+                free_slots.append(slot)
+                try:
+                    out = fut.result()
+                except Exception as exc:  # noqa: BLE001 - actor crash or setup error, decided below
+                    failure = self._shard_failed(job_id, spec, plan, shard, slot, exc, attempts, pending,
+                                                 ranges, spec_hash, done) or failure
+                    continue
+                if out["written"] and not out["stopped"]:
+                    done[shard] = out
+                    self.queue.commit_shard(job_id, shard, _meta(out))
+                    self._manifest(job_id, spec, plan, done, state="running")
+                elif out["stopped"] == CANCELLED:
+                    cancelled = True
+                elif out["stopped"] == LEASE_LOST:
+                    lost = True
+                    pending.clear()
+        self.executor.end_job(job_id)
+        if lost:
+            log.warning("job %s: lease lost to another worker; stopped here", job_id)
+            return "lost"
+        if released:
+            self.queue.release(lease, message=f"released by {self.name} (shutdown)")
+            return "released"
+        if failure:
+            state = "failed"
+        elif cancelled:
+            state = "cancelled"
+        else:
+            state = "done"
+        self._manifest(job_id, spec, plan, done, state=state)
+        self.queue.finish(lease, state=state, message=failure or "")
+        log.info("job %s: %s (%d/%d shards)", job_id, state, len(done), num_shards)
+        return state
+
+    def _renew(self, lease: Lease) -> Optional[bool]:
+        """True: renewed; False: the job belongs to someone else; None: Redis unreachable (keep going)."""
+        try:
+            return self.queue.renew(lease)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("cannot renew lease of job %s: %s", lease.job_id, exc)
+            return None
+
+    def _cancel_requested(self, job_id: str) -> bool:
+        try:
+            return self.queue.is_cancelled(job_id)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+
+    def _shard_failed(self, job_id: str, spec: JobSpec, plan: InputPlan, shard: int, slot: int, exc: BaseException,
+                      attempts: collections.Counter, pending: collections.deque, ranges: dict, spec_hash: str,
+                      done: dict) -> Optional[str]:
+        """Retry a crashed shard; fail the job on a setup error. Returns a job failure message or None."""
+        crash = self.executor.is_crash(exc)
+        cause = self.executor.root_cause(exc)
+        if crash:
+            log.warning("job %s shard %d: actor crashed (%s); restarting it", job_id, shard, type(exc).__name__)
+            self.executor.restart(slot)
+        elif isinstance(cause, (ValueError, AssertionError)):
+            # Raised outside any row: the model cannot load, the input changed, ... Retrying will not help.
+            return f"shard {shard}: {cause}"
+        if attempts[shard] < self.max_shard_attempts:
+            pending.appendleft(shard)
+            return None
+        message = f"shard failed {attempts[shard]} times; last error: {type(cause).__name__}: {cause}"
+        log.error("job %s shard %d: %s", job_id, shard, message)
+        meta = self._write_failed_shard(job_id, spec, plan, shard, ranges[shard], spec_hash, message)
+        done[shard] = meta
+        self.queue.commit_shard(job_id, shard, meta)
+        return None
+
+    def _write_failed_shard(self, job_id: str, spec: JobSpec, plan: InputPlan, shard: int, row_range: tuple,
+                            spec_hash: str, message: str) -> dict:
+        """Every row of a shard that kept crashing gets status=error, so the job still completes."""
+        id_col, route_col = spec.input.columns.id, spec.input.columns.route
+        summary = ShardSummary()
+        records = []
+        for row_idx, rec in iter_raw_rows(plan, row_range[0], row_range[1], [id_col, route_col]):
+            route = str(rec.get(route_col) or spec.route)
+            records.append(error_record(status="error", error=message, base={
+                "id": str(rec.get(id_col)), "row_idx": row_idx, "shard": shard, "route": route, "job_id": job_id,
+                "worker": self.name, "model": spec.model.name, "method": spec.decoding.method,
+                "config_hash": spec.decoding.config_hash(), "seed": (spec.seed + row_idx) % (2**63),
+                "finished_at": now_utc()}))
+            summary.observe_row(status="error", route=route, output_tokens=0, steps=0, gen_ms=0.0)
+        meta = dict(summary.to_dict(), job_id=job_id, shard=shard, row_start=row_range[0], row_stop=row_range[1],
+                    spec_hash=spec_hash, worker=self.name, attempt=0, elapsed_s=0.0)
+        write_part(spec.output.path, shard, records, shard_meta=meta)
+        return meta
+
+    def _manifest(self, job_id: str, spec: JobSpec, plan: InputPlan, done: dict, *, state: str) -> None:
+        totals = ShardSummary()
+        for meta in done.values():
+            totals.merge(ShardSummary.from_dict(meta))
+        write_manifest(spec.output.path, {
+            "job_id": job_id, "name": spec.name, "state": state, "spec": spec.stored(),
+            "spec_hash": spec.spec_hash(), "config_hash": spec.decoding.config_hash(), "model": spec.model.name,
+            "method": spec.decoding.method, "input": plan.to_dict(), "num_rows": plan.num_rows,
+            "shard_rows": spec.output.shard_rows, "num_shards": plan.num_shards(spec.output.shard_rows),
+            "shards": {f"{s:05d}": _meta(m) for s, m in sorted(done.items())},
+            "totals": dict(totals.to_dict(),
+                           mat=(totals.output_tokens / totals.steps) if totals.steps else None),
+            "worker": self.name,
+        })
+
+
+def _meta(out: dict) -> dict:
+    return {k: v for k, v in out.items() if k not in ("stopped", "written", "path")}
