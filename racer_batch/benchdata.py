@@ -1,0 +1,103 @@
+"""Readers for the public benchmark prompt sets in ``../shared/data`` (never copied into the project).
+
+Protocol (shared/data/README.md): system message "You are a helpful assistant."; HumanEval prompt =
+"Implement the following code.\\n" + prompt; MGSM-ZH prompt = the bare question; Spec-Bench two-turn
+questions feed the model's own turn-1 answer back before turn 2. Smoke subset: within each group, in file
+order, with n items, the items at positions floor(k*n/8) for k = 0..7.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+SETS = ("spec_bench", "human_eval", "mgsm_zh")
+MULTI_TURN_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark item: ``turns`` are user turns answered in order (one for single-turn sets)."""
+
+    set: str
+    group: str
+    item_id: str
+    turns: tuple[str, ...]
+
+
+def data_root() -> Path:
+    """``$RACER_BATCH_DATA``, else ``../shared/data`` beside the project root."""
+    env = os.environ.get("RACER_BATCH_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+def load_set(name: str, root: Path | None = None) -> list[BenchPrompt]:
+    """All items of one set, in file order.
+
+    Raises:
+        FileNotFoundError: the data folder is missing (set RACER_BATCH_DATA).
+        ValueError: unknown set name.
+    """
+    root = root or data_root()
+    if name == "spec_bench":
+        out = []
+        with open(root / "spec_bench" / "question.jsonl", encoding="utf-8") as fh:
+            for line in fh:
+                rec = json.loads(line)
+                group = "multi_turn" if rec["category"] in MULTI_TURN_CATEGORIES else rec["category"]
+                out.append(BenchPrompt("spec_bench", group, str(rec["question_id"]), tuple(rec["turns"])))
+        return out
+    if name == "human_eval":
+        with gzip.open(root / "human_eval" / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as fh:
+            return [
+                BenchPrompt("human_eval", "human_eval", r["task_id"], ("Implement the following code.\n" + r["prompt"],))
+                for r in map(json.loads, fh)
+            ]
+    if name == "mgsm_zh":
+        with open(root / "mgsm_zh" / "mgsm_zh.tsv", encoding="utf-8", newline="") as fh:
+            rows = list(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
+        return [BenchPrompt("mgsm_zh", "mgsm_zh", str(i), (r[0],)) for i, r in enumerate(rows)]
+    raise ValueError(f"unknown prompt set {name!r}; expected one of {SETS}")
+
+
+def smoke_subset(items: list[BenchPrompt], per_group: int = 8) -> list[BenchPrompt]:
+    """The smoke rule per group (file order kept): positions floor(k*n/per_group), k = 0..per_group-1."""
+    groups: dict[str, list[BenchPrompt]] = {}
+    for it in items:
+        groups.setdefault(it.group, []).append(it)
+    out = []
+    for members in groups.values():
+        n = len(members)
+        out.extend(members[(k * n) // per_group] for k in range(min(per_group, n)))
+    return out
+
+
+def smoke_prompts(per_set: int = 8, root: Path | None = None) -> list[BenchPrompt]:
+    """``per_set`` items from each set, evenly spaced over that set's smoke subset.
+
+    Spec-Bench's smoke subset has 8 items in each of its 6 groups; the first pick is always a two-turn
+    (multi_turn) question.
+    """
+    out = []
+    for name in SETS:
+        smoke = smoke_subset(load_set(name, root))
+        n = len(smoke)
+        out.extend(smoke[(k * n) // per_set] for k in range(min(per_set, n)))
+    return out
+
+
+def conversation(turns: list[str], answers: list[str]) -> list[dict]:
+    """Chat messages for the next turn: system prompt, then the turns so far with the model's answers."""
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user", "content": t})
+        if i < len(answers):
+            msgs.append({"role": "assistant", "content": answers[i]})
+    return msgs

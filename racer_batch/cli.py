@@ -1,0 +1,138 @@
+"""The ``racer-batch`` command line (click). Flags become config objects here; nothing below imports click.
+
+Exit codes:
+  0  success
+  1  unexpected internal error (a bug: please report it with the traceback shown by --log-level debug)
+  2  bad usage or invalid input (unknown option, bad value, empty prompt, prompt too long, bad job spec)
+  3  the model could not be loaded (unknown name, missing files, unsupported architecture)
+  4  a service the command needs is unreachable (Redis, Ray)
+  5  a job finished with failed rows (submit --wait) or was cancelled
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+
+from .types import METHODS
+
+EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_MODEL, EXIT_SERVICE, EXIT_JOB_FAILED = 0, 1, 2, 3, 4, 5
+
+_EPILOG = """\b
+Exit codes:
+  0  success
+  1  unexpected internal error
+  2  bad usage or invalid input (option, value, prompt, job spec)
+  3  the model could not be loaded
+  4  a service the command needs is unreachable (Redis, Ray)
+  5  a job finished with failed rows, or was cancelled
+"""
+
+
+def _capacity(value: str) -> Any:
+    if value == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(f"capacity must be an integer or 'auto', got {value!r}") from None
+
+
+@click.group(epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), help="Logging verbosity (stderr).")
+@click.version_option(package_name="racer-batch")
+def main(log_level: str) -> None:
+    """racer-batch: batch LLM generation with RACER lossless speculative decoding."""
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
+    for noisy in ("transformers", "accelerate", "filelock", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _decoding_options(f):
+    f = click.option("--method", type=click.Choice(METHODS), default="racer", show_default=True,
+                     help="Drafter: racer (retrieval + copy logits), retrieval, logits, pld, ar (no draft).")(f)
+    f = click.option("--capacity", default="16", show_default=True,
+                     help="Draft tree nodes per step incl. the root (paper: 64; CPU: 8-16), or 'auto'.")(f)
+    f = click.option("--scope", type=click.Choice(["job", "request", "global"]), default="job", show_default=True,
+                     help="Draft state scope.")(f)
+    return f
+
+
+@main.command(epilog=_EPILOG)
+@click.argument("prompt")
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Built-in name (smollm2-135m, tiny-random), local model folder, or hub id.")
+@_decoding_options
+@click.option("--max-new-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0.0, 100.0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--stop", multiple=True, help="Stop string (repeatable); cut from the returned text.")
+@click.option("--system", "system_prompt", default="You are a helpful assistant.", show_default=True,
+              help="System prompt for chat input.")
+@click.option("--raw", is_flag=True, help="Feed PROMPT as plain text instead of a chat user message.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped with the weights.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def generate(prompt: str, model: str, method: str, capacity: str, scope: str, max_new_tokens: int,
+             temperature: float, top_p: float, top_k: int, seed: int, stop: tuple[str, ...], system_prompt: str,
+             raw: bool, trust_remote_code: bool, as_json: bool) -> None:
+    """Generate an answer to PROMPT and print it with its decoding statistics."""
+    from pydantic import ValidationError
+
+    from . import DecodingConfig, Engine, GenerationParams, ModelLoadError, load_model
+
+    try:
+        cfg = DecodingConfig(method=method, capacity=_capacity(capacity), scope=scope)
+        params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, seed=seed, stop=list(stop))
+    except ValidationError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        bundle = load_model(model, trust_remote_code=trust_remote_code)
+    except ModelLoadError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_MODEL)
+    engine = Engine(bundle, cfg)
+    chat_input: Any = prompt if raw else [{"role": "user", "content": prompt}]
+    try:
+        res = engine.generate(chat_input, params, system_prompt=None if raw else system_prompt)
+    except ValueError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_INPUT)
+    s = res.stats
+    if as_json:
+        out = res.to_dict()
+        out.update(model=bundle.name, method=method, config_hash=cfg.config_hash())
+        click.echo(json.dumps(out))
+        return
+    click.echo(res.text)
+    click.echo(
+        f"\n[{bundle.name} | {method} cap={s.capacity}] {res.output_tokens} tokens, finish={res.finish_reason}, "
+        f"steps={s.steps}, MAT={s.mat:.2f}, prefill={res.prefill_ms:.0f} ms, decode={res.decode_ms:.0f} ms, "
+        f"{res.tokens_per_s:.1f} tokens/s",
+        err=True,
+    )
+
+
+def run() -> None:
+    """Console entry point with the documented exit codes for uncaught errors."""
+    try:
+        main.main(standalone_mode=True)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - last-resort handler turns a crash into exit code 1
+        logging.getLogger(__name__).exception("internal error")
+        click.echo(f"internal error: {exc!r}", err=True)
+        sys.exit(EXIT_INTERNAL)
+
+
+if __name__ == "__main__":
+    run()

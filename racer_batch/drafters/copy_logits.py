@@ -1,0 +1,90 @@
+"""The copy-logit store and the logits draft tree (RACER.md sections 2.2 and 3.4).
+
+The store is a fixed ``[vocab, k]`` table of token ids: row ``t`` holds the top-k next tokens the target
+model predicted the most recent time a verified position's input token was ``t`` (-1 where nothing is
+known yet). Sized by the model's full output vocabulary, special and added tokens included.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .base import TrieBuilder
+
+
+class CopyLogitStore:
+    """``[vocab, k]`` table of the target's last top-k predictions after each token.
+
+    Raises:
+        ValueError: vocab_size < 1 or k < 1.
+    """
+
+    def __init__(self, *, vocab_size: int, k: int) -> None:
+        if vocab_size < 1 or k < 1:
+            raise ValueError(f"copy-logit store needs vocab_size >= 1 and k >= 1, got {vocab_size}, {k}")
+        self.k = k
+        self.table = np.full((vocab_size, k), -1, dtype=np.int64)  # [vocab, k]
+
+    def update(self, tokens: np.ndarray, topk: np.ndarray) -> None:
+        """Set ``row[tokens[i]] = topk[i]``; later positions win over earlier ones for repeated tokens.
+
+        Args:
+            tokens: ``[N]`` input token ids of verified positions.
+            topk: ``[N, k']`` top-k' next-token ids at those positions (k' >= k; extra columns ignored).
+        """
+        if len(tokens) == 0:
+            return
+        # numpy fancy assignment applies in order, so the last occurrence of a token wins.
+        self.table[tokens] = topk[:, : self.k]
+
+    def row(self, token: int) -> np.ndarray:
+        return self.table[token]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.table.nbytes)
+
+
+def child_breadth(parent_breadth: int, *, child_rank: int, parent_depth: int) -> int:
+    """Breadth rule of the logits tree (RACER.md 3.4; paper: b_child = max(1, floor(b_i / 2^(j + [i != root])))).
+
+    Example: with max_breadth 8 the root's children get 8, 4, 2, 1, 1, ...; the first child of a
+    depth-1 node of breadth 8 gets 4, the second 2, then 1.
+    """
+    shift = child_rank + (1 if parent_depth != 0 else 0)
+    return max(1, parent_breadth >> shift)
+
+
+def grow_logits_tree(
+    builder: TrieBuilder,
+    store: CopyLogitStore,
+    *,
+    max_breadth: int,
+    max_depth: int,
+    source: int,
+) -> None:
+    """Fill ``builder`` breadth-first from its root with copy-logit children until it is full.
+
+    A node of breadth b expands the first b entries of its token's store row; each new child costs one
+    unit of the builder's capacity, a child the builder already holds (e.g. from retrieval) costs nothing
+    but is still expanded. Nodes deeper than ``max_depth`` are not created.
+    """
+    table = store.table
+    queue: deque[tuple[int, int]] = deque([(0, max_breadth)])  # (node, breadth)
+    depths = builder.depths
+    while queue:
+        node, breadth = queue.popleft()
+        depth = depths[node]
+        if depth >= max_depth:
+            continue
+        row = table[builder.tokens[node]]
+        for rank in range(min(breadth, table.shape[1])):
+            tok = int(row[rank])
+            if tok < 0:
+                break
+            child = builder.add(node, tok, source)
+            if child < 0:
+                return
+            queue.append((child, child_breadth(breadth, child_rank=rank, parent_depth=depth)))

@@ -1,0 +1,115 @@
+"""Choosing the draft capacity from measured cost (RACER.md sections 5 and 8).
+
+speedup ~= MAT * t(1) / (t(T) + t_draft + t_update). At start-up ``measure_cost_curve`` times one
+verification forward over T tree tokens with a warm KV cache for each candidate capacity. During decoding
+``CapacityTuner`` records, for every step, how many draft tokens would have been accepted had the tree
+been cut at each smaller capacity (drafters create nodes best-first, so a tree of capacity c is the first
+c nodes of a larger one), and picks the capacity with the most expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from .runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def measure_cost_curve(runner: ModelRunner, capacities: list[int], *, context_tokens: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Median milliseconds of one verify forward over T tokens after ``context_tokens`` cached ones.
+
+    Returns {T: ms} for T in ``capacities`` and T = 1.
+    """
+    vocab = runner.bundle.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (context_tokens,), generator=gen).tolist()
+    cache = runner.new_cache()
+    runner.prefill(prompt, cache=cache, topk=0)
+    out: dict[int, float] = {}
+    for t in sorted(set([1, *capacities])):
+        ids = torch.randint(0, vocab, (1, t), generator=gen).to(runner.device)
+        pos = (torch.arange(t) + context_tokens).view(1, t).to(runner.device)
+        mask = torch.zeros((1, 1, t, context_tokens + t), dtype=runner.dtype)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        mask[0, 0, :, context_tokens:].masked_fill_(~causal, torch.finfo(runner.dtype).min)
+        mask = mask.to(runner.device)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            logits = runner.verify(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache)
+            logits.argmax(-1).cpu()
+            times.append((time.perf_counter() - t0) * 1000.0)
+            ModelRunner.keep_rows(cache, committed_len=context_tokens, nodes=[])
+        out[t] = statistics.median(times[1:])
+    return out
+
+
+class CapacityTuner:
+    """Picks the capacity that maximises expected tokens per second from observed acceptance.
+
+    Args:
+        cost_ms: {capacity: verify ms} from ``measure_cost_curve`` (must contain every candidate).
+        candidates: capacities to choose from.
+        warmup_steps: steps at the largest capacity before the first choice.
+        explore_every: every n-th step uses the largest capacity so estimates for big trees stay fresh.
+    """
+
+    def __init__(self, cost_ms: dict[int, float], candidates: list[int], *, warmup_steps: int = 16, explore_every: int = 8) -> None:
+        self.cost_ms = dict(cost_ms)
+        self.candidates = sorted(candidates)
+        self.max_cap = self.candidates[-1]
+        self.warmup_steps = warmup_steps
+        self.explore_every = explore_every
+        self.sum_acc = np.zeros(len(self.candidates))  # accepted drafts summed over informative steps
+        self.n_obs = np.zeros(len(self.candidates))
+        self.overhead_ms = 0.0
+        self.steps = 0
+        self.current = self.max_cap
+
+    def capacity(self) -> int:
+        """Capacity for the next step."""
+        if self.steps < self.warmup_steps or (self.explore_every and self.steps % self.explore_every == 0):
+            return self.max_cap
+        return self.current
+
+    def observe(self, *, used_capacity: int, accepted_creation_idx: list[int], overhead_ms: float) -> None:
+        """Record one step: the creation-order indices of the accepted draft nodes (root excluded)."""
+        self.steps += 1
+        self.overhead_ms += (overhead_ms - self.overhead_ms) * 0.05 if self.steps > 1 else overhead_ms
+        for i, cap in enumerate(self.candidates):
+            if cap > used_capacity:
+                break
+            # accepted nodes whose creation index fits in capacity `cap` form a prefix of the path
+            acc = 0
+            for idx in accepted_creation_idx:
+                if idx >= cap:
+                    break
+                acc += 1
+            self.sum_acc[i] += acc
+            self.n_obs[i] += 1
+        if self.steps >= self.warmup_steps:
+            best = self.choose()
+            if best != self.current:
+                log.info("capacity auto: %d -> %d (expected tokens/s %s)", self.current, best, self.expected_rates())
+                self.current = best
+
+    def expected_rates(self) -> dict[int, float]:
+        """{capacity: expected emitted tokens per second} from the observations so far."""
+        rates = {}
+        for i, cap in enumerate(self.candidates):
+            if self.n_obs[i] == 0:
+                continue
+            mat = 1.0 + self.sum_acc[i] / self.n_obs[i]
+            rates[cap] = round(1000.0 * mat / (self.cost_ms[cap] + self.overhead_ms), 2)
+        return rates
+
+    def choose(self) -> int:
+        rates = self.expected_rates()
+        return max(rates, key=rates.get) if rates else self.max_cap

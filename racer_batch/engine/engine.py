@@ -1,0 +1,286 @@
+"""The speculative decoding engine: one loop for every drafter (RACER.md section 3).
+
+Per step: the drafter proposes a draft tree rooted at the last committed token; the tree is flattened
+once (tree.py); the target model verifies it in one forward pass; the accepted path's tokens plus the
+bonus token are committed under the exact stop rules; only the accepted KV rows are kept; the drafter
+learns from every verified node. The prefill forward is step 0 and emits the first token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..drafters.base import Verified
+from ..drafters.methods import make_drafter, make_state
+from ..drafters.state import DraftState
+from ..models import ModelBundle
+from ..types import (
+    SOURCE_LOGITS,
+    SOURCE_RETRIEVAL,
+    DecodingConfig,
+    GenerationParams,
+    GenerationResult,
+    RowStats,
+    StepRecord,
+)
+from .capacity import CapacityTuner, measure_cost_curve
+from .runner import ModelRunner
+from .sampling import draw, make_generator, processed_probs
+from .stops import StopChecker
+from .tree import accept_greedy, accept_sampling, flatten_tree
+
+log = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[dict], Sequence[int]]
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None = None) -> list[int]:
+    """Token ids of a prompt string, or of chat messages rendered with the tokenizer's chat template.
+
+    A plain string is tokenised as is. A list of ``{"role", "content"}`` messages (optionally preceded by
+    ``system_prompt``) goes through the chat template with the generation prompt added. A list of ints is
+    taken as token ids.
+
+    Raises:
+        ValueError: empty prompt, malformed messages, or chat input for a tokenizer without a chat template.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if system_prompt:
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    messages = list(prompt)
+    if not messages:
+        raise ValueError("prompt is empty")
+    if all(isinstance(m, int) and not isinstance(m, bool) for m in messages):
+        return [int(m) for m in messages]
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {m!r}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "chat messages were given but the tokenizer has no chat template; pass a plain prompt string instead"
+        )
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+class Engine:
+    """Generates with the target model under one DecodingConfig.
+
+    Example::
+
+        engine = Engine(load_model("smollm2-135m"), DecodingConfig(method="racer", capacity=16))
+        state = engine.new_state()
+        result = engine.generate([{"role": "user", "content": "Hi"}], GenerationParams(max_new_tokens=64), state=state)
+        engine.free_state(state)
+    """
+
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        config: DecodingConfig | None = None,
+        *,
+        drafter_factory: Callable[[DecodingConfig, DraftState], Any] | None = None,
+    ) -> None:
+        """
+        Args:
+            bundle: the loaded target model.
+            config: decoding configuration (default: RACER with the paper's settings).
+            drafter_factory: ``(config, state) -> drafter`` replacing the built-in drafters (tests, extensions).
+        """
+        self.bundle = bundle
+        self.config = config or DecodingConfig()
+        self.drafter_factory = drafter_factory or make_drafter
+        self.runner = ModelRunner(bundle)
+        self._global_state: DraftState | None = None
+        self.tuner: CapacityTuner | None = None
+        if self.config.capacity == "auto" and self.config.method != "ar":
+            cands = sorted(set(self.config.auto_capacities))
+            cost = measure_cost_curve(self.runner, cands)
+            log.info("verify cost curve t(T)/t(1): %s", {t: round(ms / cost[1], 2) for t, ms in cost.items()})
+            self.tuner = CapacityTuner(cost, cands)
+            self.cost_curve_ms = cost
+
+    # ---- state lifecycle (RACER.md section 7) ----
+    def new_state(self) -> DraftState:
+        """Draft state for one scope. With scope ``global`` every call returns the process-wide state."""
+        if self.config.scope == "global":
+            if self._global_state is None or self._global_state.freed:
+                self._global_state = make_state(self.config, vocab_size=self.bundle.vocab_size)
+            return self._global_state
+        return make_state(self.config, vocab_size=self.bundle.vocab_size)
+
+    def free_state(self, state: DraftState) -> None:
+        """Free a job's draft state (a no-op for the global state, which lives as long as the engine)."""
+        if state is not self._global_state:
+            state.free()
+
+    def encode(self, prompt: Prompt, *, system_prompt: str | None = None) -> list[int]:
+        return encode_prompt(self.bundle.tokenizer, prompt, system_prompt=system_prompt)
+
+    def _capacity(self) -> int:
+        if self.config.method == "ar":
+            return 1
+        if self.tuner is not None:
+            return self.tuner.capacity()
+        return int(self.config.capacity)
+
+    # ---- generation ----
+    def generate(
+        self,
+        prompt: Prompt,
+        params: GenerationParams | None = None,
+        *,
+        state: DraftState | None = None,
+        system_prompt: str | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        keep_steps: bool = False,
+    ) -> GenerationResult:
+        """Generate a continuation of ``prompt``.
+
+        Args:
+            prompt: a string, or chat messages ``[{"role", "content"}, ...]``.
+            params: sampling and stopping parameters (default: greedy, 256 new tokens).
+            state: the draft state of the job (scope ``job``); None creates a private one for this call.
+                Scope ``request`` always uses a fresh state; scope ``global`` the engine's own.
+            should_cancel: polled at every step boundary; True ends generation with ``cancelled``.
+            keep_steps: keep one StepRecord per step in ``result.stats.step_records``.
+
+        Raises:
+            ValueError: empty prompt, no chat template for chat input, or a prompt that fills the context.
+        """
+        params = params or GenerationParams()
+        bundle = self.bundle
+        prompt_ids = self.encode(prompt, system_prompt=system_prompt)
+        if len(prompt_ids) >= bundle.context_length:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the model's context is {bundle.context_length}: "
+                "shorten the prompt"
+            )
+        private = False
+        if self.config.scope == "request" or state is None:
+            state, private = make_state(self.config, vocab_size=bundle.vocab_size, scope="request"), True
+        if self.config.scope == "global":
+            state, private = self.new_state(), False
+        try:
+            return self._generate_ids(prompt_ids, params, state=state, should_cancel=should_cancel, keep_steps=keep_steps)
+        finally:
+            if private:
+                state.free()
+
+    def _generate_ids(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        *,
+        state: DraftState,
+        should_cancel: Callable[[], bool] | None,
+        keep_steps: bool,
+    ) -> GenerationResult:
+        bundle, runner, cfg = self.bundle, self.runner, self.config
+        drafter = self.drafter_factory(cfg, state)
+        k = cfg.max_breadth if getattr(drafter, "needs_topk", False) else 0
+        stops = StopChecker(
+            tokenizer=bundle.tokenizer,
+            eos_ids=[*bundle.eos_ids, *params.extra_eos_ids],
+            stop=params.stop,
+            max_new_tokens=params.max_new_tokens,
+            prompt_tokens=len(prompt_ids),
+            context_length=bundle.context_length,
+        )
+        gen = make_generator(params.seed)
+        stats = RowStats(keep_steps=keep_steps)
+        cache = runner.new_cache()
+
+        t0 = time.perf_counter()
+        last_logits, prompt_topk = runner.prefill(prompt_ids, cache=cache, topk=k)
+        first = int(last_logits.argmax()) if params.greedy else draw(processed_probs(last_logits, params), gen)
+        drafter.start(prompt_ids, prompt_topk.numpy() if prompt_topk is not None else None)
+        drafter.update(Verified(np.zeros(0, np.int64), np.zeros((0, max(k, 1)), np.int64), [first]))
+        prefill_ms = (time.perf_counter() - t0) * 1000.0
+        stats.observe_step(StepRecord(1, 0, 1, 0, 0, 0, 0, 0.0, 0.0, 0.0))
+        done = stops.push(first)
+        finish = stops.finish
+        committed_len = len(prompt_ids)
+        root = first
+        t_decode = time.perf_counter()
+        while not done:
+            if should_cancel is not None and should_cancel():
+                finish = "cancelled"
+                break
+            t_a = time.perf_counter()
+            capacity = self._capacity()
+            draft = drafter.propose(root, capacity=capacity, max_depth=stops.remaining - 1)
+            tree = flatten_tree(draft, committed_len=committed_len, device=runner.device, dtype=runner.dtype)
+            t_b = time.perf_counter()
+            logits = runner.verify(
+                input_ids=tree.input_ids, position_ids=tree.position_ids, attention_mask=tree.attention_mask, cache=cache
+            )  # [T, V]
+            if params.greedy:
+                path, bonus = accept_greedy(tree, logits.argmax(dim=-1).cpu().numpy())
+            else:
+                path, bonus = accept_sampling(tree, lambda node: processed_probs(logits[node], params), gen)
+            t_c = time.perf_counter()
+            block = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
+            emitted = 0
+            for tok in block:
+                emitted += 1
+                if stops.push(tok):
+                    done, finish = True, stops.finish
+                    break
+            if not done:
+                runner.keep_rows(cache, committed_len=committed_len, nodes=path)
+                committed_len += len(path)
+            topk = torch.topk(logits, k, dim=-1).indices.cpu().numpy() if k else np.zeros((tree.size, 1), np.int64)
+            drafter.update(Verified(tree.tokens, topk, block[:emitted]))
+            root = bonus
+            t_d = time.perf_counter()
+
+            acc_nodes = path[1 : 1 + min(len(path) - 1, emitted)]
+            src = tree.sources[acc_nodes] if acc_nodes else np.zeros(0, np.int64)
+            both = SOURCE_RETRIEVAL | SOURCE_LOGITS
+            rec = StepRecord(
+                tree_size=tree.size,
+                accepted_length=len(acc_nodes),
+                emitted=emitted,
+                accepted_retrieval=int(np.sum(src == SOURCE_RETRIEVAL)),
+                accepted_logits=int(np.sum(src == SOURCE_LOGITS)),
+                accepted_both=int(np.sum(src == both)),
+                accepted_other=int(np.sum((src & both) == 0)),
+                draft_ms=(t_b - t_a) * 1000.0,
+                verify_ms=(t_c - t_b) * 1000.0,
+                update_ms=(t_d - t_c) * 1000.0,
+            )
+            stats.observe_step(rec)
+            if self.tuner is not None:
+                self.tuner.observe(
+                    used_capacity=capacity,
+                    accepted_creation_idx=[int(tree.order[n]) for n in path[1:]],
+                    overhead_ms=rec.draft_ms + rec.update_ms,
+                )
+        decode_ms = (time.perf_counter() - t_decode) * 1000.0
+        stats.capacity = self._capacity()
+        return GenerationResult(
+            token_ids=list(stops.tokens),
+            text=stops.text(),
+            finish_reason=finish or "length",
+            prompt_tokens=len(prompt_ids),
+            output_tokens=len(stops.tokens),
+            prefill_ms=prefill_ms,
+            decode_ms=decode_ms,
+            stats=stats,
+        )

@@ -1,0 +1,153 @@
+"""The one place where a draft tree becomes model inputs, and the acceptance rules (RACER.md 3.6-3.8, 4).
+
+Worked example. Draft (root 5) with nodes 0:5, 1:7 (parent 0), 2:8 (parent 0), 3:9 (parent 1), committed
+length L = 10. Breadth-first order is 0, 1, 2, 3; position ids are [10, 11, 11, 12]; the tree attention
+mask (1 = visible) over the tree part is::
+
+    node 0: 1 0 0 0
+    node 1: 1 1 0 0
+    node 2: 1 0 1 0
+    node 3: 1 1 0 1
+
+and every node sees all L committed positions. Root-to-leaf paths: [[0, 1, 3], [0, 2, -1]] (padded with
+-1, never with a token id). If the target's greedy choices are 7 at node 0, 9 at node 1 and 4 at node 3,
+the accepted path is [0, 1, 3] (accepted length 2) and the bonus token is 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .sampling import draw
+from ..drafters.base import Draft
+
+
+@dataclass
+class TreeInputs:
+    """A flattened draft tree (breadth-first order).
+
+    Attributes:
+        input_ids: ``[1, T]`` token ids.
+        position_ids: ``[1, T]`` committed length + depth.
+        attention_mask: ``[1, 1, T, L + T]`` additive float mask: 0 where visible, dtype-min elsewhere.
+        parents: ``[T]`` parent index in flattened order, -1 for the root.
+        depths: ``[T]`` depth of each node (root 0).
+        paths: ``[n_leaves, max_depth + 1]`` node indices of each root-to-leaf path, padded with -1.
+        order: ``[T]`` index of each flattened node in the original draft (creation order).
+        tokens: ``[T]`` the token ids as a numpy array (same as input_ids).
+        sources: ``[T]`` source flags per node.
+        children: per node, dict token -> child node (flattened indices).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    parents: np.ndarray
+    depths: np.ndarray
+    paths: np.ndarray
+    order: np.ndarray
+    tokens: np.ndarray
+    sources: np.ndarray
+    children: list[dict[int, int]]
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def flatten_tree(draft: Draft, *, committed_len: int, device: torch.device | str, dtype: torch.dtype) -> TreeInputs:
+    """Flatten ``draft`` for one verification forward pass over a KV cache of ``committed_len`` positions."""
+    n = len(draft)
+    par0 = np.asarray(draft.parents, dtype=np.int64)
+    depth0 = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        depth0[i] = depth0[par0[i]] + 1
+    order = np.argsort(depth0, kind="stable")  # breadth-first; parents still precede children
+    new_of_old = np.empty(n, dtype=np.int64)
+    new_of_old[order] = np.arange(n)
+    parents = np.where(par0[order] >= 0, new_of_old[np.maximum(par0[order], 0)], -1)
+    depths = depth0[order]
+    tokens = np.asarray(draft.token_ids, dtype=np.int64)[order]
+    sources = np.asarray(draft.sources, dtype=np.int64)[order]
+
+    visible = np.zeros((n, n), dtype=bool)  # visible[i, j]: node i attends to node j
+    children: list[dict[int, int]] = [{} for _ in range(n)]
+    for i in range(n):
+        p = parents[i]
+        if p >= 0:
+            visible[i] = visible[p]
+            children[p][int(tokens[i])] = i
+        visible[i, i] = True
+
+    is_leaf = np.ones(n, dtype=bool)
+    is_leaf[parents[parents >= 0]] = False
+    leaves = np.nonzero(is_leaf)[0]
+    max_depth = int(depths.max()) if n else 0
+    paths = np.full((len(leaves), max_depth + 1), -1, dtype=np.int64)
+    for r, leaf in enumerate(leaves):
+        node = int(leaf)
+        while node >= 0:
+            paths[r, depths[node]] = node
+            node = int(parents[node])
+
+    neg = torch.finfo(dtype).min
+    tree_mask = torch.from_numpy(visible)
+    mask = torch.zeros((1, 1, n, committed_len + n), dtype=dtype)
+    mask[0, 0, :, committed_len:].masked_fill_(~tree_mask, neg)
+    return TreeInputs(
+        input_ids=torch.from_numpy(tokens).view(1, n).to(device),
+        position_ids=(torch.from_numpy(depths) + committed_len).view(1, n).to(device),
+        attention_mask=mask.to(device),
+        parents=parents,
+        depths=depths,
+        paths=paths,
+        order=order,
+        tokens=tokens,
+        sources=sources,
+        children=children,
+    )
+
+
+def accept_greedy(tree: TreeInputs, choices: np.ndarray) -> tuple[list[int], int]:
+    """Greedy acceptance (RACER.md 4): the longest path whose every drafted token equals the target's
+    argmax at its parent.
+
+    Args:
+        choices: ``[T]`` argmax token of each node's logits.
+    Returns:
+        (accepted path as flattened node indices starting with the root, bonus token).
+    """
+    paths = tree.paths  # [P, D+1]
+    if paths.shape[1] == 1:
+        return [0], int(choices[0])
+    child = paths[:, 1:]
+    parent = paths[:, :-1]
+    ok = (child >= 0) & (tree.tokens[np.maximum(child, 0)] == choices[np.maximum(parent, 0)])
+    run = np.cumprod(ok, axis=1).sum(axis=1)  # accepted length per path
+    best = int(np.argmax(run))
+    length = int(run[best])
+    path = [int(x) for x in paths[best, : length + 1]]
+    return path, int(choices[path[-1]])
+
+
+def accept_sampling(tree: TreeInputs, probs_of, generator: torch.Generator) -> tuple[list[int], int]:
+    """Lossless sampling acceptance for deterministic drafts (RACER.md 4).
+
+    At each node draw one token from the processed target distribution p of that node; if a child
+    carries it, descend and repeat, else stop and emit the draw as the bonus token.
+
+    Args:
+        probs_of: callable node -> ``[V]`` processed probabilities of that node.
+    """
+    node = 0
+    path = [0]
+    while True:
+        tok = draw(probs_of(node), generator)
+        nxt = tree.children[node].get(tok)
+        if nxt is None:
+            return path, tok
+        node = nxt
+        path.append(node)

