@@ -95,7 +95,8 @@ def ensure_redis(url: str, *, allow_private: bool = True) -> tuple[str, Optional
     return private.url, private
 
 
-def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
+def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = None,
+                   temp_dir: Optional[str] = None) -> None:
     """Start (or join, with ``address``) Ray. Local runs use a short private temp folder, no dashboard."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -107,7 +108,7 @@ def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = N
     if address:
         ray.init(address=address, runtime_env=env, logging_level=logging.WARNING, log_to_driver=True)
         return
-    tmp = tempfile.mkdtemp(prefix="rb-ray-", dir="/tmp")
+    tmp = temp_dir or tempfile.mkdtemp(prefix="rb-ray-", dir="/tmp")  # short: Ray's socket paths are limited
     ray.init(num_cpus=num_cpus or os.cpu_count(), _temp_dir=tmp, include_dashboard=False, runtime_env=env,
              logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
 

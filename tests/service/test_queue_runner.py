@@ -1,0 +1,170 @@
+"""Queue leases and the shard runner against the real Redis, with the stand-in engine (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import base_overrides, write_parquet
+
+from racer_batch.service.actors import RedisSink
+from racer_batch.service.local import run_until_done
+from racer_batch.service.output import OutputError, read_manifest, read_output
+from racer_batch.service.runner import RowRunner, ShardTask
+from racer_batch.service.schema import OUTPUT_SCHEMA
+from racer_batch.service.spec import load_spec
+from racer_batch.service.standin import RAISE_MARKER
+from racer_batch.service.submit import submit_job
+
+pytestmark = pytest.mark.service
+
+
+def _job(queue, tmp_path, rows, **over):
+    write_parquet(tmp_path / "in.parquet", rows)
+    spec = load_spec(None, base_overrides(tmp_path, **over))
+    return spec, submit_job(queue, spec)
+
+
+def test_lease_claim_renew_reclaim(queue, tmp_path):
+    _, sub = _job(queue, tmp_path, [{"id": 1, "prompt": "x"}])
+    a = queue.claim(consumer="A", lease_ms=400, block_ms=0)
+    assert a is not None and a.job_id == sub.job_id and not a.reclaimed
+    assert queue.claim(consumer="B", lease_ms=400, block_ms=0) is None  # A holds a fresh lease
+    assert queue.renew(a)
+    time.sleep(0.6)  # A stops renewing: its lease expires
+    b = queue.claim(consumer="B", lease_ms=400, block_ms=0)
+    assert b is not None and b.job_id == sub.job_id and b.reclaimed
+    assert not queue.renew(a), "the old owner must learn it lost the job"
+    assert queue.renew(b)
+    assert RedisSink(queue).verdict(sub.job_id, "A") == "lease-lost"
+    assert RedisSink(queue).verdict(sub.job_id, "B") == "go"
+    queue.finish(b, state="done")
+    assert queue.status(sub.job_id).state == "done"
+    assert queue.claim(consumer="C", lease_ms=1, block_ms=0) is None
+
+
+def test_priority_and_cancel_queued(queue, tmp_path):
+    write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
+    low = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=1, **{"output.path": str(tmp_path / "o1")})))
+    high = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=8, **{"output.path": str(tmp_path / "o2")})))
+    mid = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o3")})))
+    assert queue.cancel(mid.job_id) == "cancelled"
+    first = queue.claim(consumer="A", lease_ms=10_000, block_ms=0)
+    second = queue.claim(consumer="A", lease_ms=10_000, block_ms=0)
+    assert (first.job_id, second.job_id) == (high.job_id, low.job_id)  # the cancelled job is skipped
+    assert queue.claim(consumer="A", lease_ms=10_000, block_ms=0) is None
+
+
+def test_bad_rows_never_kill_the_job(queue, tmp_path):
+    rows = [
+        {"id": "ok-1", "prompt": "hello there", "max_new_tokens": None, "top_p": None},
+        {"id": "null", "prompt": None, "max_new_tokens": None, "top_p": None},
+        {"id": "empty", "prompt": "", "max_new_tokens": None, "top_p": None},
+        {"id": "too-long", "prompt": "word " * 600, "max_new_tokens": None, "top_p": None},
+        {"id": "bad-param", "prompt": "x", "max_new_tokens": -3, "top_p": None},
+        {"id": "bad-top-p", "prompt": "x", "max_new_tokens": None, "top_p": 7.0},
+        {"id": "model-error", "prompt": f"x {RAISE_MARKER}", "max_new_tokens": None, "top_p": None},
+        {"id": "ok-2", "prompt": "bye", "max_new_tokens": 3, "top_p": None},
+    ]
+    spec, sub = _job(queue, tmp_path, rows, **{"model.name": "stand-in?context=500"})
+    run = run_until_done(queue, sub.job_id, url=_url(queue),
+                         prefix=queue.prefix, executor_kind="thread")
+    assert run.state == "done"
+    out = {r["id"]: r for r in read_output(spec.output.path).to_pylist()}
+    assert sorted(out) == sorted(r["id"] for r in rows)
+    expect = {"null": "all null", "empty": "prompt is empty", "too-long": "context is 500",
+              "bad-param": "max_new_tokens = -3", "bad-top-p": "top_p = 7.0", "model-error": "model error: RuntimeError"}
+    for rid, msg in expect.items():
+        assert out[rid]["status"] == "error" and msg in out[rid]["error"], (rid, out[rid]["error"])
+        assert out[rid]["error"].startswith(f"row {rid!r}")
+    assert out["ok-1"]["status"] == "ok" and out["ok-2"]["output_tokens"] == 3
+    st = queue.status(sub.job_id)
+    assert (st.totals.ok, st.totals.error) == (2, 6)
+    assert {e["id"] for e in queue.errors(sub.job_id)} == set(expect)
+
+
+def _url(queue) -> str:
+    kw = queue.r.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+
+
+def test_output_schema_multiturn_and_manifest(queue, tmp_path):
+    rows = [{"id": i, "prompt": f"p {i}", "turns": None} for i in range(9)]
+    rows[4] = {"id": 4, "prompt": None, "turns": ["first question", "second", "third"]}
+    spec, sub = _job(queue, tmp_path, rows)
+    assert run_until_done(queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    parts = sorted((tmp_path / "out").glob("part-*.parquet"))
+    assert [p.name for p in parts] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    for p in parts:
+        assert pq.read_schema(p).remove_metadata().equals(OUTPUT_SCHEMA.remove_metadata())
+    t = read_output(tmp_path / "out")
+    assert t.schema.remove_metadata().equals(OUTPUT_SCHEMA.remove_metadata())
+    r4 = next(r for r in t.to_pylist() if r["id"] == "4")
+    assert len(r4["turn_texts"]) == 3 and r4["text"] == r4["turn_texts"][-1]
+    assert r4["output_tokens"] == 24 and r4["steps"] == 3 * 5 and r4["mat"] == pytest.approx(1.6)
+    assert sum(r4["accepted_hist"]) == r4["steps"]
+    assert r4["model"] == "stand-in?mat=2" and r4["config_hash"] == spec.decoding.config_hash()
+    man = read_manifest(tmp_path / "out")
+    assert man["state"] == "done" and man["num_rows"] == 9 and len(man["shards"]) == 3
+    assert man["totals"]["rows"] == 9 and "redis_url" not in man["spec"]
+
+
+def test_runner_reuses_model_and_frees_job_state(tmp_path):
+    write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(4)])
+    runner = RowRunner(worker_name="t")
+    from racer_batch.service.inputs import plan_input
+
+    for job in ("job-a", "job-b"):
+        spec = load_spec(None, base_overrides(tmp_path, **{"output.path": str(tmp_path / job)}))
+        plan = plan_input(spec.input)
+        task = ShardTask(job_id=job, shard=0, row_start=0, row_stop=4, spec=spec.stored(), plan=plan.to_dict(),
+                         spec_hash=spec.spec_hash(), owner="t")
+        out = runner.run_shard(task.to_dict())
+        assert out["rows"] == 4 and out["ok"] == 4 and out["written"]
+    assert runner.models_loaded == 1
+    assert sorted(runner.active_jobs) == ["job-a", "job-b"]
+    engine, state = runner._states["job-a"]
+    assert state.rows_seen == 4  # one state per job, shared by its rows
+    assert runner.end_job("job-a") and state.freed and runner.active_jobs == ["job-b"]
+
+
+def test_resubmit_resumes_and_other_spec_refused(queue, tmp_path):
+    spec, sub = _job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(6)])
+    assert run_until_done(queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    again = submit_job(queue, spec)
+    assert again.job_id == sub.job_id and again.action == "resumed"
+    with pytest.raises(OutputError, match="different spec"):
+        submit_job(queue, load_spec(None, base_overrides(tmp_path, **{"generation.max_new_tokens": 9})))
+
+
+def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
+    rows = [{"id": i, "prompt": f"p {i}"} for i in range(12)]
+    spec, sub = _job(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=15",
+                                                "generation.max_new_tokens": 20})
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("run", run_until_done(
+        queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread")))
+    th.start()
+    deadline = time.time() + 30
+    while queue.status(sub.job_id).shards_done < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    t_cancel = time.time()
+    assert queue.cancel(sub.job_id) == "cancelling"
+    th.join(timeout=30)
+    assert result["run"].state == "cancelled"
+    assert time.time() - t_cancel < 3.0
+    st = queue.status(sub.job_id)
+    assert 1 <= st.shards_done < 3
+    done_ids = [r["id"] for r in read_output(spec.output.path).to_pylist() if r["status"] == "ok"]
+    assert len(done_ids) == len(set(done_ids)) >= 4
+    # re-submit: committed shards are skipped, the rest run, every id exactly once
+    again = submit_job(queue, spec)
+    assert again.job_id == sub.job_id
+    assert run_until_done(queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    ids = [r["id"] for r in read_output(spec.output.path).to_pylist()]
+    assert sorted(ids, key=int) == [str(i) for i in range(12)]
+    assert all(r["status"] == "ok" for r in read_output(spec.output.path).to_pylist())
+    assert json.loads(queue.r.hget(queue.k_job(sub.job_id), "spec"))["output"]["path"] == spec.output.path

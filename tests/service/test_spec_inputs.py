@@ -1,0 +1,130 @@
+"""Job spec and input validation (no Redis, no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import base_overrides, write_parquet
+
+from racer_batch.service.inputs import InputError, check_ids, parse_row, plan_input
+from racer_batch.service.spec import SpecError, load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_spec_and_presets_load():
+    spec = load_spec(ROOT / "jobs" / "demo.yaml")
+    assert spec.decoding.method == "racer" and spec.decoding.capacity == 16  # from configs/racer-cpu.yaml
+    assert spec.generation.max_new_tokens == 96  # the job file beats the preset
+    assert Path(spec.input.path) == ROOT / "jobs" / "demo_prompts.jsonl"  # relative to the job file
+    for preset, method, capacity in (("racer-paper", "racer", 64), ("racer-cpu", "racer", 16), ("ar", "ar", 1),
+                                     ("pld", "pld", 16)):
+        s = load_spec(ROOT / "jobs" / "demo.yaml", {"preset": preset})
+        assert (s.decoding.method, s.decoding.capacity) == (method, capacity)
+
+
+def test_flags_beat_file(tmp_path):
+    spec = load_spec(ROOT / "jobs" / "demo.yaml", {"decoding.capacity": 8, "generation.max_new_tokens": 5,
+                                                   "output.path": "rel/out"})
+    assert spec.decoding.capacity == 8 and spec.generation.max_new_tokens == 5
+    assert spec.output.path == str(Path.cwd() / "rel" / "out")  # flag paths are relative to the cwd
+
+
+@pytest.mark.parametrize("override, key, shown", [
+    ({"decoding.capacity": 5000}, "decoding.capacity", "5000"),
+    ({"decoding.bogus": 1}, "decoding.bogus", "1"),
+    ({"colour": "red"}, "colour", '"red"'),
+    ({"priority": 12}, "priority", "12"),
+    ({"decoding.method": "medusa"}, "decoding.method", '"medusa"'),
+    ({"output.shard_rows": 0}, "output.shard_rows", "0"),
+])
+def test_spec_errors_name_key_and_value(override, key, shown):
+    with pytest.raises(SpecError) as err:
+        load_spec(ROOT / "jobs" / "demo.yaml", override)
+    assert f"{key} = {shown}" in str(err.value)
+
+
+def test_spec_yaml_cannot_execute(tmp_path):
+    bad = tmp_path / "evil.yaml"
+    bad.write_text("input: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+
+
+def test_duplicate_ids_refused_listing_first(tmp_path):
+    write_parquet(tmp_path / "in.parquet", [{"id": i % 7, "prompt": "p"} for i in range(20)])
+    spec = load_spec(None, base_overrides(tmp_path))
+    plan = plan_input(spec.input)
+    with pytest.raises(InputError) as err:
+        check_ids(spec.input, plan)
+    msg = str(err.value)
+    assert "13 repeats" in msg and "'0', '1', '2', '3', '4'" in msg and "and 8 more" in msg
+
+
+@pytest.mark.parametrize("rows, schema, match", [
+    ([{"prompt": "x"}], None, "missing id column 'id'"),
+    ([{"id": 1, "text": "x"}], None, "needs one of the columns"),
+    ([{"id": 1.5, "prompt": "x"}], None, "column 'id' has type double"),
+    ([{"id": 1, "prompt": 3}], None, "column 'prompt' has type int64, expected string"),
+    ([{"id": 1, "prompt": "x", "max_new_tokens": "ten"}], None, "column 'max_new_tokens' has type string"),
+])
+def test_bad_input_schema(tmp_path, rows, schema, match):
+    write_parquet(tmp_path / "in.parquet", rows, schema)
+    spec = load_spec(None, base_overrides(tmp_path))
+    with pytest.raises(InputError, match=match):
+        plan_input(spec.input)
+
+
+def test_null_id_refused(tmp_path):
+    write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "x"}, {"id": None, "prompt": "y"}])
+    spec = load_spec(None, base_overrides(tmp_path))
+    with pytest.raises(InputError, match="row 1 .*id is null"):
+        check_ids(spec.input, plan_input(spec.input))
+
+
+def test_missing_input_path(tmp_path):
+    spec = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "nope.parquet")}))
+    with pytest.raises(InputError, match="no such file"):
+        plan_input(spec.input)
+
+
+def test_parse_row_kinds(tmp_path):
+    spec = load_spec(None, base_overrides(tmp_path, **{"generation.system_prompt": "Be brief."}))
+    ok = parse_row(spec, 3, {"id": 7, "prompt": "hi", "temperature": 0.5, "stop": "END"})
+    assert ok.error is None and ok.id == "7" and ok.seed == 3
+    assert ok.chat == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert ok.params.temperature == 0.5 and ok.params.stop == ["END"]
+    multi = parse_row(spec, 0, {"id": "m", "turns": ["a", "b"], "route": "chat", "seed": 9})
+    assert multi.turns == ["a", "b"] and multi.route == "chat" and multi.params.seed == 9
+    cases = {
+        "prompt is empty": {"id": 1, "prompt": "   "},
+        "all null": {"id": 1, "prompt": None},
+        "max_new_tokens = 0": {"id": 1, "prompt": "x", "max_new_tokens": 0},
+        "top_p = 1.5": {"id": 1, "prompt": "x", "top_p": 1.5},
+        "several prompt fields": {"id": 1, "prompt": "x", "turns": ["y"]},
+        "turns is empty": {"id": 1, "turns": []},
+        "messages[0].role = 'robot'": {"id": 1, "messages": [{"role": "robot", "content": "x"}]},
+        "last message must be from the user": {"id": 1, "messages": [{"role": "assistant", "content": "x"}]},
+    }
+    for expected, rec in cases.items():
+        assert expected in (parse_row(spec, 0, rec).error or ""), (expected, parse_row(spec, 0, rec).error)
+
+
+def test_jsonl_input(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+    spec = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "in.jsonl")}))
+    plan = plan_input(spec.input)
+    assert plan.format == "jsonl" and plan.num_rows == 2
+
+
+def test_folder_input_streams_shards(tmp_path):
+    for k in range(3):
+        write_parquet(tmp_path / "in" / f"f{k}.parquet", [{"id": f"{k}-{i}", "prompt": "p"} for i in range(5)])
+    spec = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "in")}))
+    plan = plan_input(spec.input)
+    assert plan.num_rows == 15 and plan.num_shards(4) == 4
+    from racer_batch.service.inputs import iter_raw_rows
+
+    got = [(i, r["id"]) for i, r in iter_raw_rows(plan, 4, 11, ["id"])]
+    assert got == [(4, "0-4"), (5, "1-0"), (6, "1-1"), (7, "1-2"), (8, "1-3"), (9, "1-4"), (10, "2-0")]
