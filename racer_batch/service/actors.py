@@ -116,7 +116,8 @@ class ThreadExecutor:
             r.end_job(job_id)
 
     def restart(self, slot: int) -> None:
-        self.runners[slot] = self._runner(slot)
+        if slot < len(self.runners):
+            self.runners[slot] = self._runner(slot)
 
     def is_crash(self, exc: BaseException) -> bool:
         return False
@@ -200,6 +201,8 @@ class RayExecutor:
             log.warning("freeing state of job %s: %s", job_id, exc)
 
     def restart(self, slot: int) -> None:
+        if slot >= len(self.actors):  # the pool was shut down meanwhile
+            return
         try:
             self._ray.kill(self.actors[slot], no_restart=True)
         except self._ray.exceptions.RayError:

@@ -99,6 +99,8 @@ def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = N
                    temp_dir: Optional[str] = None) -> None:
     """Start (or join, with ``address``) Ray. Local runs use a short private temp folder, no dashboard."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray renices its workers to 15 by default; on a shared machine that starves the generation actors.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
     if ray.is_initialized():

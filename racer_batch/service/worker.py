@@ -35,13 +35,14 @@ def worker_id() -> str:
 
 class Worker:
     def __init__(self, queue: JobQueue, executor: Executor, *, name: Optional[str] = None, lease_s: float = 30.0,
-                 max_shard_attempts: int = 3, poll_s: float = 0.5) -> None:
+                 max_shard_attempts: int = 3, max_job_attempts: int = 10, poll_s: float = 0.5) -> None:
         assert lease_s > 1, f"lease_s must exceed one second, got {lease_s}"
         self.queue = queue
         self.executor = executor
         self.name = name or worker_id()
         self.lease_s = lease_s
         self.max_shard_attempts = max_shard_attempts
+        self.max_job_attempts = max_job_attempts
         self.poll_s = poll_s
         self.jobs_run = 0
 
@@ -69,9 +70,24 @@ class Worker:
 
     # ---- one job
     def run_job(self, lease: Lease, *, stop: Callable[[], bool] = lambda: False) -> str:
-        """Run one leased job to its end. Returns the final state (done/cancelled/failed/lost/released)."""
+        """Run one leased job to its end. Returns the final state (done/cancelled/failed/lost/released).
+        On an unexpected error (or Ctrl-C) the job goes back to the queue before the error propagates."""
+        try:
+            return self._run_job(lease, stop=stop)
+        except BaseException as exc:
+            try:
+                self.queue.release(lease, message=f"worker {self.name} stopped: {type(exc).__name__}")
+            except redis.RedisError as rexc:
+                log.warning("could not hand job %s back (its lease will expire): %s", lease.job_id, rexc)
+            raise
+
+    def _run_job(self, lease: Lease, *, stop: Callable[[], bool]) -> str:
         job_id = lease.job_id
         fields = self.queue.job_fields(job_id)
+        if int(fields.get("attempts", 1)) > self.max_job_attempts:
+            self.queue.finish(lease, state="failed",
+                              message=f"taken {self.max_job_attempts} times without finishing; giving up")
+            return "failed"
         spec = JobSpec.model_validate(json.loads(fields["spec"]))
         plan = InputPlan.from_dict(json.loads(fields["plan"]))
         log.info("job %s: taken by %s%s", job_id, self.name, " (reclaimed)" if lease.reclaimed else "")
@@ -136,6 +152,8 @@ class Worker:
                 try:
                     out = fut.result()
                 except Exception as exc:  # noqa: BLE001 - actor crash or setup error, decided below
+                    if released:
+                        continue  # shutting down: the shard is redone by whoever takes the job next
                     failure = self._shard_failed(job_id, spec, plan, shard, slot, exc, attempts, pending,
                                                  ranges, spec_hash, done) or failure
                     continue
