@@ -168,3 +168,31 @@ def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
     assert sorted(ids, key=int) == [str(i) for i in range(12)]
     assert all(r["status"] == "ok" for r in read_output(spec.output.path).to_pylist())
     assert json.loads(queue.r.hget(queue.k_job(sub.job_id), "spec"))["output"]["path"] == spec.output.path
+
+
+def test_turns_see_earlier_answers(tmp_path):
+    """Each turn is generated on the conversation so far, including the model's own earlier answers."""
+    from racer_batch.service.inputs import plan_input
+    from racer_batch.service.standin import StandInEngine
+
+    seen: list = []
+
+    class Recording(StandInEngine):
+        def generate(self, prompt, params=None, **kw):
+            seen.append([dict(m) for m in prompt])
+            return super().generate(prompt, params, **kw)
+
+    write_parquet(tmp_path / "in.parquet", [{"id": "m", "turns": ["q1", "q2"]}])
+    spec = load_spec(None, base_overrides(tmp_path, **{"generation.system_prompt": "sys"}))
+    runner = RowRunner(worker_name="t", engine_factory=lambda bundle, cfg: Recording(bundle, cfg))
+    task = ShardTask(job_id="j", shard=0, row_start=0, row_stop=1, spec=spec.stored(),
+                     plan=plan_input(spec.input).to_dict(), spec_hash=spec.spec_hash(), owner="t")
+    runner.run_shard(task.to_dict())
+    row = read_output(spec.output.path).to_pylist()[0]
+    a1, a2 = row["turn_texts"]
+    assert seen == [
+        [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"}],
+        [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"},
+         {"role": "assistant", "content": a1}, {"role": "user", "content": "q2"}],
+    ]
+    assert row["text"] == a2

@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Run all 480 Spec-Bench questions as one racer-batch job and write a summary under benchmarks/.
+
+    python scripts/run_specbench_job.py                         # RACER (racer-cpu preset), 256 new tokens
+    python scripts/run_specbench_job.py --preset ar --tag ar     # the autoregressive baseline
+    python scripts/run_specbench_job.py --smoke                  # 8 questions per group (data README rule)
+
+The input Parquet (one row per question; every row uses `turns`, so a two-turn MT-bench question sees the
+model's first answer before its second turn) is written to out/specbench/input.parquet. The job runs on an
+embedded worker (local Ray + the Redis at REDIS_URL, or a private redis-server). Re-running with the same
+settings resumes the job. Outputs: benchmarks/specbench_<tag>.json and .md (per category: rows, output
+tokens, steps, MAT, token-weighted tokens/s; MT-bench categories are also reported together as multi_turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from racer_batch.service.local import ensure_redis, init_local_ray, run_until_done  # noqa: E402
+from racer_batch.service.output import read_output  # noqa: E402
+from racer_batch.service.queue import JobQueue, resolve_url  # noqa: E402
+from racer_batch.service.spec import load_spec  # noqa: E402
+from racer_batch.service.submit import submit_job  # noqa: E402
+
+QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+GROUP_ORDER = ("multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def group_of(category: str) -> str:
+    return "multi_turn" if category in MT_BENCH else category
+
+
+def smoke_subset(records: list[dict]) -> list[dict]:
+    """Within each group in file order, with n items, keep positions floor(k*n/8) for k = 0..7."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[group_of(r["category"])].append(r)
+    keep = []
+    for items in groups.values():
+        n = len(items)
+        keep += [items[(k * n) // 8] for k in range(8)]
+    return sorted(keep, key=lambda r: r["question_id"])
+
+
+def build_input(questions: Path, out: Path, *, smoke: bool) -> int:
+    records = [json.loads(line) for line in questions.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if smoke:
+        records = smoke_subset(records)
+    table = pa.Table.from_pylist(
+        [{"id": r["question_id"], "route": r["category"], "turns": list(r["turns"])} for r in records],
+        schema=pa.schema([("id", pa.int64()), ("route", pa.string()), ("turns", pa.list_(pa.string()))]),
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out)
+    return table.num_rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    by: dict[str, dict] = defaultdict(lambda: {"rows": 0, "ok": 0, "error": 0, "output_tokens": 0, "steps": 0,
+                                                 "gen_ms": 0.0, "prefill_ms": 0.0})
+    for r in rows:
+        for key in (r["route"], group_of(r["route"]) if r["route"] in MT_BENCH else None, "all"):
+            if key is None:
+                continue
+            b = by[key]
+            b["rows"] += 1
+            b["ok" if r["status"] == "ok" else "error"] += 1
+            b["output_tokens"] += r["output_tokens"] or 0
+            b["steps"] += r["steps"] or 0
+            b["prefill_ms"] += r["prefill_ms"] or 0.0
+            b["gen_ms"] += (r["prefill_ms"] or 0.0) + (r["decode_ms"] or 0.0)
+    for b in by.values():
+        b["mat"] = b["output_tokens"] / b["steps"] if b["steps"] else None
+        b["tokens_per_s"] = b["output_tokens"] / (b["gen_ms"] / 1000.0) if b["gen_ms"] else None
+    return dict(by)
+
+
+def write_md(path: Path, result: dict) -> None:
+    cats = result["categories"]
+    order = [g for g in GROUP_ORDER if g in cats] + sorted(c for c in cats if c in MT_BENCH) + ["all"]
+    lines = [
+        f"# Spec-Bench as one racer-batch job ({result['tag']})", "",
+        f"- model `{result['model']}`, method `{result['method']}` (capacity {result['capacity']}), "
+        f"greedy, max_new_tokens {result['max_new_tokens']} (reduced for CPU), questions {result['rows']}",
+        f"- job `{result['job_id']}`, wall {result['wall_s']:.0f} s, machine: {result['machine']}",
+        "- tokens/s is token-weighted: output tokens / (prefill + decode time), per category", "",
+        "| category | rows | errors | output tokens | steps | MAT | tokens/s |", "|---|---|---|---|---|---|---|",
+    ]
+    for c in order:
+        b = cats[c]
+        mat = f"{b['mat']:.2f}" if b["mat"] else "-"
+        tps = f"{b['tokens_per_s']:.1f}" if b["tokens_per_s"] else "-"
+        lines.append(f"| {c} | {b['rows']} | {b['error']} | {b['output_tokens']} | {b['steps']} | {mat} | {tps} |")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--questions", type=Path, default=QUESTIONS)
+    ap.add_argument("--preset", default="racer-cpu", help="configs/<preset>.yaml (racer-cpu, racer-paper, ar, pld)")
+    ap.add_argument("--tag", default=None, help="name of the result files (default: the preset)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--num-actors", default="auto")
+    ap.add_argument("--smoke", action="store_true", help="8 questions per group (48 rows)")
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--prefix", default="racer-batch:")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    args = ap.parse_args()
+    tag = args.tag or (args.preset + ("-smoke" if args.smoke else ""))
+    work = ROOT / "out" / "specbench"
+    input_path = work / ("input-smoke.parquet" if args.smoke else "input.parquet")
+    n = build_input(args.questions, input_path, smoke=args.smoke)
+    overrides = {
+        "preset": args.preset, "input.path": str(input_path), "output.path": str(work / tag),
+        "generation.max_new_tokens": args.max_new_tokens, "model.name": args.model,
+        "resources.num_actors": args.num_actors if args.num_actors == "auto" else int(args.num_actors),
+    }
+    spec = load_spec(ROOT / "jobs" / "specbench.yaml", overrides)
+    url, private = ensure_redis(resolve_url(args.redis_url, spec.redis_url))
+    try:
+        queue = JobQueue.from_url(url, prefix=args.prefix)
+        sub = submit_job(queue, spec)
+        print(f"job {sub.job_id} ({sub.action}): {n} questions -> {spec.output.path}", flush=True)
+        init_local_ray()
+        t0 = time.monotonic()
+        last = [0.0]
+
+        def tick() -> None:
+            if time.monotonic() - last[0] >= 30:
+                last[0] = time.monotonic()
+                st = queue.status(sub.job_id)
+                eta = f"{st.eta_s / 60:.0f} min" if st.eta_s is not None else "-"
+                print(f"  {st.rows_done}/{st.rows_total} rows, MAT {st.mat or 0:.2f}, "
+                      f"{st.tokens_per_s:.1f} tok/s, ETA {eta}", flush=True)
+
+        run = run_until_done(queue, sub.job_id, url=url, prefix=args.prefix, on_tick=tick, tick_s=5.0)
+        wall_s = time.monotonic() - t0
+    finally:
+        if private is not None:
+            private.stop()
+    rows = read_output(spec.output.path).to_pylist()
+    result = {
+        "tag": tag, "job_id": sub.job_id, "state": run.state, "rows": len(rows), "model": spec.model.name,
+        "method": spec.decoding.method, "capacity": spec.decoding.capacity,
+        "max_new_tokens": spec.generation.max_new_tokens, "config_hash": spec.decoding.config_hash(),
+        "decoding": spec.decoding.model_dump(mode="json"), "wall_s": wall_s,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "categories": summarise(rows),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"specbench_{tag}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    write_md(args.out / f"specbench_{tag}.md", result)
+    print((args.out / f"specbench_{tag}.md").read_text())
+    return 0 if run.state == "done" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
