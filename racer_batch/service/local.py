@@ -105,8 +105,9 @@ def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = N
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT),
-                                                                   os.environ.get("PYTHONPATH")]))}}
+    env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    env_vars.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
+    env = {"env_vars": env_vars}
     if address:
         ray.init(address=address, runtime_env=env, logging_level=logging.WARNING, log_to_driver=True)
         return

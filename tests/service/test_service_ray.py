@@ -104,3 +104,28 @@ def test_resume_after_killing_worker(ray_session, queue, redis_url, tmp_path):
     ids = [r["id"] for r in read_output(spec.output.path).to_pylist()]
     assert sorted(ids) == [r["id"] for r in rows]  # every id exactly once
     assert int(queue.job_fields(sub.job_id)["attempts"]) == 2
+
+
+def test_actor_killed_mid_shard_is_retried(ray_session, queue, redis_url, tmp_path):
+    """An actor dies in the middle of a shard: it is restarted, the shard redone, every id exactly once."""
+    import threading
+
+    rows = [{"id": i, "prompt": f"p {i}"} for i in range(12)]
+    spec, sub = _submit(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=10",
+                                                    "generation.max_new_tokens": 10})
+    executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="victim")
+    w = Worker(queue, executor, name="victim", lease_s=10)
+    th = threading.Thread(target=lambda: w.run(max_jobs=1, idle_exit_s=20))
+    th.start()
+    try:
+        deadline = time.time() + 60
+        while queue.status(sub.job_id).rows_done < 6 and time.time() < deadline:
+            time.sleep(0.02)
+        ray_session.kill(executor.actors[0], no_restart=True)
+        th.join(timeout=90)
+    finally:
+        executor.shutdown()
+    st = queue.status(sub.job_id)
+    assert st.state == "done" and st.totals.ok == 12
+    ids = sorted(r["id"] for r in read_output(spec.output.path).to_pylist())
+    assert ids == sorted(str(i) for i in range(12))
