@@ -98,7 +98,8 @@ def committed_shards(out_dir: str | Path, *, spec_hash: str, ranges: dict[int, t
     """Shards whose part file is complete for this spec: {shard: summary}. ``ranges``: shard -> rows."""
     if not Path(out_dir).is_dir():
         return {}
-    existing = {int(p.name[5:10]) for p in Path(out_dir).glob("part-*.parquet")}
+    existing = {int(p.stem.split("-", 1)[1]) for p in Path(out_dir).glob("part-*.parquet")
+                if p.stem.split("-", 1)[1].isdigit()}
     done = {}
     for shard in sorted(existing & set(ranges)):
         meta = shard_complete(out_dir, shard, spec_hash=spec_hash, row_range=ranges[shard])

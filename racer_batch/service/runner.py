@@ -96,7 +96,7 @@ class RowRunner:
         sink: Optional[ShardSink] = None,
         device: Optional[str] = None,
         allow_remote_code: bool = False,
-        probe_interval_s: float = 0.2,
+        probe_interval_s: float = 0.05,
         loader: Callable[..., Any] = default_loader,
         engine_factory: Callable[[Any, DecodingConfig], Any] = default_engine,
     ) -> None:

@@ -128,3 +128,14 @@ def test_folder_input_streams_shards(tmp_path):
 
     got = [(i, r["id"]) for i, r in iter_raw_rows(plan, 4, 11, ["id"])]
     assert got == [(4, "0-4"), (5, "1-0"), (6, "1-1"), (7, "1-2"), (8, "1-3"), (9, "1-4"), (10, "2-0")]
+
+
+def test_pool_shape():
+    from racer_batch.service.actors import PoolShape, resolve_shape
+    from racer_batch.service.spec import Resources
+
+    assert resolve_shape(Resources(), cluster_cpus=2, cluster_gpus=0) == PoolShape(1, 2.0, 0.0)
+    assert resolve_shape(Resources(), cluster_cpus=32, cluster_gpus=4) == PoolShape(4, 8.0, 1.0)
+    assert resolve_shape(Resources(gpus_per_actor=0.5), cluster_cpus=16, cluster_gpus=2) == PoolShape(4, 4.0, 0.5)
+    assert resolve_shape(Resources(num_actors=3, cpus_per_actor=1), cluster_cpus=8, cluster_gpus=0) == \
+        PoolShape(3, 1.0, 0.0)
