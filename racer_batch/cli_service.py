@@ -191,6 +191,9 @@ def submit(spec_file: str, local: bool, wait: bool, job_id: Optional[str], input
             url, private = ensure_redis(url)
         except q.QueueUnavailable as exc:
             raise ServiceExit(str(exc), EXIT_SERVICE) from None
+        if private is not None:
+            err_console.print(f"no Redis answered; started a private redis-server at {q.redact_url(url)} "
+                              "for this run (its state is dropped at the end; the output folder keeps the results)")
     try:
         queue = _queue(url, prefix)
         try:

@@ -292,6 +292,15 @@ class JobQueue:
     # ---- worker side
     def claim(self, *, consumer: str, lease_ms: int, block_ms: int = 1000) -> Optional[Lease]:
         """Take the next job: first an expired lease (XAUTOCLAIM), then new entries by priority."""
+        try:
+            return self._claim(consumer=consumer, lease_ms=lease_ms, block_ms=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._groups_ready = False  # Redis lost its data (restart without persistence): recreate
+            return self._claim(consumer=consumer, lease_ms=lease_ms, block_ms=block_ms)
+
+    def _claim(self, *, consumer: str, lease_ms: int, block_ms: int) -> Optional[Lease]:
         self._ensure_groups()
         for prio in PRIORITIES:
             stream = self.k_queue(prio)

@@ -159,7 +159,7 @@ class Worker:
                     continue
                 if out["written"] and not out["stopped"]:
                     done[shard] = out
-                    self.queue.commit_shard(job_id, shard, _meta(out))
+                    self._redis_best_effort(self.queue.commit_shard, job_id, shard, _meta(out))
                     self._manifest(job_id, spec, plan, done, state="running")
                 elif out["stopped"] == CANCELLED:
                     cancelled = True
@@ -183,6 +183,15 @@ class Worker:
         self.queue.finish(lease, state=state, message=failure or "")
         log.info("job %s: %s (%d/%d shards)", job_id, state, len(done), num_shards)
         return state
+
+    @staticmethod
+    def _redis_best_effort(fn: Callable, *args: object) -> None:
+        """Redis writes that the output folder can rebuild (shard summaries): an outage only logs."""
+        try:
+            fn(*args)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("Redis unavailable, %s skipped (rebuilt from the output folder on resume): %s",
+                        getattr(fn, "__name__", "write"), exc)
 
     def _renew(self, lease: Lease) -> Optional[bool]:
         """True: renewed; False: the job belongs to someone else; None: Redis unreachable (keep going)."""

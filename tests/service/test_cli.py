@@ -87,3 +87,21 @@ def test_service_layer_does_not_import_click():
             "print('click' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_local_submit_starts_private_redis_when_none_answers(cli, tmp_path):
+    """`submit --local` with no Redis at the URL: a private redis-server runs the job and is stopped after."""
+    import shutil
+
+    from racer_batch.service.local import free_port
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on the PATH")
+    spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    port = free_port()
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", "--json",
+                                   "--redis-url", f"redis://127.0.0.1:{port}/0"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["rows_done"] == 2
+    assert "started a private redis-server" in res.output
+    assert sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet")) == ["part-00000.parquet"]

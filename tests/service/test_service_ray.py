@@ -40,7 +40,7 @@ def test_end_to_end_real_model(ray_session, queue, redis_url, tmp_path):
         {"id": "empty", "route": "chat", "prompt": "", "turns": None},
     ]
     spec, sub = _submit(queue, tmp_path, rows, **{"model.name": "smollm2-135m", "preset": "racer-cpu",
-                                                    "generation.max_new_tokens": 16, "output.shard_rows": 2})
+                                                    "generation.max_new_tokens": 8, "output.shard_rows": 2})
     run = run_until_done(queue, sub.job_id, url=redis_url, prefix=queue.prefix, executor_kind="ray")
     assert run.state == "done"
     for p in sorted(Path(spec.output.path).glob("part-*.parquet")):
