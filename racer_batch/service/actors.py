@@ -51,6 +51,11 @@ class PoolShape:
     num_actors: int
     cpus_per_actor: float
     gpus_per_actor: float
+    torch_threads: int = 0  # 0: int(cpus_per_actor)
+
+    @property
+    def threads(self) -> int:
+        return self.torch_threads or max(1, int(self.cpus_per_actor))
 
 
 def resolve_shape(res: Resources, *, cluster_cpus: float, cluster_gpus: float) -> PoolShape:
@@ -61,7 +66,8 @@ def resolve_shape(res: Resources, *, cluster_cpus: float, cluster_gpus: float) -
     else:
         n = int(res.num_actors)
     cpus = res.cpus_per_actor or max(1.0, float(int(cluster_cpus // n)) if cluster_cpus else 1.0)
-    return PoolShape(num_actors=n, cpus_per_actor=cpus, gpus_per_actor=gpus)
+    threads = 0 if res.torch_threads == "auto" else int(res.torch_threads)
+    return PoolShape(num_actors=n, cpus_per_actor=cpus, gpus_per_actor=gpus, torch_threads=threads)
 
 
 class Executor(Protocol):
@@ -188,7 +194,7 @@ class RayExecutor:
         return self._remote.options(
             num_cpus=self.shape.cpus_per_actor, num_gpus=self.shape.gpus_per_actor, max_restarts=0,
         ).remote(worker_name=f"{self._name}/a{slot}", redis_url=self._url, prefix=self._prefix,
-                 torch_threads=max(1, int(self.shape.cpus_per_actor)), allow_remote_code=self._allow)
+                 torch_threads=self.shape.threads, allow_remote_code=self._allow)
 
     def submit(self, slot: int, task: dict) -> cf.Future:
         return self.actors[slot].run_shard.remote(task).future()

@@ -99,6 +99,17 @@ class Resources(BaseModel):
         "auto", description="GPUs per actor (auto: 1 when the cluster has GPUs, else 0)"
     )
 
+    torch_threads: Union[int, Literal["auto"]] = Field(
+        "auto", description="intra-op threads per CPU actor (auto: cpus_per_actor); 1 is safer on a busy machine"
+    )
+
+    @field_validator("torch_threads")
+    @classmethod
+    def _threads_range(cls, v: Union[int, str]) -> Union[int, str]:
+        if isinstance(v, int) and not 1 <= v <= 512:
+            raise ValueError(f"torch_threads must be in 1..512 or 'auto', got {v}")
+        return v
+
     @field_validator("num_actors")
     @classmethod
     def _actors_range(cls, v: Union[int, str]) -> Union[int, str]:
