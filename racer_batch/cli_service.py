@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from racer_batch.service import queue as q
@@ -115,7 +115,12 @@ def summary_lines(st: q.JobStatus) -> list[str]:
 
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err_console)
+                    TextColumn("{task.fields[info]}"), console=err_console)
+
+
+def _progress_info(st: q.JobStatus) -> str:
+    return (f"{st.state}  MAT {_fmt(st.mat)}  {st.rows_per_s:.2f} rows/s  {st.tokens_per_s:.1f} tok/s  "
+            f"ETA {_eta(st.eta_s)}")
 
 
 def _watch(queue: q.JobQueue, job_id: str, *, interval_s: float = 1.0) -> q.JobStatus:
@@ -125,8 +130,7 @@ def _watch(queue: q.JobQueue, job_id: str, *, interval_s: float = 1.0) -> q.JobS
         task = prog.add_task(job_id, total=st.rows_total, info="")
         while True:
             st = queue.status(job_id)
-            prog.update(task, completed=st.rows_done, info=f"{st.state} MAT {_fmt(st.mat)} "
-                                                           f"{st.tokens_per_s:.1f} tok/s")
+            prog.update(task, completed=st.rows_done, info=_progress_info(st))
             if st.state in q.TERMINAL:
                 return st
             time.sleep(interval_s)
@@ -243,8 +247,7 @@ def _run_local(queue: q.JobQueue, job_id: str, *, url: str, prefix: str, executo
 
         def tick() -> None:
             s = queue.status(job_id)
-            prog.update(task, completed=s.rows_done,
-                        info=f"{s.state} MAT {_fmt(s.mat)} {s.tokens_per_s:.1f} tok/s")
+            prog.update(task, completed=s.rows_done, info=_progress_info(s))
 
         try:
             run_until_done(queue, job_id, url=url, prefix=prefix, executor_kind=executor, on_tick=tick)
