@@ -243,6 +243,34 @@ def iter_raw_rows(plan: InputPlan, row_start: int, row_stop: int, columns: list[
         base += n
 
 
+def iter_shards(plan: InputPlan, *, columns: list[str], shard_rows: int, skip: frozenset[int] = frozenset()
+                ) -> Iterator[tuple[int, list[tuple[int, dict]]]]:
+    """Yield (shard, [(row_idx, record), ...]) in order, reading the input in one pass (lazily: a shard is
+    read when the consumer asks for it). Shards in ``skip`` are not read where whole files can be skipped.
+
+    Example: 10 rows, shard_rows 4, skip {1} -> (0, rows 0-3), (2, rows 8-9).
+    """
+    n = plan.num_shards(shard_rows)
+    s = 0
+    while s < n:
+        if s in skip:
+            s += 1
+            continue
+        e = s
+        while e < n and e not in skip:
+            e += 1
+        cur, buf = s, []
+        cur_stop = min((cur + 1) * shard_rows, plan.num_rows)
+        for row_idx, rec in iter_raw_rows(plan, s * shard_rows, min(e * shard_rows, plan.num_rows), columns):
+            buf.append((row_idx, rec))
+            if row_idx + 1 == cur_stop:
+                yield cur, buf
+                cur, buf = cur + 1, []
+                cur_stop = min((cur + 1) * shard_rows, plan.num_rows)
+        assert cur == e and not buf, f"input ended early: shard {cur} incomplete (input changed since submit?)"
+        s = e
+
+
 def _clean_str(v: Any, what: str) -> str:
     if not isinstance(v, str):
         raise ValueError(f"{what} must be a string, got {type(v).__name__}")

@@ -62,6 +62,7 @@ class ShardTask:
     spec_hash: str
     owner: str  # the worker holding the job's lease
     attempt: int = 1
+    rows: Optional[list] = None  # [(row_idx, raw record)] read by the worker; None: the runner reads them
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,7 +173,8 @@ class RowRunner:
         }
         columns = list(spec.input.columns.model_dump().values())
         stopped: Optional[str] = None
-        for row_idx, rec in iter_raw_rows(plan, task.row_start, task.row_stop, columns):
+        source = task.rows if task.rows is not None else iter_raw_rows(plan, task.row_start, task.row_stop, columns)
+        for row_idx, rec in source:
             row = parse_row(spec, row_idx, rec)
             base = dict(base_common, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
             if stopped is None and verdict() != KEEP_GOING:

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import redis
 
 from racer_batch.service.actors import Executor
-from racer_batch.service.inputs import InputError, InputPlan, iter_raw_rows, plan_input
+from racer_batch.service.inputs import InputError, InputPlan, iter_shards, plan_input
 from racer_batch.service.output import committed_shards, write_manifest, write_part
 from racer_batch.service.queue import JobQueue, Lease, ShardSummary
 from racer_batch.service.runner import CANCELLED, LEASE_LOST, ShardTask
@@ -109,16 +109,17 @@ class Worker:
             if shard not in known:
                 self.queue.commit_shard(job_id, shard, meta)
         self._manifest(job_id, spec, plan, done, state="running")
-        pending = collections.deque(s for s in range(num_shards) if s not in done)
+        pending = ShardFeed(plan, columns=list(spec.input.columns.model_dump().values()), shard_rows=shard_rows,
+                            skip=frozenset(done))
         attempts: collections.Counter = collections.Counter()
         running: dict[cf.Future, tuple[int, int]] = {}  # future -> (slot, shard)
         free_slots: list[int] = []
-        if pending:
+        if len(done) < num_shards:
             self.executor.prepare(spec.resources)
             free_slots = list(range(self.executor.slots))
         cancelled = lost = released = False
         failure: Optional[str] = None
-        next_renew = 0.0
+        next_renew = next_manifest = 0.0
         while pending or running:
             now = time.monotonic()
             if now >= next_renew:
@@ -134,13 +135,15 @@ class Worker:
             if stop() and not released:
                 released = True
                 pending.clear()
-            while pending and free_slots and not (cancelled or lost or released or failure):
-                shard = pending.popleft()
+            while free_slots and not (cancelled or lost or released or failure):
+                shard = pending.next()
+                if shard is None:
+                    break
                 slot = free_slots.pop()
                 attempts[shard] += 1
                 task = ShardTask(job_id=job_id, shard=shard, row_start=ranges[shard][0], row_stop=ranges[shard][1],
                                  spec=spec.stored(), plan=plan.to_dict(), spec_hash=spec_hash, owner=self.name,
-                                 attempt=attempts[shard])
+                                 attempt=attempts[shard], rows=pending.rows[shard])
                 running[self.executor.submit(slot, task.to_dict())] = (slot, shard)
             if not running:
                 break
@@ -158,9 +161,12 @@ class Worker:
                                                  ranges, spec_hash, done) or failure
                     continue
                 if out["written"] and not out["stopped"]:
-                    done[shard] = out
-                    self._redis_best_effort(self.queue.commit_shard, job_id, shard, _meta(out))
-                    self._manifest(job_id, spec, plan, done, state="running")
+                    done[shard] = _meta(out)
+                    pending.committed(shard)
+                    self._redis_best_effort(self.queue.commit_shard, job_id, shard, done[shard])
+                    if time.monotonic() >= next_manifest:  # throttled: the part files are the truth
+                        self._manifest(job_id, spec, plan, done, state="running")
+                        next_manifest = time.monotonic() + 5.0
                 elif out["stopped"] == CANCELLED:
                     cancelled = True
                 elif out["stopped"] == LEASE_LOST:
@@ -208,7 +214,7 @@ class Worker:
             return False
 
     def _shard_failed(self, job_id: str, spec: JobSpec, plan: InputPlan, shard: int, slot: int, exc: BaseException,
-                      attempts: collections.Counter, pending: collections.deque, ranges: dict, spec_hash: str,
+                      attempts: collections.Counter, pending: "ShardFeed", ranges: dict, spec_hash: str,
                       done: dict) -> Optional[str]:
         """Retry a crashed shard; fail the job on a setup error. Returns a job failure message or None."""
         crash = self.executor.is_crash(exc)
@@ -220,22 +226,23 @@ class Worker:
             # Raised outside any row: the model cannot load, the input changed, ... Retrying will not help.
             return f"shard {shard}: {cause}"
         if attempts[shard] < self.max_shard_attempts:
-            pending.appendleft(shard)
+            pending.retry(shard)
             return None
         message = f"shard failed {attempts[shard]} times; last error: {type(cause).__name__}: {cause}"
         log.error("job %s shard %d: %s", job_id, shard, message)
-        meta = self._write_failed_shard(job_id, spec, plan, shard, ranges[shard], spec_hash, message)
+        meta = self._write_failed_shard(job_id, spec, pending.rows[shard], shard, ranges[shard], spec_hash, message)
+        pending.committed(shard)
         done[shard] = meta
         self.queue.commit_shard(job_id, shard, meta)
         return None
 
-    def _write_failed_shard(self, job_id: str, spec: JobSpec, plan: InputPlan, shard: int, row_range: tuple,
+    def _write_failed_shard(self, job_id: str, spec: JobSpec, rows: list, shard: int, row_range: tuple,
                             spec_hash: str, message: str) -> dict:
         """Every row of a shard that kept crashing gets status=error, so the job still completes."""
         id_col, route_col = spec.input.columns.id, spec.input.columns.route
         summary = ShardSummary()
         records = []
-        for row_idx, rec in iter_raw_rows(plan, row_range[0], row_range[1], [id_col, route_col]):
+        for row_idx, rec in rows:
             route = str(rec.get(route_col) or spec.route)
             records.append(error_record(status="error", error=message, base={
                 "id": str(rec.get(id_col)), "row_idx": row_idx, "shard": shard, "route": route, "job_id": job_id,
@@ -262,6 +269,43 @@ class Worker:
                            mat=(totals.output_tokens / totals.steps) if totals.steps else None),
             "worker": self.name,
         })
+
+
+class ShardFeed:
+    """Shards still to run, read lazily in one pass over the input. A shard's rows stay cached from dispatch
+    until it is committed (a retry reuses them), so memory holds only the shards in flight."""
+
+    def __init__(self, plan: InputPlan, *, columns: list[str], shard_rows: int, skip: frozenset[int]) -> None:
+        self._it = iter_shards(plan, columns=columns, shard_rows=shard_rows, skip=skip)
+        self._retry: collections.deque[int] = collections.deque()
+        self._exhausted = False
+        self.rows: dict[int, list] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._retry) or not self._exhausted
+
+    def next(self) -> Optional[int]:
+        if self._retry:
+            return self._retry.popleft()
+        if self._exhausted:
+            return None
+        try:
+            shard, rows = next(self._it)
+        except StopIteration:
+            self._exhausted = True
+            return None
+        self.rows[shard] = rows
+        return shard
+
+    def retry(self, shard: int) -> None:
+        self._retry.appendleft(shard)
+
+    def committed(self, shard: int) -> None:
+        self.rows.pop(shard, None)
+
+    def clear(self) -> None:
+        self._retry.clear()
+        self._exhausted = True
 
 
 def _meta(out: dict) -> dict:

@@ -139,3 +139,16 @@ def test_pool_shape():
     assert resolve_shape(Resources(gpus_per_actor=0.5), cluster_cpus=16, cluster_gpus=2) == PoolShape(4, 4.0, 0.5)
     assert resolve_shape(Resources(num_actors=3, cpus_per_actor=1), cluster_cpus=8, cluster_gpus=0) == \
         PoolShape(3, 1.0, 0.0)
+
+
+def test_iter_shards_one_pass_with_skips(tmp_path):
+    from racer_batch.service.inputs import iter_shards
+
+    for k in range(2):
+        write_parquet(tmp_path / "in" / f"f{k}.parquet", [{"id": k * 5 + i, "prompt": "p"} for i in range(5)])
+    spec = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "in")}))
+    plan = plan_input(spec.input)
+    got = [(s, [r["id"] for _, r in rows]) for s, rows in iter_shards(plan, columns=["id"], shard_rows=4,
+                                                                       skip=frozenset({1}))]
+    assert got == [(0, [0, 1, 2, 3]), (2, [8, 9])]
+    assert [s for s, _ in iter_shards(plan, columns=["id"], shard_rows=3)] == [0, 1, 2, 3]
