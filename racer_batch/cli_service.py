@@ -99,13 +99,14 @@ def status_table(st: q.JobStatus) -> Table:
 
 def summary_lines(st: q.JobStatus) -> list[str]:
     gen_s = st.totals.gen_ms / 1000.0
+    resumed = f", {st.base_rows} done before this run" if st.base_rows else ""
     lines = [
         f"job {st.job_id}: {st.state}" + (f" ({st.message})" if st.message else ""),
         f"rows: {st.rows_done}/{st.rows_total} (ok {st.totals.ok}, error {st.totals.error}, "
-        f"cancelled {st.totals.cancelled})",
+        f"cancelled {st.totals.cancelled}{resumed})",
         f"tokens: {st.totals.output_tokens} output tokens in {st.totals.steps} steps, MAT {_fmt(st.mat)}",
-        f"speed: {st.tokens_per_s:.1f} tokens/s wall ({st.elapsed_s:.1f} s), "
-        f"{(st.totals.output_tokens / gen_s) if gen_s > 0 else 0:.1f} tokens/s in generation",
+        f"speed: {st.tokens_per_s:.1f} tokens/s over this run's wall time ({st.elapsed_s:.1f} s, start-up included); "
+        f"{(st.totals.output_tokens / gen_s) if gen_s > 0 else 0:.1f} tokens/s while generating",
     ]
     for route, r in st.route_mat().items():
         lines.append(f"  route {route}: {r['rows']} rows, {r['output_tokens']} tokens, MAT {_fmt(r['mat'])}")

@@ -153,6 +153,8 @@ class JobStatus:
     finished_at: Optional[float]
     owner: Optional[str]
     output: Optional[str]
+    base_rows: int  # rows already committed when this run started (resume)
+    base_tokens: int
     model: Optional[str]
     method: Optional[str]
     message: Optional[str]
@@ -169,11 +171,14 @@ class JobStatus:
 
     @property
     def rows_per_s(self) -> float:
-        return self.rows_done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        """This run's rows per second of wall time (a resumed run does not count rows done before)."""
+        return max(0, self.rows_done - self.base_rows) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        return self.totals.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        """This run's output tokens per second of wall time (start-up and model load included)."""
+        new = max(0, self.totals.output_tokens - self.base_tokens)
+        return new / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
     def eta_s(self) -> Optional[float]:
@@ -261,7 +266,7 @@ class JobQueue:
             "output": spec["output"]["path"], "model": spec["model"]["name"],
             "method": spec["decoding"]["method"], "message": "",
         })
-        pipe.hdel(key, "owner", "started_at", "finished_at")
+        pipe.hdel(key, "owner", "started_at", "finished_at", "base_rows", "base_tokens")
         pipe.delete(self.k_job(job_id, "inflight"))
         pipe.zadd(self.k_index(), {job_id: now})
         pipe.xadd(self.k_queue(priority), {"job_id": job_id})
@@ -378,6 +383,15 @@ class JobQueue:
         pipe.xadd(self.k_queue(prio), {"job_id": lease.job_id})
         pipe.execute()
 
+    def mark_run_base(self, job_id: str) -> None:
+        """Remember what a resumed run started from, so rows/s and ETA count this run's work only."""
+        totals = ShardSummary()
+        for meta in self.committed(job_id).values():
+            totals.merge(ShardSummary.from_dict(meta))
+        key = self.k_job(job_id)
+        self.r.hsetnx(key, "base_rows", totals.rows)
+        self.r.hsetnx(key, "base_tokens", totals.output_tokens)
+
     def job_fields(self, job_id: str) -> dict:
         d = self.r.hgetall(self.k_job(job_id))
         if not d:
@@ -436,6 +450,7 @@ class JobQueue:
             totals=totals, shards_total=shards_total, shards_done=len(committed),
             submitted_at=float(d.get("submitted_at", 0)), started_at=_f("started_at"),
             finished_at=_f("finished_at"), owner=d.get("owner"), output=d.get("output"), model=d.get("model"),
+            base_rows=int(d.get("base_rows") or 0), base_tokens=int(d.get("base_tokens") or 0),
             method=d.get("method"), message=d.get("message") or None,
         )
 

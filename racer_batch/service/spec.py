@@ -100,7 +100,7 @@ class Resources(BaseModel):
     )
 
     torch_threads: Union[int, Literal["auto"]] = Field(
-        "auto", description="intra-op threads per CPU actor (auto: cpus_per_actor); 1 is safer on a busy machine"
+        "auto", description="intra-op torch threads per actor (auto: 1; more actors beat more threads for small models)"
     )
 
     @field_validator("torch_threads")

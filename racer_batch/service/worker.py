@@ -108,6 +108,7 @@ class Worker:
         for shard, meta in done.items():  # recovery: the output folder is the truth
             if shard not in known:
                 self.queue.commit_shard(job_id, shard, meta)
+        self._redis_best_effort(self.queue.mark_run_base, job_id)
         self._manifest(job_id, spec, plan, done, state="running")
         pending = ShardFeed(plan, columns=list(spec.input.columns.model_dump().values()), shard_rows=shard_rows,
                             skip=frozenset(done))

@@ -160,12 +160,14 @@ def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
     assert 1 <= st.shards_done < 3
     done_ids = [r["id"] for r in read_output(spec.output.path).to_pylist() if r["status"] == "ok"]
     assert len(done_ids) == len(set(done_ids)) >= 4
+    committed_before = st.rows_done
     # re-submit: committed shards are skipped, the rest run, every id exactly once
     again = submit_job(queue, spec)
     assert again.job_id == sub.job_id
     assert run_until_done(queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
     ids = [r["id"] for r in read_output(spec.output.path).to_pylist()]
     assert sorted(ids, key=int) == [str(i) for i in range(12)]
+    assert queue.status(sub.job_id).base_rows == committed_before  # rows/s counts this run only
     assert all(r["status"] == "ok" for r in read_output(spec.output.path).to_pylist())
     assert json.loads(queue.r.hget(queue.k_job(sub.job_id), "spec"))["output"]["path"] == spec.output.path
 
