@@ -19,7 +19,7 @@ from typing import Any, Optional
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from racer_batch.service import queue as q
 from racer_batch.service.inputs import InputError
@@ -287,7 +287,8 @@ def list_jobs(limit: int, as_json: bool, redis_url: Optional[str], prefix: str) 
     if as_json:
         click.echo(json.dumps([j.to_dict() for j in jobs]))
         return
-    t = Table("job", "name", "state", "rows", "errors", "MAT", "model/method", "output")
+    t = Table("name", "state", "rows", "errors", "MAT", "model/method", "output")
+    t.columns.insert(0, Column("job", no_wrap=True, min_width=22))
     for j in jobs:
         t.add_row(j.job_id, j.name or "", j.state, f"{j.rows_done}/{j.rows_total}", str(j.totals.error),
                   _fmt(j.mat), f"{j.model}/{j.method}", j.output or "")

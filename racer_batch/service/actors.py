@@ -60,11 +60,18 @@ class PoolShape:
         return self.torch_threads or 1
 
 
+MAX_AUTO_CPU_ACTORS = 8  # each CPU actor holds its own copy of the model
+
+
 def resolve_shape(res: Resources, *, cluster_cpus: float, cluster_gpus: float) -> PoolShape:
-    """``auto`` values: one actor per GPU when there are GPUs, else one actor using every CPU."""
+    """``auto`` values: one actor per GPU when there are GPUs; else one single-threaded actor per CPU
+    (at most MAX_AUTO_CPU_ACTORS), since more actors beat more threads for the small models run on CPUs."""
     gpus = (1.0 if cluster_gpus >= 1 else 0.0) if res.gpus_per_actor == "auto" else float(res.gpus_per_actor)
     if res.num_actors == "auto":
-        n = max(1, int(cluster_gpus // gpus)) if gpus > 0 else 1
+        if gpus > 0:
+            n = max(1, int(cluster_gpus // gpus))
+        else:
+            n = max(1, min(MAX_AUTO_CPU_ACTORS, int(cluster_cpus)))
     else:
         n = int(res.num_actors)
     cpus = res.cpus_per_actor or max(1.0, float(int(cluster_cpus // n)) if cluster_cpus else 1.0)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -335,10 +334,3 @@ def parse_row(job: JobSpec, row_idx: int, rec: dict) -> RowTask:
     except ValueError as exc:
         task.error = str(exc)
     return task
-
-
-def input_summary(plan: InputPlan) -> str:
-    return json.dumps({"files": len(plan.files), "rows": plan.num_rows, "columns": list(plan.columns)})
-
-
-PathLike = Union[str, Path]
