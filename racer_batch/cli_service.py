@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -362,9 +364,12 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
     executor = make_executor("thread" if no_ray else "ray", url=url, prefix=prefix, name=name,
                              allow_remote_code=allow_remote_code)
     w = Worker(queue, executor, name=name, lease_s=lease_s)
+    stopping = threading.Event()
+    # SIGTERM (Kubernetes, systemd): stop taking jobs, hand the current one back to the queue at once.
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
     err_console.print(f"worker {name} on {q.redact_url(url)} prefix {prefix!r}: waiting for jobs")
     try:
-        n = w.run(max_jobs=max_jobs, idle_exit_s=idle_exit)
+        n = w.run(max_jobs=max_jobs, idle_exit_s=idle_exit, stop=stopping.is_set)
     except KeyboardInterrupt:
         n = w.jobs_run
     finally:

@@ -198,3 +198,33 @@ def test_turns_see_earlier_answers(tmp_path):
          {"role": "assistant", "content": a1}, {"role": "user", "content": "q2"}],
     ]
     assert row["text"] == a2
+
+
+def test_sigterm_hands_the_job_back(queue, redis_url, tmp_path):
+    """A worker told to stop (SIGTERM) re-queues its job at once instead of waiting for the lease to expire."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec, sub = _job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(40)],
+                     **{"model.name": "stand-in?ms_per_step=20", "generation.max_new_tokens": 10})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "racer_batch.cli_service", "worker", "--no-ray", "--lease-s", "600",
+         "--redis-url", redis_url, "--prefix", queue.prefix, "--name", "polite"],
+        env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while queue.status(sub.job_id).rows_done < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    fields = queue.job_fields(sub.job_id)
+    assert fields["state"] == "queued" and "released by polite" in fields["message"]
+    lease = queue.claim(consumer="next", lease_ms=600_000, block_ms=0)  # no lease wait: taken at once
+    assert lease is not None and lease.job_id == sub.job_id and not lease.reclaimed
