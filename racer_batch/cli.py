@@ -122,6 +122,52 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ma
     )
 
 
+@main.command(epilog=_EPILOG)
+@click.option("--model", default="smollm2-135m", show_default=True)
+@click.option("--methods", default="hf_pld,ar,pld,logits,retrieval,racer", show_default=True,
+              help="Comma-separated; HF generate greedy (the baseline) always runs.")
+@click.option("--capacity", default="16", show_default=True, help="Draft capacity for tree methods, or 'auto'.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--per-set", type=click.IntRange(1, 8), default=8, show_default=True,
+              help="Prompts per set (Spec-Bench, HumanEval, MGSM-ZH) from the smoke subset.")
+@click.option("--out", "out_dir", default="benchmarks", show_default=True, type=click.Path(file_okay=False))
+def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, out_dir: str) -> None:
+    """Run the decoding methods side by side on the smoke prompts and write JSON + Markdown results."""
+    from pathlib import Path
+
+    from . import ModelLoadError, load_model
+    from .bench import HF_METHODS, run_bench, summarize, write_results
+
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    bad = [m for m in names if m not in (*METHODS, *HF_METHODS)]
+    if bad:
+        raise click.BadParameter(f"unknown method(s) {bad}; choose from {[*HF_METHODS, *METHODS]}", param_hint="--methods")
+    try:
+        bundle = load_model(model)
+    except ModelLoadError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_MODEL)
+    try:
+        res = run_bench(bundle, methods=names, capacity=_capacity(capacity), max_new_tokens=max_new_tokens, per_set=per_set)
+    except FileNotFoundError as exc:
+        click.echo(f"error: benchmark data not found ({exc}); set RACER_BATCH_DATA to the shared/data folder", err=True)
+        sys.exit(EXIT_INPUT)
+    summary = summarize(res)
+    command = "racer-batch " + " ".join(sys.argv[1:])
+    jpath, mpath = write_results(summary, Path(out_dir), command=command)
+    click.echo(mpath.read_text())
+    click.echo(f"wrote {jpath} and {mpath}", err=True)
+
+
+def _register_service_commands() -> None:
+    from .cli_service import register
+
+    register(main)
+
+
+_register_service_commands()
+
+
 def run() -> None:
     """Console entry point with the documented exit codes for uncaught errors."""
     try:

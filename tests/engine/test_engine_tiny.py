@@ -1,0 +1,244 @@
+"""Engine tests on tiny random Llamas with a character tokenizer (no download)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from helpers import tiny_bundle
+from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
+from racer_batch.drafters.base import Draft
+from racer_batch.engine.capacity import CapacityTuner
+
+METHODS = ["ar", "pld", "logits", "retrieval", "racer"]
+PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("capacity", [4, 64])
+def test_greedy_equals_reference(tiny, method, capacity):
+    engine = Engine(tiny, DecodingConfig(method=method, capacity=capacity))
+    state = engine.new_state()
+    for prompt in PROMPTS:
+        params = GenerationParams(max_new_tokens=80)
+        ref = generate_reference(tiny, prompt, params)
+        out = engine.generate(prompt, params, state=state)
+        assert out.token_ids == ref.token_ids, (method, prompt)
+        assert out.finish_reason == ref.finish_reason
+        assert out.output_tokens == len(out.token_ids)
+        assert out.stats.emitted_tokens == out.output_tokens  # counters count emitted tokens only
+    engine.free_state(state)
+
+
+def test_speculation_actually_accepts_drafts(tiny):
+    out = Engine(tiny, DecodingConfig(method="racer", capacity=32)).generate("abcabcabd", GenerationParams(max_new_tokens=120))
+    assert out.stats.mat > 1.2
+    assert out.stats.steps < out.output_tokens
+
+
+def _first_fresh_token(tokens, at_least):
+    for i, t in enumerate(tokens):
+        if i >= at_least and t not in tokens[:i]:
+            return i, t
+    return None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_eos_mid_generation_and_mid_block(method):
+    bundle = tiny_bundle(eos=False)
+    prompt = "0123012301"
+    base = generate_reference(bundle, prompt, GenerationParams(max_new_tokens=60))
+    hit = _first_fresh_token(base.token_ids, 5)
+    assert hit is not None
+    idx, tok = hit
+    params = GenerationParams(max_new_tokens=60, extra_eos_ids=[tok])
+    out = Engine(bundle, DecodingConfig(method=method, capacity=16)).generate(prompt, params)
+    assert out.finish_reason == "eos"
+    assert out.token_ids == base.token_ids[: idx + 1]
+    assert out.output_tokens == idx + 1
+    assert out.stats.emitted_tokens == idx + 1
+
+
+@pytest.mark.parametrize("method", ["ar", "racer", "pld"])
+def test_stop_string_spanning_tokens_at_every_position(method):
+    bundle = tiny_bundle(eos=False)
+    prompt = "hello world, hello"
+    base = generate_reference(bundle, prompt, GenerationParams(max_new_tokens=40))
+    text = base.text
+    engine = Engine(bundle, DecodingConfig(method=method, capacity=16))
+    checked = 0
+    for j in range(2, len(text)):
+        stop = text[j - 2 : j]  # two characters = two tokens: the stop string spans a token boundary
+        if stop in text[: j - 1]:
+            continue  # an earlier occurrence would stop first
+        out = engine.generate(prompt, GenerationParams(max_new_tokens=40, stop=[stop]))
+        assert out.finish_reason == "stop", (j, stop)
+        assert out.token_ids == base.token_ids[:j]
+        assert out.text == text[: j - 2]  # the stop string is cut from the text
+        checked += 1
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_max_new_tokens_exact_including_one(tiny, method):
+    prompt = "abcabcabd"
+    base = generate_reference(tiny, prompt, GenerationParams(max_new_tokens=50))
+    engine = Engine(tiny, DecodingConfig(method=method, capacity=32))
+    for cap in [1, 2, 3, 7, 13, 50]:
+        if cap > base.output_tokens:
+            continue
+        out = engine.generate(prompt, GenerationParams(max_new_tokens=cap))
+        assert out.token_ids == base.token_ids[:cap]
+        assert out.output_tokens == cap
+        expected = "eos" if cap == base.output_tokens and base.finish_reason == "eos" else "length"
+        assert out.finish_reason == expected
+
+
+@pytest.mark.parametrize("method", ["ar", "racer"])
+def test_context_limit_stops_before_the_model_runs_out_of_positions(method):
+    bundle = tiny_bundle(context_length=24, eos=False)
+    prompt = "abcabcabcabcabcabcab"  # 20 tokens: 4 free positions, max_new_tokens 10
+    out = Engine(bundle, DecodingConfig(method=method, capacity=16)).generate(prompt, GenerationParams(max_new_tokens=10))
+    ref = generate_reference(bundle, prompt, GenerationParams(max_new_tokens=10))
+    assert out.finish_reason == "context" and ref.finish_reason == "context"
+    assert out.output_tokens == 4 and out.token_ids == ref.token_ids
+    with pytest.raises(ValueError, match="context"):
+        Engine(bundle).generate("a" * 24, GenerationParams(max_new_tokens=1))
+
+
+def test_bad_prompts_raise_value_error(tiny):
+    engine = Engine(tiny, DecodingConfig(method="racer"))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", GenerationParams())
+    with pytest.raises(ValueError, match="chat template"):
+        engine.generate([{"role": "user", "content": "hi"}], GenerationParams())
+    with pytest.raises(ValueError, match="role"):
+        engine.generate([{"content": "hi"}], GenerationParams())
+
+
+@pytest.mark.parametrize("method", ["ar", "racer"])
+def test_seeded_sampling_repeats_and_seeds_differ(method):
+    bundle = tiny_bundle(head_scale=3.0, eos=False)
+    engine = Engine(bundle, DecodingConfig(method=method, capacity=16))
+    p = dict(max_new_tokens=40, temperature=1.0, top_p=0.95, top_k=20)
+    a = engine.generate("abcab", GenerationParams(seed=1, **p))
+    b = engine.generate("abcab", GenerationParams(seed=1, **p))
+    c = engine.generate("abcab", GenerationParams(seed=2, **p))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    ref = generate_reference(bundle, "abcab", GenerationParams(seed=1, **p))
+    assert ref.token_ids == generate_reference(bundle, "abcab", GenerationParams(seed=1, **p)).token_ids
+
+
+class FixedTreeDrafter:
+    """Proposes the same tree every step, whatever the context (tests the acceptance rule alone)."""
+
+    name = "fixed"
+    needs_topk = False
+
+    def start(self, prompt_ids, prompt_topk):
+        pass
+
+    def propose(self, root, *, capacity, max_depth):
+        tokens = [root, 1, 3, 4, 1, 5, 0]
+        parents = [-1, 0, 0, 1, 1, 3, 2]
+        keep = [0]
+        depth = [0] * len(tokens)
+        for i in range(1, len(tokens)):
+            depth[i] = depth[parents[i]] + 1
+            if depth[i] <= max_depth:
+                keep.append(i)
+        remap = {old: new for new, old in enumerate(keep)}
+        return Draft([tokens[i] for i in keep], [-1] + [remap[parents[i]] for i in keep[1:]], [0] + [2] * (len(keep) - 1))
+
+    def update(self, verified):
+        pass
+
+
+def test_lossless_sampling_matches_autoregressive_distribution():
+    """Chi-square of the first three emitted tokens (20,000 seeded draws) against the exact AR distribution."""
+    V = 6
+    bundle = tiny_bundle(vocab_size=V, head_scale=4.0, eos=False, seed=3)
+    model = bundle.model
+    prompt = [1, 0, 3]
+    params_kw = dict(temperature=0.8, max_new_tokens=3)
+    # exact AR distribution over V^3 sequences
+    with torch.no_grad():
+        def probs(seq):
+            logits = model(torch.tensor([seq])).logits[0, -1].float() / params_kw["temperature"]
+            return torch.softmax(logits, -1).double()
+        exact = np.zeros((V, V, V))
+        p1 = probs(prompt)
+        for a in range(V):
+            p2 = probs(prompt + [a])
+            for b in range(V):
+                p3 = probs(prompt + [a, b])
+                exact[a, b] = (p1[a] * p2[b] * p3).numpy()
+    engine = Engine(bundle, DecodingConfig(method="ar"), drafter_factory=lambda cfg, st: FixedTreeDrafter())
+    n = 20_000
+    counts = np.zeros((V, V, V))
+    accepted = 0
+    for seed in range(n):
+        out = engine._generate_ids(prompt, GenerationParams(seed=seed, **params_kw), state=None, should_cancel=None, keep_steps=False)
+        a, b, c = out.token_ids
+        counts[a, b, c] += 1
+        accepted += out.stats.emitted_tokens - out.stats.steps
+    assert accepted > n * 0.3  # the fixed tree is accepted often enough for the test to mean something
+    exp = exact.ravel() / exact.sum() * n  # renormalise float rounding so the totals agree exactly
+    obs = counts.ravel()
+    big = exp >= 5  # pool rare cells so the chi-square approximation holds
+    f_obs, f_exp = obs[big], exp[big]
+    if (~big).any():
+        f_obs, f_exp = np.append(f_obs, obs[~big].sum()), np.append(f_exp, exp[~big].sum())
+    pval = chisquare(f_obs, f_exp).pvalue
+    assert pval > 0.01, pval
+
+
+def test_capacity_tuner_prefers_cheap_trees_when_acceptance_is_shallow():
+    cost = {4: 10.0, 16: 20.0, 64: 40.0}
+    tuner = CapacityTuner(cost, [4, 16, 64], warmup_steps=4, explore_every=0)
+    for _ in range(20):
+        assert tuner.capacity() in (4, 16, 64)
+        tuner.observe(used_capacity=tuner.capacity(), accepted_creation_idx=[1, 2], overhead_ms=0.0)
+    assert tuner.choose() == 4  # the accepted nodes are always among the first 4: paying for 64 is waste
+    tuner2 = CapacityTuner({4: 10.0, 16: 12.0, 64: 14.0}, [4, 16, 64], warmup_steps=4, explore_every=0)
+    for _ in range(20):
+        tuner2.observe(used_capacity=64, accepted_creation_idx=[3, 10, 30, 50, 60, 63], overhead_ms=0.0)
+    assert tuner2.choose() == 64  # deep acceptance from late nodes pays for the big tree
+
+
+def test_auto_capacity_runs_and_stays_lossless(tiny):
+    engine = Engine(tiny, DecodingConfig(method="racer", capacity="auto", auto_capacities=[4, 8, 16]))
+    assert set(engine.cost_curve_ms) == {1, 4, 8, 16}
+    out = engine.generate("abcabcabd", GenerationParams(max_new_tokens=60))
+    assert out.token_ids == generate_reference(tiny, "abcabcabd", GenerationParams(max_new_tokens=60)).token_ids
+    assert engine.tuner.steps > 0
+
+
+def test_state_scopes(tiny):
+    job = Engine(tiny, DecodingConfig(method="racer", scope="job"))
+    s1, s2 = job.new_state(), job.new_state()
+    assert s1 is not s2
+    job.generate("abcabc", GenerationParams(max_new_tokens=10), state=s1)
+    assert s1.automaton.num_nodes > 0 and s2.automaton.num_nodes == 0  # one job's text never reaches another
+    job.free_state(s1)
+    with pytest.raises(ValueError, match="freed"):
+        job.generate("abcabc", GenerationParams(max_new_tokens=10), state=s1)
+    glob = Engine(tiny, DecodingConfig(method="racer", scope="global"))
+    assert glob.new_state() is glob.new_state()
+    req = Engine(tiny, DecodingConfig(method="racer", scope="request"))
+    s = req.new_state()
+    req.generate("abcabc", GenerationParams(max_new_tokens=10), state=s)
+    assert s.automaton.num_nodes == 0  # request scope used a fresh private state
+
+
+def test_automaton_memory_bounded_across_rows(tiny):
+    engine = Engine(tiny, DecodingConfig(method="racer", max_nodes=200, ngram=6))
+    state = engine.new_state()
+    for i in range(12):
+        engine.generate(PROMPTS[i % len(PROMPTS)] + str(i), GenerationParams(max_new_tokens=40), state=state)
+        assert state.automaton.num_nodes <= 200
+    state.automaton.check_invariants()
+    assert state.rows == 12

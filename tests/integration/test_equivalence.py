@@ -1,0 +1,112 @@
+"""Greedy equivalence on the real default model (float32): reference AR == HF generate, and every drafter
+== HF generate, on the 24-prompt smoke set (8 per set, shared/data README's rule), including Spec-Bench
+two-turn questions where turn 2 sees the model's own turn-1 answer."""
+
+import pytest
+import torch
+
+from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
+from racer_batch.benchdata import conversation, smoke_prompts
+
+pytestmark = pytest.mark.integration
+MAX_NEW = 128
+
+
+@pytest.fixture(scope="session")
+def smoke():
+    items = smoke_prompts(8)
+    assert len(items) == 24 and any(len(it.turns) == 2 for it in items)
+    return items
+
+
+def _run_turns(item, gen_one):
+    """Answer each turn in order; returns the token ids per turn."""
+    answers, outs = [], []
+    for i in range(len(item.turns)):
+        ids, text = gen_one(conversation(list(item.turns[: i + 1]), answers))
+        outs.append(ids)
+        answers.append(text)
+    return outs
+
+
+@pytest.fixture(scope="session")
+def hf_outputs(smol, smoke):
+    tok = smol.tokenizer
+
+    def gen_one(msgs):
+        ids = torch.tensor([Engine(smol).encode(msgs)])
+        with torch.inference_mode():
+            out = smol.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                      eos_token_id=smol.eos_ids, pad_token_id=smol.eos_ids[0])
+        new = out[0, ids.shape[1]:].tolist()
+        # HF pads nothing at batch size 1; our token_ids keep the EOS that ended generation, as HF does
+        return new, tok.decode([t for t in new if t not in smol.eos_ids], skip_special_tokens=True)
+
+    return {it.item_id + it.set: _run_turns(it, gen_one) for it in smoke}
+
+
+def _engine_outputs(bundle, smoke, run):
+    def gen(item):
+        def gen_one(msgs):
+            r = run(msgs)
+            return r.token_ids, r.text
+        return _run_turns(item, gen_one)
+    return {it.item_id + it.set: gen(it) for it in smoke}
+
+
+def _assert_same(got, want, label):
+    bad = [k for k in want if got[k] != want[k]]
+    assert not bad, f"{label}: {len(bad)} of {len(want)} items differ from HF generate: {bad[:5]}"
+
+
+def test_reference_matches_hf_generate(smol, smoke, hf_outputs):
+    params = GenerationParams(max_new_tokens=MAX_NEW)
+    got = _engine_outputs(smol, smoke, lambda msgs: generate_reference(smol, msgs, params))
+    _assert_same(got, hf_outputs, "reference AR")
+    lengths = [len(t) for turns in got.values() for t in turns]
+    assert max(lengths) == MAX_NEW
+    # an end-of-turn special token (<|im_end|>) ended at least one answer, and it is one of the EOS ids
+    assert any(turns[-1][-1] in smol.eos_ids for turns in got.values())
+    assert smol.tokenizer.convert_tokens_to_ids("<|im_end|>") in smol.eos_ids
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "logits", "retrieval", "racer"])
+def test_drafter_matches_hf_generate(smol, smoke, hf_outputs, method):
+    engine = Engine(smol, DecodingConfig(method=method, capacity=16))
+    state = engine.new_state()
+    params = GenerationParams(max_new_tokens=MAX_NEW)
+    steps = tokens = 0
+
+    def run(msgs):
+        nonlocal steps, tokens
+        r = engine.generate(msgs, params, state=state)
+        steps += r.stats.steps
+        tokens += r.output_tokens
+        assert r.stats.emitted_tokens == r.output_tokens
+        return r
+
+    got = _engine_outputs(smol, smoke, run)
+    engine.free_state(state)
+    _assert_same(got, hf_outputs, method)
+    if method in ("logits", "racer"):
+        assert tokens / steps > 1.3  # the drafts are really accepted, not just verified
+
+
+def test_stop_string_across_tokens_real_model(smol):
+    engine = Engine(smol, DecodingConfig(method="racer", capacity=16))
+    msgs = conversation(["Write a Python function that adds two numbers."], [])
+    base = engine.generate(msgs, GenerationParams(max_new_tokens=64))
+    ids = base.token_ids
+    tok = smol.tokenizer
+    # pick a stop string made of the end of token j and the start of token j+1
+    for j in range(5, len(ids) - 2):
+        a, b = tok.decode(ids[j : j + 1]), tok.decode(ids[j + 1 : j + 2])
+        if len(a) >= 2 and len(b) >= 2 and a[-1:] + b[:1] not in tok.decode(ids[: j + 1]):
+            stop = a[-1:] + b[:1]
+            break
+    else:
+        pytest.fail("no token pair to build a spanning stop string from")
+    out = engine.generate(msgs, GenerationParams(max_new_tokens=64, stop=[stop]))
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ids[: j + 2]
+    assert stop not in out.text and base.text.startswith(out.text)
