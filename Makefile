@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/racer-batch generate --method racer --max-new-tokens 128 "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
+	$(BIN)/racer-batch submit jobs/demo.yaml --local --wait
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
