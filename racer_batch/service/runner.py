@@ -22,6 +22,7 @@ from racer_batch.service.inputs import InputPlan, RowTask, iter_raw_rows, parse_
 from racer_batch.service.output import part_path, shard_complete, write_part
 from racer_batch.service.queue import ShardSummary
 from racer_batch.service.schema import RowAccumulator, error_record, now_utc
+from racer_batch.service.shadow import baseline_first, sample_seed, shadow_path, shadow_record, shadow_selected, write_shadow
 from racer_batch.service.spec import JobSpec, ModelSpec
 from racer_batch.service.standin import StandInEngine, is_standin, load_standin
 from racer_batch.types import DecodingConfig
@@ -126,9 +127,13 @@ class RowRunner:
             self._model_key = key
             self.models_loaded += 1
             log.info("loaded model %s on %s", spec.model.name, getattr(self._bundle, "device", "?"))
-        h = spec.decoding.config_hash()
+        return self._engine_for_config(spec.decoding)
+
+    def _engine_for_config(self, decoding: DecodingConfig) -> Any:
+        """The engine of one decoding config on the loaded model (the job's, or a shadow baseline's)."""
+        h = decoding.config_hash()
         if h not in self._engines:
-            self._engines[h] = self._engine_factory(self._bundle, spec.decoding)
+            self._engines[h] = self._engine_factory(self._bundle, decoding)
         return self._engines[h]
 
     def _state_for(self, job_id: str, engine: Any) -> Any:
@@ -137,7 +142,10 @@ class RowRunner:
         return self._states[job_id][1]
 
     def end_job(self, job_id: str) -> bool:
-        """Free the job's draft state; True when there was one."""
+        """Free the job's draft state (and its shadow baseline's); True when there was one."""
+        shadow = self._states.pop(_shadow_key(job_id), None)
+        if shadow is not None:
+            shadow[0].free_state(shadow[1])
         got = self._states.pop(job_id, None)
         if got is None:
             return False
@@ -147,12 +155,19 @@ class RowRunner:
 
     @property
     def active_jobs(self) -> list[str]:
-        return list(self._states)
+        return [k for k in self._states if not k.endswith(_SHADOW_SUFFIX)]
 
     def describe(self) -> dict:
         return {"worker": self.worker_name, "model": self._model_key[0] if self._model_key else None,
                 "device": getattr(self._bundle, "device", None), "models_loaded": self.models_loaded,
                 "active_jobs": self.active_jobs}
+
+    def answer_row(self, spec: JobSpec, row: RowTask, base: dict, *, job_id: str) -> tuple[dict, list[dict]]:
+        """One row outside a shard (``racer-batch shadow`` on a finished job): the output record and, when
+        ``spec.shadow`` selects the row, its shadow pair. Draft state is scoped to ``job_id``."""
+        engine = self._engine_for(spec)
+        state = self._state_for(job_id, engine)
+        return self._run_row(engine, state, spec, row, base, job_id=job_id, should_cancel=lambda: False)
 
     # ---- one shard
     def run_shard(self, task_d: dict) -> dict:
@@ -173,6 +188,7 @@ class RowRunner:
         }
         columns = list(spec.input.columns.model_dump().values())
         stopped: Optional[str] = None
+        shadow_records: list[dict] = []
         source = task.rows if task.rows is not None else iter_raw_rows(plan, task.row_start, task.row_stop, columns)
         for row_idx, rec in source:
             row = parse_row(spec, row_idx, rec)
@@ -183,7 +199,9 @@ class RowRunner:
                 out = error_record(status="cancelled", error=f"job stopped before this row ran ({stopped})",
                                    base=base)
             else:
-                out = self._run_row(engine, state, spec, row, base, should_cancel=lambda: verdict() != KEEP_GOING)
+                out, pair = self._run_row(engine, state, spec, row, base, job_id=task.job_id,
+                                          should_cancel=lambda: verdict() != KEEP_GOING)
+                shadow_records += pair
                 if out["status"] == "cancelled":
                     stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
             out["finished_at"] = now_utc()
@@ -199,13 +217,19 @@ class RowRunner:
         meta = dict(summary.to_dict(), job_id=task.job_id, shard=task.shard, row_start=task.row_start,
                     row_stop=task.row_stop, spec_hash=task.spec_hash, worker=self.worker_name,
                     attempt=task.attempt, elapsed_s=time.perf_counter() - t0)
-        written = self._commit(task, records, meta, stopped=stopped)
+        if shadow_records:
+            meta["shadow_rows"] = len(shadow_records) // 2
+        written = self._commit(task, records, meta, stopped=stopped, shadow_records=shadow_records)
         return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)))
 
-    def _commit(self, task: ShardTask, records: list[dict], meta: dict, *, stopped: Optional[str]) -> bool:
+    def _commit(self, task: ShardTask, records: list[dict], meta: dict, *, stopped: Optional[str],
+                shadow_records: Optional[list[dict]] = None) -> bool:
         out_dir = task.spec["output"]["path"]
         if stopped == LEASE_LOST:
             return False  # another worker owns the job now; its copy of this shard wins
+        if shadow_records:  # before the part file, whose rename commits the shard
+            write_shadow(shadow_path(out_dir, f"{task.shard:05d}"), shadow_records,
+                         meta={"job_id": task.job_id, "shard": task.shard, "spec_hash": task.spec_hash})
         if stopped is not None:
             # A partial (cancelled) shard is written for inspection, but never over a complete one.
             if shard_complete(out_dir, task.shard, spec_hash=task.spec_hash,
@@ -229,34 +253,101 @@ class RowRunner:
 
         return verdict
 
-    def _run_row(self, engine: Any, state: Any, spec: JobSpec, row: RowTask, base: dict, *,
-                 should_cancel: Callable[[], bool]) -> dict:
+    def _run_row(self, engine: Any, state: Any, spec: JobSpec, row: RowTask, base: dict, *, job_id: str,
+                 should_cancel: Callable[[], bool]) -> tuple[dict, list[dict]]:
+        """Answer one row ``spec.n_samples`` times (sample 0 with the row's seed) and, when the row is in the
+        shadow sample, once more with the baseline config right before or after sample 0.
+        Returns the output record and the shadow records ([] or [method, baseline])."""
         if row.error is not None:
-            return error_record(status="error", error=f"row {row.id!r}: {row.error}", base=base)
+            return error_record(status="error", error=f"row {row.id!r}: {row.error}", base=base), []
+        shadow = spec.shadow
+        pair: list[dict] = []
+        with_shadow = shadow is not None and shadow_selected(shadow.seed, row.id, shadow.fraction)
+        first = with_shadow and baseline_first(shadow.seed, row.id)
+        if with_shadow and first:
+            pair.append(self._shadow_baseline(spec, row, base, job_id=job_id, ran_first=True,
+                                              should_cancel=should_cancel))
+        results = []  # (accumulator, status, error, seed) per sample
+        for k in range(spec.n_samples):
+            params = row.params if k == 0 else row.params.model_copy(update={"seed": sample_seed(row.seed, k)})
+            acc, status, error = self._answer(engine, state, row, params, should_cancel=should_cancel)
+            results.append((acc, status, error, params.seed))
+            if k == 0 and with_shadow:
+                method = acc.record(status=status, error=error, base=base)
+                method["finished_at"] = now_utc()
+                pair.insert(0, shadow_record(method, run="job", side="method", ran_first=not first,
+                                             temperature=row.params.temperature))
+                if not first:
+                    pair.append(self._shadow_baseline(spec, row, base, job_id=job_id, ran_first=False,
+                                                      should_cancel=should_cancel))
+            if status != "ok":
+                break
+        acc0, status, error, _ = results[0]
+        if len(results) == 1 and spec.n_samples == 1:
+            return acc0.record(status=status, error=error, base=base), pair
+        total = RowAccumulator()
+        for acc, st, err, _ in results:
+            total.add(acc)
+            if st != "ok" and status == "ok":
+                status, error = st, err
+        total.turn_texts, total.finish_reason = acc0.turn_texts, acc0.finish_reason
+        rec = total.record(status=status, error=error, base=base)
+        rec["samples"] = [
+            {"sample": k, "seed": seed, "status": st, "text": acc.turn_texts[-1] if acc.turn_texts else None,
+             "turn_texts": list(acc.turn_texts), "output_tokens": acc.output_tokens,
+             "finish_reason": acc.finish_reason}
+            for k, (acc, st, _, seed) in enumerate(results)
+        ]
+        return rec, pair
+
+    def _shadow_baseline(self, spec: JobSpec, row: RowTask, base: dict, *, job_id: str, ran_first: bool,
+                         should_cancel: Callable[[], bool]) -> dict:
+        """The baseline side of a shadow pair: the row's sample 0 with the shadow config, its own draft state."""
+        assert spec.shadow is not None
+        decoding = spec.shadow.decoding()
+        engine = self._engine_for_config(decoding)
+        state = self._state_for(_shadow_key(job_id), engine)
+        acc, status, error = self._answer(engine, state, row, row.params, should_cancel=should_cancel)
+        rec = acc.record(status=status, error=error, base=dict(base, method=decoding.method,
+                                                               config_hash=decoding.config_hash()))
+        rec["finished_at"] = now_utc()
+        return shadow_record(rec, run="job", side="baseline", ran_first=ran_first,
+                             temperature=row.params.temperature)
+
+    def _answer(self, engine: Any, state: Any, row: RowTask, params: Any, *,
+                should_cancel: Callable[[], bool]) -> tuple[RowAccumulator, str, Optional[str]]:
+        """One answer to the row (every turn) with these params: (accumulator, status, error)."""
         acc = RowAccumulator()
         try:
             if row.turns is not None:
                 chat = list(row.chat or [])
                 for turn in row.turns:
                     chat.append({"role": "user", "content": turn})
-                    res = engine.generate(chat, row.params, state=state, should_cancel=should_cancel)
+                    res = engine.generate(chat, params, state=state, should_cancel=should_cancel)
                     acc.add_turn(res)
                     if res.finish_reason == "cancelled":
                         break
                     chat.append({"role": "assistant", "content": res.text})
             else:
-                res = engine.generate(row.chat if row.chat is not None else row.raw, row.params, state=state,
+                res = engine.generate(row.chat if row.chat is not None else row.raw, params, state=state,
                                       should_cancel=should_cancel)
                 acc.add_turn(res)
         except ValueError as exc:
-            return acc.record(status="error", error=f"row {row.id!r}: {exc}", base=base)
+            return acc, "error", f"row {row.id!r}: {exc}"
         except Exception as exc:  # noqa: BLE001 - a model failure on one row must not kill the job
-            log.warning("model error on row %s of job %s: %r", row.id, base["job_id"], exc)
-            return acc.record(status="error", error=f"row {row.id!r}: model error: {type(exc).__name__}: {exc}",
-                              base=base)
-        status = "cancelled" if acc.finish_reason == "cancelled" else "ok"
-        return acc.record(status=status, error="cancelled during generation" if status == "cancelled" else None,
-                          base=base)
+            log.warning("model error on row %s: %r", row.id, exc)
+            return acc, "error", f"row {row.id!r}: model error: {type(exc).__name__}: {exc}"
+        if acc.finish_reason == "cancelled":
+            return acc, "cancelled", "cancelled during generation"
+        return acc, "ok", None
+
+
+_SHADOW_SUFFIX = "\0shadow"
+
+
+def _shadow_key(job_id: str) -> str:
+    """Key of a job's shadow-baseline draft state in RowRunner._states (freed with the job's)."""
+    return job_id + _SHADOW_SUFFIX
 
 
 def _telemetry(rec: dict) -> dict:

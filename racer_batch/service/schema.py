@@ -16,6 +16,12 @@ import pyarrow as pa
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "error", "cancelled")
 
+SAMPLE_TYPE = pa.struct([
+    pa.field("sample", pa.int32()), pa.field("seed", pa.int64()), pa.field("status", pa.string()),
+    pa.field("text", pa.string()), pa.field("turn_texts", pa.list_(pa.string())),
+    pa.field("output_tokens", pa.int64()), pa.field("finish_reason", pa.string()),
+])
+
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string(), nullable=False),
@@ -50,6 +56,8 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("seed", pa.int64()),
         pa.field("job_id", pa.string(), nullable=False),
         pa.field("finished_at", pa.timestamp("ms", tz="UTC")),
+        # n_samples > 1 only (else null): every answer with its own seed; the row's text is sample 0's.
+        pa.field("samples", pa.list_(SAMPLE_TYPE)),
     ],
     metadata={b"racer_batch.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -84,6 +92,18 @@ class RowAccumulator:
         for k in ("draft_ms", "verify_ms", "update_ms"):
             self.ms[k] += float(getattr(st, k))
         self.finish_reason = res.finish_reason
+
+    def add(self, other: "RowAccumulator") -> None:
+        """Add another answer's counts and times (texts and finish reason stay this one's)."""
+        self.prompt_tokens += other.prompt_tokens
+        self.output_tokens += other.output_tokens
+        self.steps += other.steps
+        for k, v in other.hist.items():
+            self.hist[k] = self.hist.get(k, 0) + v
+        for k in self.by_source:
+            self.by_source[k] += other.by_source[k]
+        for k in self.ms:
+            self.ms[k] += other.ms[k]
 
     def record(self, *, status: str, error: Optional[str], base: dict) -> dict:
         total_ms = self.ms["prefill_ms"] + self.ms["decode_ms"]

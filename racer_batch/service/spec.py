@@ -125,6 +125,31 @@ class Resources(BaseModel):
         return v
 
 
+class ShadowSpec(BaseModel):
+    """Run a deterministic sample of rows a second time with a baseline decoding config (service/shadow.py).
+
+    ``config`` is a preset name (only its ``decoding`` section is used: prompts and generation settings stay
+    the job's) or an inline decoding config; ``load_spec`` resolves a preset name to the inline config.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: Union[DecodingConfig, str] = Field(..., description="baseline: preset name or inline decoding config")
+    name: Optional[str] = Field(None, max_length=200, description="label in reports (default: the preset name)")
+    fraction: float = Field(0.05, gt=0.0, le=1.0, description="share of rows sampled (hash of seed and row id)")
+    seed: int = Field(0, ge=0, le=2**62, description="sampling seed")
+
+    def decoding(self) -> DecodingConfig:
+        assert isinstance(self.config, DecodingConfig), (
+            f"shadow.config = {self.config!r} was not resolved to a decoding config (use load_spec)"
+        )
+        return self.config
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.config if isinstance(self.config, str) else self.config.method)
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -140,10 +165,15 @@ class JobSpec(BaseModel):
     priority: int = Field(5, ge=0, le=9, description="queue priority, 9 = first")
     seed: int = Field(0, ge=0, le=2**62, description="job seed; a row's seed = row seed or job seed + row index")
     redis_url: Optional[str] = Field(None, description="Redis URL (else flag, else REDIS_URL); never stored")
+    n_samples: int = Field(1, ge=1, le=1024, description="answers per prompt, each with its own recorded seed")
+    shadow: Optional[ShadowSpec] = Field(None, description="baseline runs on a sample of rows (see ShadowSpec)")
 
     def spec_hash(self) -> str:
         """Hash of everything that changes the output rows (not resources, priority, Redis, labels)."""
-        d = self.model_dump(mode="json", exclude={"name", "preset", "resources", "priority", "redis_url"})
+        exclude = {"name", "preset", "resources", "priority", "redis_url"}
+        # Left out at their defaults, so the hash of a spec written before these keys existed is unchanged.
+        exclude |= {k for k, default in (("n_samples", 1), ("shadow", None)) if getattr(self, k) == default}
+        d = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def row_params(self, overrides: dict[str, Any], *, seed: int) -> GenerationParams:
@@ -284,7 +314,24 @@ def load_spec(path: Optional[str | Path], overrides: Optional[dict[str, Any]] = 
         pdata = _read_yaml(resolve_preset(preset, spec_dir))
         pdata.pop("preset", None)
         merged = deep_merge(pdata, merged)
+    _resolve_shadow_preset(merged, spec_dir)
     try:
         return JobSpec.model_validate(merged)
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc, where=where)) from None
+
+
+def _resolve_shadow_preset(merged: dict, spec_dir: Optional[Path]) -> None:
+    """``shadow.config: ar`` -> the ``decoding`` section of configs/ar.yaml, inline (workers need no files)."""
+    shadow = merged.get("shadow")
+    if not isinstance(shadow, dict) or not isinstance(shadow.get("config"), str):
+        return
+    name = shadow["config"]
+    try:
+        decoding = _read_yaml(resolve_preset(name, spec_dir)).get("decoding")
+    except SpecError as exc:
+        raise SpecError(f"shadow.config: {exc}") from None
+    if not isinstance(decoding, dict):
+        raise SpecError(f"shadow.config = {name!r}: the preset has no decoding section")
+    shadow["config"] = decoding
+    shadow.setdefault("name", name)
