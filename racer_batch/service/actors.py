@@ -101,9 +101,10 @@ class ThreadExecutor:
     """RowRunners on threads of this process: no isolation, same code path. Shape: ``num_actors`` threads."""
 
     def __init__(self, queue_url: str, *, prefix: str, allow_remote_code: bool = False,
-                 device: Optional[str] = None) -> None:
+                 device: Optional[str] = None, runner_options: Optional[dict] = None) -> None:
         self._url, self._prefix = queue_url, prefix
         self._allow, self._device = allow_remote_code, device
+        self._runner_options = runner_options or {}  # extra RowRunner keywords (loader, engine_factory)
         self.runners: list[RowRunner] = []
         self._pool: Optional[cf.ThreadPoolExecutor] = None
         self.slots = 0
@@ -120,7 +121,7 @@ class ThreadExecutor:
     def _runner(self, slot: int) -> RowRunner:
         sink = RedisSink(JobQueue(connect(self._url), prefix=self._prefix))
         return RowRunner(worker_name=f"{socket.gethostname()}:{os.getpid()}:t{slot}", sink=sink,
-                         allow_remote_code=self._allow, device=self._device)
+                         allow_remote_code=self._allow, device=self._device, **self._runner_options)
 
     def submit(self, slot: int, task: dict) -> cf.Future:
         assert self._pool is not None, "prepare() before submit()"

@@ -217,24 +217,36 @@ class Worker:
     def _shard_failed(self, job_id: str, spec: JobSpec, plan: InputPlan, shard: int, slot: int, exc: BaseException,
                       attempts: collections.Counter, pending: "ShardFeed", ranges: dict, spec_hash: str,
                       done: dict) -> Optional[str]:
-        """Retry a crashed shard; fail the job on a setup error. Returns a job failure message or None."""
+        """Decide what a failed shard means. Returns a job failure message, or None to carry on.
+
+        * The actor died (a row may crash the process, e.g. out of memory): restart it and retry; after
+          ``max_shard_attempts`` the shard's rows are written with status=error, so the job still ends.
+        * ValueError / AssertionError raised outside any row (the model cannot load, the input changed):
+          retrying cannot help, the job fails with the message.
+        * Any other exception (an I/O error writing the part file, a bug): retried, then the job fails;
+          rows are never marked as errors for a fault that is not theirs.
+        """
         crash = self.executor.is_crash(exc)
         cause = self.executor.root_cause(exc)
         if crash:
             log.warning("job %s shard %d: actor crashed (%s); restarting it", job_id, shard, type(exc).__name__)
             self.executor.restart(slot)
         elif isinstance(cause, (ValueError, AssertionError)):
-            # Raised outside any row: the model cannot load, the input changed, ... Retrying will not help.
             return f"shard {shard}: {cause}"
+        else:
+            log.warning("job %s shard %d attempt %d failed: %s: %s", job_id, shard, attempts[shard],
+                        type(cause).__name__, cause)
         if attempts[shard] < self.max_shard_attempts:
             pending.retry(shard)
             return None
         message = f"shard failed {attempts[shard]} times; last error: {type(cause).__name__}: {cause}"
         log.error("job %s shard %d: %s", job_id, shard, message)
+        if not crash:
+            return f"shard {shard}: {message}"
         meta = self._write_failed_shard(job_id, spec, pending.rows[shard], shard, ranges[shard], spec_hash, message)
         pending.committed(shard)
         done[shard] = meta
-        self.queue.commit_shard(job_id, shard, meta)
+        self._redis_best_effort(self.queue.commit_shard, job_id, shard, meta)
         return None
 
     def _write_failed_shard(self, job_id: str, spec: JobSpec, rows: list, shard: int, row_range: tuple,

@@ -228,3 +228,25 @@ def test_sigterm_hands_the_job_back(queue, redis_url, tmp_path):
     assert fields["state"] == "queued" and "released by polite" in fields["message"]
     lease = queue.claim(consumer="next", lease_ms=600_000, block_ms=0)  # no lease wait: taken at once
     assert lease is not None and lease.job_id == sub.job_id and not lease.reclaimed
+
+
+def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_path):
+    """A fault that is not a row's (here: the engine cannot make a draft state) fails the job with its
+    message after retries; no row is marked as an error for it."""
+    from racer_batch.service.actors import ThreadExecutor
+    from racer_batch.service.standin import StandInEngine
+    from racer_batch.service.worker import Worker
+
+    class Broken(StandInEngine):
+        def new_state(self):
+            raise TypeError("draft state cannot be built")
+
+    spec, sub = _job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(3)])
+    ex = ThreadExecutor(redis_url, prefix=queue.prefix,
+                        runner_options={"engine_factory": lambda bundle, cfg: Broken(bundle, cfg)})
+    w = Worker(queue, ex, name="w", lease_s=5)
+    assert w.run(max_jobs=1, idle_exit_s=5) == 1
+    ex.shutdown()
+    fields = queue.job_fields(sub.job_id)
+    assert fields["state"] == "failed" and "TypeError: draft state cannot be built" in fields["message"]
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
