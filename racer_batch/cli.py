@@ -165,7 +165,14 @@ def _register_service_commands() -> None:
     register(main)
 
 
+def _register_report_commands() -> None:
+    from .cli_report import register
+
+    register(main)
+
+
 _register_service_commands()
+_register_report_commands()
 
 
 def run() -> None:

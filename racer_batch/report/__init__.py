@@ -1,0 +1,1 @@
+"""Reports on finished jobs: per-route statistics, charts, shadow comparisons, chat export."""

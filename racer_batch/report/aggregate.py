@@ -1,0 +1,229 @@
+"""Per-route and overall statistics of a job's output rows (the numbers behind `racer-batch report`).
+
+Definitions (every row counts, whatever its status, because its compute was spent):
+
+- ``device_s``: generation time of the rows (prefill + decode) times the devices per actor (the job's
+  ``gpus_per_actor`` on GPUs; 1 for a CPU actor). This is what a device was busy for.
+- ``wall_s``: the span from the first row's start (its ``finished_at`` minus its generation time) to the last
+  row's ``finished_at``. With several actors wall time is shorter than device time.
+- ``tokens_per_device_s`` = output tokens / device_s; ``tokens_per_wall_s`` = output tokens / wall_s.
+- ``mat`` = output tokens / steps (RACER.md section 1: the prefill counts as one step that emits one token).
+- ``accepted_hist[k]``: steps that accepted k draft tokens, summed over rows (index 0 includes the prefill).
+- shares of accepted draft tokens by source: retrieval only, logits only, both, other (PLD).
+- ``cost_usd`` = price per device-hour x device_s / 3600; ``cost_per_m_tokens`` = cost / output tokens x 1e6.
+
+Worked example (two rows of one route, one device each, price 3.60 per device-hour)::
+
+    row a: 100 output tokens, 40 steps, prefill 200 ms + decode 1800 ms, finished at t = 10 s
+    row b:  50 output tokens, 30 steps, prefill 100 ms + decode  900 ms, finished at t = 12 s
+    device_s = 2.0 + 1.0 = 3.0            wall_s = 12 - (10 - 2.0) = 4.0
+    tokens_per_device_s = 150 / 3 = 50     mat = 150 / 70 = 2.142...
+    cost_usd = 3.60 * 3.0 / 3600 = 0.003   cost_per_m_tokens = 0.003 / 150 * 1e6 = 20.0
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+OVERALL = "(all)"
+
+
+@dataclass
+class RouteStats:
+    """Sums over the rows of one route; ``observe_row`` takes one output record (OUTPUT_SCHEMA dict)."""
+
+    route: str
+    rows: int = 0
+    ok: int = 0
+    failed: int = 0  # status error
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    gen_ms: float = 0.0  # prefill + decode, summed over rows
+    device_ms: float = 0.0  # gen_ms x devices per actor
+    accepted_hist: list[int] = field(default_factory=list)
+    accepted_retrieval: int = 0
+    accepted_logits: int = 0
+    accepted_both: int = 0
+    accepted_other: int = 0
+    first_start_s: Optional[float] = None  # epoch seconds
+    last_finish_s: Optional[float] = None
+
+    def observe_row(self, row: dict, *, devices: float = 1.0) -> None:
+        self.rows += 1
+        status = row.get("status")
+        if status == "ok":
+            self.ok += 1
+        elif status == "cancelled":
+            self.cancelled += 1
+        else:
+            self.failed += 1
+        self.prompt_tokens += int(row.get("prompt_tokens") or 0)
+        self.output_tokens += int(row.get("output_tokens") or 0)
+        self.steps += int(row.get("steps") or 0)
+        gen_ms = float(row.get("prefill_ms") or 0.0) + float(row.get("decode_ms") or 0.0)
+        self.gen_ms += gen_ms
+        self.device_ms += gen_ms * devices
+        hist = row.get("accepted_hist") or []
+        if len(hist) > len(self.accepted_hist):
+            self.accepted_hist += [0] * (len(hist) - len(self.accepted_hist))
+        for k, v in enumerate(hist):
+            self.accepted_hist[k] += int(v or 0)
+        for src in ("retrieval", "logits", "both", "other"):
+            key = f"accepted_{src}"
+            setattr(self, key, getattr(self, key) + int(row.get(key) or 0))
+        fin = _epoch_s(row.get("finished_at"))
+        if fin is not None:
+            start = fin - gen_ms / 1000.0
+            self.first_start_s = start if self.first_start_s is None else min(self.first_start_s, start)
+            self.last_finish_s = fin if self.last_finish_s is None else max(self.last_finish_s, fin)
+
+    def merge(self, other: "RouteStats") -> None:
+        for k in ("rows", "ok", "failed", "cancelled", "prompt_tokens", "output_tokens", "steps", "gen_ms",
+                  "device_ms", "accepted_retrieval", "accepted_logits", "accepted_both", "accepted_other"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        if len(other.accepted_hist) > len(self.accepted_hist):
+            self.accepted_hist += [0] * (len(other.accepted_hist) - len(self.accepted_hist))
+        for k, v in enumerate(other.accepted_hist):
+            self.accepted_hist[k] += v
+        for attr, pick in (("first_start_s", min), ("last_finish_s", max)):
+            a, b = getattr(self, attr), getattr(other, attr)
+            setattr(self, attr, b if a is None else a if b is None else pick(a, b))
+
+    # ---- derived quantities (None when undefined)
+    @property
+    def device_s(self) -> float:
+        return self.device_ms / 1000.0
+
+    @property
+    def wall_s(self) -> Optional[float]:
+        if self.first_start_s is None or self.last_finish_s is None:
+            return None
+        return self.last_finish_s - self.first_start_s
+
+    @property
+    def mat(self) -> Optional[float]:
+        return self.output_tokens / self.steps if self.steps else None
+
+    @property
+    def tokens_per_device_s(self) -> Optional[float]:
+        return self.output_tokens / self.device_s if self.device_ms > 0 else None
+
+    @property
+    def tokens_per_wall_s(self) -> Optional[float]:
+        w = self.wall_s
+        return self.output_tokens / w if w else None
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        return self.accepted_retrieval + self.accepted_logits + self.accepted_both + self.accepted_other
+
+    def share(self, source: str) -> Optional[float]:
+        """Share of accepted draft tokens from ``source`` (retrieval, logits, both, other)."""
+        total = self.accepted_draft_tokens
+        return getattr(self, f"accepted_{source}") / total if total else None
+
+    def cost_usd(self, price_per_device_hour: Optional[float]) -> Optional[float]:
+        return None if price_per_device_hour is None else price_per_device_hour * self.device_s / 3600.0
+
+    def cost_per_m_tokens(self, price_per_device_hour: Optional[float]) -> Optional[float]:
+        cost = self.cost_usd(price_per_device_hour)
+        return None if cost is None or not self.output_tokens else cost / self.output_tokens * 1e6
+
+    @property
+    def device_hours_per_m_tokens(self) -> Optional[float]:
+        return self.device_s / 3600.0 / self.output_tokens * 1e6 if self.output_tokens else None
+
+    def to_dict(self, price_per_device_hour: Optional[float] = None) -> dict:
+        return {
+            "route": self.route, "rows": self.rows, "ok": self.ok, "failed": self.failed,
+            "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "steps": self.steps, "wall_s": self.wall_s, "device_s": self.device_s,
+            "tokens_per_device_s": self.tokens_per_device_s, "tokens_per_wall_s": self.tokens_per_wall_s,
+            "mat": self.mat, "accepted_hist": list(self.accepted_hist),
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "share_retrieval": self.share("retrieval"), "share_logits": self.share("logits"),
+            "share_both": self.share("both"), "share_other": self.share("other"),
+            "device_hours_per_m_tokens": self.device_hours_per_m_tokens,
+            "cost_usd": self.cost_usd(price_per_device_hour),
+            "cost_per_m_tokens": self.cost_per_m_tokens(price_per_device_hour),
+        }
+
+
+def _epoch_s(v: object) -> Optional[float]:
+    if v is None:
+        return None
+    if isinstance(v, dt.datetime):
+        if v.tzinfo is None:
+            v = v.replace(tzinfo=dt.timezone.utc)
+        return v.timestamp()
+    return float(v)  # already epoch seconds
+
+
+def devices_per_actor(spec: dict, device: Optional[str]) -> float:
+    """Devices one row occupies: the spec's gpus_per_actor on a GPU (auto = 1), 1 for a CPU actor."""
+    if device and not str(device).startswith("cpu"):
+        g = (spec.get("resources") or {}).get("gpus_per_actor", "auto")
+        return 1.0 if g in ("auto", None, 0) else float(g)
+    return 1.0
+
+
+def aggregate(rows: Iterable[dict], *, by: str = "route", spec: Optional[dict] = None) -> dict[str, RouteStats]:
+    """Group output records by the column ``by`` (default route). Returns {group: stats} plus OVERALL."""
+    groups: dict[str, RouteStats] = {}
+    for row in rows:
+        key = str(row.get(by))
+        st = groups.setdefault(key, RouteStats(route=key))
+        st.observe_row(row, devices=devices_per_actor(spec or {}, row.get("device")))
+    total = RouteStats(route=OVERALL)
+    for st in groups.values():
+        total.merge(st)
+    out = dict(sorted(groups.items()))
+    out[OVERALL] = total
+    return out
+
+
+def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "route"
+                        ) -> tuple[list[float], dict[str, list[float]]]:
+    """Output tokens per second of wall time across the job, per group and in total.
+
+    Each row's tokens are spread evenly over its own generation interval [finished_at - gen time,
+    finished_at], then summed into ``bins`` equal time bins. Returns (bin centres in seconds since the first
+    row started, {group: tokens/s per bin, OVERALL: total}).
+
+    Example: one row of 100 tokens generated from t=0 to t=10 s, 2 bins -> centres [2.5, 7.5],
+    rates [10.0, 10.0].
+    """
+    spans = []
+    for row in rows:
+        fin = _epoch_s(row.get("finished_at"))
+        gen_s = (float(row.get("prefill_ms") or 0.0) + float(row.get("decode_ms") or 0.0)) / 1000.0
+        tok = int(row.get("output_tokens") or 0)
+        if fin is None or tok == 0:
+            continue
+        spans.append((fin - gen_s, fin, tok, str(row.get(by))))
+    if not spans:
+        return [], {}
+    t0 = min(s for s, _, _, _ in spans)
+    t1 = max(e for _, e, _, _ in spans)
+    width = max(t1 - t0, 1e-6) / bins
+    series: dict[str, list[float]] = {}
+    total = [0.0] * bins
+    for s, e, tok, g in spans:
+        arr = series.setdefault(g, [0.0] * bins)
+        dur = e - s
+        for b in range(bins):
+            lo, hi = t0 + b * width, t0 + (b + 1) * width
+            if dur <= 0:
+                frac = 1.0 if lo <= e < hi or (b == bins - 1 and e == hi) else 0.0
+            else:
+                frac = max(0.0, min(e, hi) - max(s, lo)) / dur
+            arr[b] += tok * frac
+            total[b] += tok * frac
+    centres = [(b + 0.5) * width for b in range(bins)]
+    rates = {g: [v / width for v in arr] for g, arr in sorted(series.items())}
+    rates[OVERALL] = [v / width for v in total]
+    return centres, rates

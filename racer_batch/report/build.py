@@ -1,0 +1,248 @@
+"""Assemble a report (numbers + charts) from a job's output folder and write it as Markdown, HTML or JSON.
+
+HTML is one self-contained file (charts embedded as base64 PNG); Markdown links the PNG files written next
+to it; JSON has every number (no charts).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+from racer_batch.report import charts
+from racer_batch.report.aggregate import OVERALL, aggregate, throughput_timeline
+from racer_batch.report.load import JobData
+from racer_batch.report.shadow import analyze
+
+CHART_FILES = {"acceptance": "acceptance_hist.png", "speed_cost": "speed_cost.png", "throughput": "throughput.png"}
+NO_SHADOW = ("No shadow rows: speedup versus a baseline was not measured for this job, and none is estimated "
+             "here. Add a `shadow:` block to the job spec, or run `racer-batch shadow JOB --baseline ar`.")
+
+
+@dataclass
+class Report:
+    title: str
+    job: dict  # id, name, model, method, state, rows, output folder, config hash
+    by: str
+    price_per_device_hour: Optional[float]
+    routes: dict[str, dict]  # group -> RouteStats.to_dict(), OVERALL last
+    shadow: list[dict]  # ShadowResult.to_dict() per run and route
+    timeline: dict  # {"t_s": [...], "tokens_per_s": {group: [...]}}
+    charts: dict[str, bytes] = field(default_factory=dict)  # name -> PNG
+
+    def to_json(self) -> dict:
+        return {"title": self.title, "job": self.job, "by": self.by,
+                "price_per_device_hour": self.price_per_device_hour, "routes": self.routes,
+                "shadow": self.shadow, "shadow_note": None if self.shadow else NO_SHADOW,
+                "timeline": self.timeline, "charts": {k: CHART_FILES[k] for k in self.charts}}
+
+    def summary_lines(self) -> list[str]:
+        a = self.routes[OVERALL]
+        lines = [f"{self.title}: {a['rows']} rows (ok {a['ok']}, failed {a['failed']}), "
+                 f"{a['output_tokens']} output tokens, MAT {_f(a['mat'])}, "
+                 f"{_f(a['tokens_per_device_s'], 1)} tokens per device-second"]
+        for s in self.shadow:
+            if s["route"] == OVERALL:
+                lines.append(f"shadow vs {s['baseline']} ({s['run']}): {s['pairs_ok']} pairs, greedy exact match "
+                             f"{_pct(s['greedy_exact_match_rate'])}, speed ratio {_f(s['speed_ratio'])}x")
+        if not self.shadow:
+            lines.append("no shadow rows: speedup not measured")
+        return lines
+
+
+def build_report(data: JobData, *, by: str = "route", price_per_device_hour: Optional[float] = None,
+                 title: Optional[str] = None, n_boot: int = 2000, with_charts: bool = True) -> Report:
+    rows = data.rows.to_pylist()
+    spec = data.spec
+    stats = aggregate(rows, by=by, spec=spec)
+    routes = {k: v.to_dict(price_per_device_hour) for k, v in stats.items()}
+    job_rows = {r["row_idx"]: r for r in rows}
+    shadow = [r.to_dict(n_boot=n_boot) for r in analyze(data.shadow.to_pylist(), job_rows=job_rows)]
+    if by != "route":
+        shadow = [s for s in shadow if s["route"] == OVERALL]  # shadow groups are routes
+    centres, rates = throughput_timeline(rows, by=by)
+    m = data.manifest
+    job = {"job_id": data.job_id, "name": m.get("name") or spec.get("name"), "state": m.get("state"),
+           "model": m.get("model"), "method": m.get("method"), "config_hash": m.get("config_hash"),
+           "spec_hash": m.get("spec_hash"), "rows": len(rows), "output": str(data.out_dir),
+           "decoding": spec.get("decoding"), "max_new_tokens": (spec.get("generation") or {}).get("max_new_tokens"),
+           "devices": sorted({str(r.get("device")) for r in rows if r.get("device")})}
+    rep = Report(title=title or f"Job {job['name'] or ''} {data.job_id}".replace("  ", " ").strip(), job=job, by=by,
+                 price_per_device_hour=price_per_device_hour, routes=routes, shadow=shadow,
+                 timeline={"t_s": centres, "tokens_per_s": rates})
+    if with_charts:
+        rep.charts = {
+            "acceptance": charts.acceptance_histograms(routes),
+            "speed_cost": charts.speed_and_cost(routes, shadow, price=price_per_device_hour),
+            "throughput": charts.throughput_over_time(centres, rates),
+        }
+    return rep
+
+
+# ---- rendering
+def _f(v: Optional[float], nd: int = 2) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _pct(v: Optional[float], nd: int = 0) -> str:
+    return "-" if v is None else f"{100 * v:.{nd}f}%"
+
+
+def _route_name(r: str) -> str:
+    return "all" if r == OVERALL else r
+
+
+def route_table(rep: Report) -> tuple[list[str], list[list[str]]]:
+    head = [rep.by, "rows", "ok", "failed", "prompt tokens", "output tokens", "wall s", "device s",
+            "tokens/device-s", "MAT", "from retrieval", "from logits", "from both", "device-h / M tokens",
+            "USD / M tokens"]
+    body = []
+    for name, d in rep.routes.items():
+        body.append([_route_name(name), str(d["rows"]), str(d["ok"]), str(d["failed"] + d["cancelled"]),
+                     str(d["prompt_tokens"]), str(d["output_tokens"]), _f(d["wall_s"], 1), _f(d["device_s"], 1),
+                     _f(d["tokens_per_device_s"], 1), _f(d["mat"]), _pct(d["share_retrieval"]),
+                     _pct(d["share_logits"]), _pct(d["share_both"]), _f(d["device_hours_per_m_tokens"], 1),
+                     _f(d["cost_per_m_tokens"])])
+    return head, body
+
+
+def shadow_table(rep: Report) -> tuple[list[str], list[list[str]]]:
+    head = ["run", rep.by if rep.by == "route" else "group", "baseline", "pairs", "greedy exact match",
+            "speed ratio (x)", "95% CI", "MAT method", "MAT baseline", "first divergence", "job answers reproduced"]
+    body = []
+    for s in rep.shadow:
+        ci = s["speed_ratio_ci95"]
+        mism = s["mismatches"]
+        div = "none" if not mism else "; ".join(f"{m['id']} turn {m['turn']} char {m['char']}" for m in mism[:3])
+        if len(mism) > 3:
+            div += f" (+{len(mism) - 3})"
+        jm = "-" if s["job_text_matches"] is None else f"{s['job_text_matches']}/{s['job_text_compared']}"
+        body.append([s["run"], _route_name(s["route"]), s["baseline"], str(s["pairs_ok"]),
+                     _pct(s["greedy_exact_match_rate"]), _f(s["speed_ratio"]),
+                     "-" if not ci else f"{ci[0]:.2f} - {ci[1]:.2f}", _f(s["mat_method"]), _f(s["mat_baseline"]),
+                     div, jm])
+    return head, body
+
+
+def sampling_lines(rep: Report) -> list[str]:
+    out = []
+    for s in rep.shadow:
+        if s["sampling"]:
+            sm = s["sampling"]
+            out.append(f"{s['run']} / {_route_name(s['route'])}: {sm['pairs']} sampled pairs; mean output tokens "
+                       f"{sm['mean_tokens_method']:.1f} (method) vs {sm['mean_tokens_baseline']:.1f} (baseline); "
+                       f"finish reasons {sm['finish_method']} vs {sm['finish_baseline']}; exact match "
+                       f"{_pct(s['sampled_exact_match_rate'])} (not expected to be 100% when sampling)")
+    return out
+
+
+DEFINITIONS = [
+    "device s: generation time (prefill + decode) of the rows times devices per actor (a GPU, or one CPU actor).",
+    "wall s: from the first row's start to the last row's end; tokens/device-s = output tokens / device s.",
+    "MAT: output tokens / steps (the prefill is step 0 and emits one token, so autoregressive MAT = 1).",
+    "from retrieval / logits / both: share of accepted draft tokens proposed by that source.",
+    "speed ratio: (baseline ms per output token) / (method ms per output token) over the shadow rows, "
+    "token-weighted, prefill included; CI: percentile bootstrap over rows (2000 resamples).",
+    "first divergence: turn and character offset of the first differing character of a mismatched answer.",
+]
+
+
+def _md_table(head: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def render_md(rep: Report) -> str:
+    j = rep.job
+    parts = [f"# {rep.title}", "",
+             f"Model `{j['model']}`, method `{j['method']}` (config {j['config_hash']}), state {j['state']}, "
+             f"{j['rows']} rows, max_new_tokens {j['max_new_tokens']}, devices {', '.join(j['devices']) or '-'}. "
+             f"Output: `{j['output']}`."
+             + (f" Price: {rep.price_per_device_hour:g} USD per device-hour." if rep.price_per_device_hour is not None
+                else " No price given: cost shown as device-hours."), "",
+             f"## Per {rep.by}", "", _md_table(*route_table(rep)), "",
+             f"![acceptance histogram]({CHART_FILES['acceptance']})", "",
+             "## Speedup against a baseline (shadow rows)", ""]
+    if rep.shadow:
+        parts += [_md_table(*shadow_table(rep)), ""] + [f"- {line}" for line in sampling_lines(rep)]
+    else:
+        parts += [NO_SHADOW]
+    parts += ["", f"![speedup and cost]({CHART_FILES['speed_cost']})", "", "## Throughput over time", "",
+              f"![tokens per second over time]({CHART_FILES['throughput']})", "", "## Definitions", ""]
+    parts += [f"- {d}" for d in DEFINITIONS]
+    return "\n".join(parts) + "\n"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1200px;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:8px 0 16px}th,td{border:1px solid #ccc;padding:3px 7px;
+text-align:right}th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}img{max-width:100%;
+margin:8px 0}.note{background:#fff6e0;border-left:4px solid #e0a000;padding:8px 12px}small{color:#666}"""
+
+
+def _html_table(head: list[str], body: list[list[str]]) -> str:
+    h = "".join(f"<th>{html.escape(c)}</th>" for c in head)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body)
+    return f"<table><tr>{h}</tr>{rows}</table>"
+
+
+def _img(rep: Report, name: str, alt: str) -> str:
+    png = rep.charts.get(name)
+    if png is None:
+        return ""
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def render_html(rep: Report) -> str:
+    j = rep.job
+    price = (f"Price: {rep.price_per_device_hour:g} USD per device-hour." if rep.price_per_device_hour is not None
+             else "No price given: cost shown as device-hours per million tokens.")
+    shadow_html = (_html_table(*shadow_table(rep)) + "".join(f"<p>{html.escape(s)}</p>" for s in sampling_lines(rep))
+                   if rep.shadow else f'<p class="note">{html.escape(NO_SHADOW)}</p>')
+    generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(rep.title)}</title>
+<style>{_CSS}</style></head><body>
+<h1>{html.escape(rep.title)}</h1>
+<p>Model <code>{html.escape(str(j['model']))}</code>, method <code>{html.escape(str(j['method']))}</code>
+(config {html.escape(str(j['config_hash']))}), state {html.escape(str(j['state']))}, {j['rows']} rows,
+max_new_tokens {j['max_new_tokens']}, devices {html.escape(', '.join(j['devices']) or '-')}. {html.escape(price)}<br>
+<small>output folder {html.escape(j['output'])}; generated {generated}</small></p>
+<h2>Per {html.escape(rep.by)}</h2>
+{_html_table(*route_table(rep))}
+{_img(rep, 'acceptance', 'acceptance-length histogram per route')}
+<h2>Speedup against a baseline (shadow rows)</h2>
+{shadow_html}
+{_img(rep, 'speed_cost', 'speedup and cost per route')}
+<h2>Throughput over time</h2>
+{_img(rep, 'throughput', 'output tokens per second over the job time')}
+<h2>Definitions</h2><ul>{''.join(f'<li>{html.escape(d)}</li>' for d in DEFINITIONS)}</ul>
+</body></html>
+"""
+
+
+def write_report(rep: Report, out_dir: str | Path, *, formats: Iterable[str] = ("md", "html", "json")) -> list[Path]:
+    """Write report.<fmt> for each format, plus the PNG charts (always, so Markdown can link them)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, png in rep.charts.items():
+        p = out / CHART_FILES[name]
+        p.write_bytes(png)
+        written.append(p)
+    for fmt in formats:
+        p = out / f"report.{fmt}"
+        if fmt == "md":
+            p.write_text(render_md(rep), encoding="utf-8")
+        elif fmt == "html":
+            p.write_text(render_html(rep), encoding="utf-8")
+        elif fmt == "json":
+            p.write_text(json.dumps(rep.to_json(), indent=1), encoding="utf-8")
+        else:
+            raise ValueError(f"format = {fmt!r}: expected md, html or json")
+        written.append(p)
+    return written
