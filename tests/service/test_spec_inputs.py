@@ -134,8 +134,7 @@ def test_pool_shape():
     from racer_batch.service.actors import PoolShape, resolve_shape
     from racer_batch.service.spec import Resources
 
-    assert resolve_shape(Resources(), cluster_cpus=2, cluster_gpus=0) == PoolShape(2, 1.0, 0.0)
-    assert resolve_shape(Resources(), cluster_cpus=64, cluster_gpus=0) == PoolShape(8, 8.0, 0.0)
+    assert resolve_shape(Resources(), cluster_cpus=2, cluster_gpus=0) == PoolShape(1, 2.0, 0.0)
     assert resolve_shape(Resources(num_actors=1), cluster_cpus=2, cluster_gpus=0) == PoolShape(1, 2.0, 0.0)
     assert resolve_shape(Resources(), cluster_cpus=32, cluster_gpus=4) == PoolShape(4, 8.0, 1.0)
     assert resolve_shape(Resources(gpus_per_actor=0.5), cluster_cpus=16, cluster_gpus=2) == PoolShape(4, 4.0, 0.5)
