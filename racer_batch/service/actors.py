@@ -63,9 +63,9 @@ class PoolShape:
 def resolve_shape(res: Resources, *, cluster_cpus: float, cluster_gpus: float) -> PoolShape:
     """``auto`` values: one actor per GPU when there are GPUs, else a single actor with every CPU reserved.
 
-    Measured on the 2-core development machine (demo job, 135M model): 1 actor 13.8 tokens/s while
-    generating, 2 single-threaded actors 5.1 each (10.2 together): CPU decoding of a small model is bound
-    by memory bandwidth, so extra CPU actors are opt-in (``num_actors``)."""
+    Measured on the 2-core development machine, shared with other busy processes (demo job, 135M model):
+    1 actor 13.8 tokens/s while generating, 2 single-threaded actors 5.1 each (10.2 together). Extra CPU
+    actors are therefore opt-in (``num_actors``); measure on the target machine."""
     gpus = (1.0 if cluster_gpus >= 1 else 0.0) if res.gpus_per_actor == "auto" else float(res.gpus_per_actor)
     if res.num_actors == "auto":
         n = max(1, int(cluster_gpus // gpus)) if gpus > 0 else 1
