@@ -224,6 +224,10 @@ def submit(spec_file: str, local: bool, wait: bool, job_id: Optional[str], input
         if st.state != "done":
             sys.exit(EXIT_JOB_FAILED)
     finally:
+        if local and executor == "ray":
+            from racer_batch.service.local import shutdown_local_ray
+
+            shutdown_local_ray()
         if private is not None:
             private.stop()
 
@@ -374,6 +378,10 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
         n = w.jobs_run
     finally:
         executor.shutdown()
+        if not no_ray:
+            from racer_batch.service.local import shutdown_local_ray
+
+            shutdown_local_ray()
     err_console.print(f"worker {name}: {n} job(s) run")
 
 

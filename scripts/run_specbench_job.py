@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from racer_batch.service.local import ensure_redis, init_local_ray, run_until_done  # noqa: E402
+from racer_batch.service.local import ensure_redis, init_local_ray, run_until_done, shutdown_local_ray  # noqa: E402
 from racer_batch.service.output import read_output  # noqa: E402
 from racer_batch.service.queue import JobQueue, resolve_url  # noqa: E402
 from racer_batch.service.spec import load_spec  # noqa: E402
@@ -152,6 +152,7 @@ def main() -> int:
         run = run_until_done(queue, sub.job_id, url=url, prefix=args.prefix, on_tick=tick, tick_s=5.0)
         wall_s = time.monotonic() - t0
     finally:
+        shutdown_local_ray()
         if private is not None:
             private.stop()
     rows = read_output(spec.output.path).to_pylist()

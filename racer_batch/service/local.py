@@ -95,9 +95,13 @@ def ensure_redis(url: str, *, allow_private: bool = True) -> tuple[str, Optional
     return private.url, private
 
 
+_OWNED_RAY_TMP: list[str] = []  # temp folders of the local Ray sessions this process started
+
+
 def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = None,
                    temp_dir: Optional[str] = None) -> None:
-    """Start (or join, with ``address``) Ray. Local runs use a short private temp folder, no dashboard."""
+    """Start (or join, with ``address``) Ray. Local runs use a short private temp folder, no dashboard;
+    ``shutdown_local_ray`` stops it and removes the folder."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray renices its workers to 15 by default; on a shared machine that starves the generation actors.
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -112,8 +116,20 @@ def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = N
         ray.init(address=address, runtime_env=env, logging_level=logging.WARNING, log_to_driver=True)
         return
     tmp = temp_dir or tempfile.mkdtemp(prefix="rb-ray-", dir="/tmp")  # short: Ray's socket paths are limited
+    if temp_dir is None:
+        _OWNED_RAY_TMP.append(tmp)
     ray.init(num_cpus=num_cpus or os.cpu_count(), _temp_dir=tmp, include_dashboard=False, runtime_env=env,
              logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+
+
+def shutdown_local_ray() -> None:
+    """Stop the Ray this process started (no-op when joined or not started) and remove its temp folder."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    while _OWNED_RAY_TMP:
+        shutil.rmtree(_OWNED_RAY_TMP.pop(), ignore_errors=True)
 
 
 def make_executor(kind: str, *, url: str, prefix: str, name: str, allow_remote_code: bool = False):
@@ -167,4 +183,4 @@ def run_until_done(queue: JobQueue, job_id: str, *, url: str, prefix: str, execu
 
 
 __all__ = ["PrivateRedis", "ensure_redis", "init_local_ray", "make_executor", "redact_url", "run_until_done",
-           "start_private_redis"]
+           "shutdown_local_ray", "start_private_redis"]
