@@ -105,6 +105,7 @@ def report(job: str, redis_url: Optional[str], prefix: str, by: str, price: Opti
 def shadow(job: str, redis_url: Optional[str], prefix: str, baseline: str, fraction: float, seed: int,
            max_rows: Optional[int], device: Optional[str], torch_threads: int) -> None:
     """Re-run a sample of a finished job's rows with its config and with BASELINE, interleaved, here."""
+    from racer_batch.models import ModelLoadError
     from racer_batch.report.shadow import analyze
     from racer_batch.report.shadow_run import run_posthoc_shadow
 
@@ -124,10 +125,8 @@ def shadow(job: str, redis_url: Optional[str], prefix: str, baseline: str, fract
                                      device=device, on_row=on_row)
     except ReportError as exc:
         raise ReportExit(str(exc), EXIT_INPUT) from None
-    except (OSError, ValueError) as exc:
-        if type(exc).__name__ == "ModelLoadError":
-            raise ReportExit(f"cannot load the job's model: {exc}", EXIT_MODEL) from None
-        raise
+    except ModelLoadError as exc:
+        raise ReportExit(f"cannot load the job's model: {exc}", EXIT_MODEL) from None
     import pyarrow.parquet as pq
 
     job_rows = {r["row_idx"]: r for r in data.rows.to_pylist()}
