@@ -144,3 +144,28 @@ def test_cli_report_on_a_folder(hand_folder, tmp_path):
 
 def test_schema_of_hand_parquet_is_the_declared_one(hand_folder):
     assert pq.read_schema(hand_folder / "part-00000.parquet").equals(OUTPUT_SCHEMA, check_metadata=False)
+
+
+@pytest.mark.service
+def test_cli_report_by_job_id_from_redis(hand_folder, tmp_path):
+    import uuid
+
+    from racer_batch.cli_report import standalone
+    from racer_batch.service.queue import QueueUnavailable, connect
+
+    url = "redis://127.0.0.1:6379/0"
+    try:
+        r = connect(url, timeout_s=2.0)
+    except QueueUnavailable as exc:
+        pytest.skip(f"needs Redis: {exc}")
+    prefix = f"rbtest-report-{uuid.uuid4().hex[:8]}:"
+    try:
+        r.hset(f"{prefix}job:job-42", mapping={"output": str(hand_folder), "spec": "{}"})
+        res = CliRunner().invoke(standalone, ["report", "job-42", "--redis-url", url, "--prefix", prefix,
+                                              "--format", "json", "--out", str(tmp_path / "r")])
+        assert res.exit_code == 0, res.output
+        assert json.loads((tmp_path / "r" / "report.json").read_text())["job"]["job_id"] == "hand"
+        res = CliRunner().invoke(standalone, ["report", "job-43", "--redis-url", url, "--prefix", prefix])
+        assert res.exit_code == 2 and "neither an output folder nor a known job id" in res.output
+    finally:
+        r.delete(*r.keys(f"{prefix}*") or ["-"])
