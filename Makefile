@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
+	rm -rf out/demo
 	$(BIN)/racer-batch submit jobs/demo.yaml --local --wait
 
 test: setup

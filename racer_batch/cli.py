@@ -89,6 +89,8 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ma
 
     from . import DecodingConfig, Engine, GenerationParams, ModelLoadError, load_model
 
+    if not prompt.strip():
+        raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
     try:
         cfg = DecodingConfig(method=method, capacity=_capacity(capacity), scope=scope)
         params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

@@ -233,7 +233,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch_dtype, trust_remote_code=trust_remote_code
         )
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{where}: weights or tokenizer files missing or unreadable ({exc})") from exc
     model = model.to(dev).eval()
     ctx = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 4096
