@@ -7,6 +7,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+if os.environ.get("RACER_TEST_THREADS"):  # e.g. 1 on a machine shared with other busy processes
+    import torch
+
+    torch.set_num_threads(int(os.environ["RACER_TEST_THREADS"]))
+
 
 @pytest.fixture(scope="session")
 def smol():
