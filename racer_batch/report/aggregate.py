@@ -186,7 +186,8 @@ def aggregate(rows: Iterable[dict], *, by: str = "route", spec: Optional[dict] =
     return out
 
 
-def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "route"
+def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "route",
+                        side_rows: Iterable[dict] = (), side_label: str = "shadow baseline"
                         ) -> tuple[list[float], dict[str, list[float]]]:
     """Output tokens per second of wall time across the job, per group and in total.
 
@@ -194,25 +195,29 @@ def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "rout
     finished_at], then summed into ``bins`` equal time bins. Returns (bin centres in seconds since the first
     row started, {group: tokens/s per bin, OVERALL: total}).
 
+    ``side_rows`` (shadow baseline records) form one more series, ``side_label``, left out of the total:
+    they show where an actor's time went to the baseline instead of the job.
+
     Example: one row of 100 tokens generated from t=0 to t=10 s, 2 bins -> centres [2.5, 7.5],
     rates [10.0, 10.0].
     """
-    spans = []
-    for row in rows:
-        fin = _epoch_s(row.get("finished_at"))
-        gen_s = (float(row.get("prefill_ms") or 0.0) + float(row.get("decode_ms") or 0.0)) / 1000.0
-        tok = int(row.get("output_tokens") or 0)
-        if fin is None or tok == 0:
-            continue
-        spans.append((fin - gen_s, fin, tok, str(row.get(by))))
+    spans = []  # (start s, end s, tokens, group, counts toward the total)
+    for source, is_side in ((rows, False), (side_rows, True)):
+        for row in source:
+            fin = _epoch_s(row.get("finished_at"))
+            gen_s = (float(row.get("prefill_ms") or 0.0) + float(row.get("decode_ms") or 0.0)) / 1000.0
+            tok = int(row.get("output_tokens") or 0)
+            if fin is None or tok == 0:
+                continue
+            spans.append((fin - gen_s, fin, tok, side_label if is_side else str(row.get(by)), not is_side))
     if not spans:
         return [], {}
-    t0 = min(s for s, _, _, _ in spans)
-    t1 = max(e for _, e, _, _ in spans)
+    t0 = min(sp[0] for sp in spans)
+    t1 = max(sp[1] for sp in spans)
     width = max(t1 - t0, 1e-6) / bins
     series: dict[str, list[float]] = {}
     total = [0.0] * bins
-    for s, e, tok, g in spans:
+    for s, e, tok, g, in_total in spans:
         arr = series.setdefault(g, [0.0] * bins)
         dur = e - s
         for b in range(bins):
@@ -222,7 +227,8 @@ def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "rout
             else:
                 frac = max(0.0, min(e, hi) - max(s, lo)) / dur
             arr[b] += tok * frac
-            total[b] += tok * frac
+            if in_total:
+                total[b] += tok * frac
     centres = [(b + 0.5) * width for b in range(bins)]
     rates = {g: [v / width for v in arr] for g, arr in sorted(series.items())}
     rates[OVERALL] = [v / width for v in total]

@@ -65,7 +65,9 @@ def build_report(data: JobData, *, by: str = "route", price_per_device_hour: Opt
     shadow = [r.to_dict(n_boot=n_boot) for r in analyze(data.shadow.to_pylist(), job_rows=job_rows)]
     if by != "route":
         shadow = [s for s in shadow if s["route"] == OVERALL]  # shadow groups are routes
-    centres, rates = throughput_timeline(rows, by=by)
+    in_job_baseline = [r for r in data.shadow.to_pylist() if r["run"] == "job" and r["side"] == "baseline"]
+    label = f"shadow baseline rows ({in_job_baseline[0]['method']}, not job output)" if in_job_baseline else ""
+    centres, rates = throughput_timeline(rows, by=by, side_rows=in_job_baseline, side_label=label)
     m = data.manifest
     job = {"job_id": data.job_id, "name": m.get("name") or spec.get("name"), "state": m.get("state"),
            "model": m.get("model"), "method": m.get("method"), "config_hash": m.get("config_hash"),
@@ -130,7 +132,12 @@ def shadow_table(rep: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def sampling_lines(rep: Report) -> list[str]:
+    """Notes under the shadow table: shadow cost inside the job, and the sampled (non-greedy) comparisons."""
     out = []
+    for s in rep.shadow:
+        if s["run"] == "job" and s["route"] == OVERALL:
+            out.append(f"In-job shadow cost: the baseline rows took {s['baseline_ms'] / 1000:.1f} device-seconds "
+                       "on the job's actors, not counted in the per-route table above.")
     for s in rep.shadow:
         if s["sampling"]:
             sm = s["sampling"]

@@ -98,11 +98,13 @@ def throughput_over_time(centres_s: list[float], rates: dict[str, list[float]]) 
     fig, ax = plt.subplots(figsize=(9, 3.6))
     if not centres_s:
         ax.text(0.5, 0.5, "no rows with timestamps", ha="center", va="center")
+    if OVERALL in rates:  # drawn first and light, so the routes on top stay visible
+        ax.plot(centres_s, rates[OVERALL], color="0.6", lw=4, alpha=0.6, label="all routes (job output)")
     for name, vals in rates.items():
-        if name == OVERALL:
-            ax.plot(centres_s, vals, color="black", lw=2, label="all routes")
-        else:
-            ax.plot(centres_s, vals, lw=1.2, alpha=0.85, label=f"route {name}")
+        if name.startswith("shadow baseline"):
+            ax.plot(centres_s, vals, color="black", lw=1.2, ls=":", label=name)
+        elif name != OVERALL:
+            ax.plot(centres_s, vals, lw=1.4, label=f"route {name}")
     ax.set_xlabel("time since the first row started (s)")
     ax.set_ylabel("output tokens per second (tokens/s)")
     ax.set_title("Throughput over the job's time (each row's tokens spread over its generation time)", fontsize=10)

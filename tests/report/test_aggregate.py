@@ -110,6 +110,10 @@ def test_timeline_spreads_tokens_over_generation_time():
     t, rates = throughput_timeline(ROWS, bins=6)  # +8 .. +14 s in 1 s bins
     assert sum(rates[OVERALL]) == pytest.approx(114.0)  # every token counted once (bin width 1 s)
     assert rates[OVERALL][0] == pytest.approx(40.0)  # r0: 80 tokens over +8..+10 s
+    side = [{"output_tokens": 12, "prefill_ms": 0.0, "decode_ms": 1000.0, "finished_at": T0 + dt.timedelta(seconds=9)}]
+    t2, rates2 = throughput_timeline(ROWS, bins=6, side_rows=side, side_label="shadow")
+    assert t2 == t and rates2[OVERALL] == rates[OVERALL]  # shadow rows are not job output
+    assert rates2["shadow"] == pytest.approx([12.0, 0, 0, 0, 0, 0])  # +8..+9 s
 
 
 def test_report_without_shadow_says_so_and_writes_formats(hand_folder, tmp_path):
