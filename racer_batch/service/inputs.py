@@ -1,7 +1,11 @@
 """Input rows: open the dataset, check its schema and ids at submit time, read one shard at a time.
 
 Nothing here holds all prompts in memory: planning reads only the id column, batch by batch, and a
-shard is read by skipping whole files (their row counts come from metadata) and then streaming.
+shard is read by skipping whole files (their row counts come from metadata) and whole Parquet row groups,
+then streaming without read-ahead, so memory holds about one row group of the input at a time.
+
+Text that is not valid UTF-8 never stops a job: in a prompt-like column it becomes an ``InvalidText``
+value that ``parse_row`` turns into a row error naming the column; in the id column it is refused at submit.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from racer_batch.service.spec import InputSpec, JobSpec
@@ -115,6 +120,91 @@ def _file_dataset(path: str, fmt: str) -> ds.Dataset:
     return ds.dataset(path, format="parquet" if fmt == "parquet" else "json")
 
 
+def _blank_jsonl(path: str) -> bool:
+    """An empty (or whitespace-only) JSONL file: zero rows, where Arrow would refuse to read a schema."""
+    size = os.path.getsize(path)
+    if size > 65536:
+        return False
+    with open(path, "rb") as fh:
+        return not fh.read().strip()
+
+
+def _iter_batches(path: str, fmt: str, columns: list[str], *, skip_rows: int = 0
+                  ) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(row index in the file of the batch's first row, batch) for the file's rows, in order.
+
+    Parquet is read row group by row group, starting at the group that holds row ``skip_rows`` (earlier
+    rows may be yielded; callers slice), with no read-ahead: memory holds about one row group. Example: row
+    groups of 8192 rows and ``skip_rows=20000`` start at group 2, so the first batch starts at row 16384.
+    """
+    if fmt == "parquet":
+        pf = pq.ParquetFile(path)
+        names = set(pf.schema_arrow.names)
+        cols = [c for c in columns if c in names]
+        md = pf.metadata
+        first_row, first_group = 0, 0
+        while first_group < md.num_row_groups and first_row + md.row_group(first_group).num_rows <= skip_rows:
+            first_row += md.row_group(first_group).num_rows
+            first_group += 1
+        row = first_row
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=cols,
+                                     row_groups=range(first_group, md.num_row_groups), use_threads=False):
+            yield row, batch
+            row += batch.num_rows
+        return
+    if _blank_jsonl(path):
+        return
+    dset = _file_dataset(path, fmt)
+    cols = [c for c in columns if c in dset.schema.names]
+    row = 0
+    for batch in dset.to_batches(columns=cols, batch_size=BATCH_ROWS, batch_readahead=1, fragment_readahead=1):
+        yield row, batch
+        row += batch.num_rows
+
+
+class InvalidText:
+    """A value whose bytes are not valid UTF-8 (in place of the string): ``parse_row`` makes it a row error.
+    A plain class, not a dataclass: ``ShardTask.to_dict`` (dataclasses.asdict) must carry it unchanged."""
+
+    __slots__ = ("column", "detail")
+
+    def __init__(self, *, column: str, detail: str) -> None:
+        self.column = column
+        self.detail = detail
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InvalidText) and (self.column, self.detail) == (other.column, other.detail)
+
+    def __repr__(self) -> str:
+        return f"InvalidText(column={self.column!r}, detail={self.detail!r})"
+
+
+def _column_values(col: pa.Array, name: str) -> list:
+    """``col.to_pylist()``, except that a value that is not valid UTF-8 becomes an InvalidText."""
+    try:
+        return col.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    out: list = []
+    for i in range(len(col)):
+        try:
+            out.append(col[i].as_py())
+        except UnicodeDecodeError as exc:
+            out.append(InvalidText(column=name, detail=f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"))
+    return out
+
+
+def _records(batch: pa.RecordBatch) -> list[dict]:
+    """``batch.to_pylist()`` that survives text that is not valid UTF-8 (see InvalidText)."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    names = batch.schema.names
+    cols = [_column_values(batch.column(i), name) for i, name in enumerate(names)]
+    return [dict(zip(names, vals)) for vals in zip(*cols)]
+
+
 def _type_ok(canonical: str, t: pa.DataType) -> bool:
     if pa.types.is_null(t):
         return canonical != "id"
@@ -156,6 +246,10 @@ def plan_input(spec: InputSpec) -> InputPlan:
     file_rows = []
     hasher = hashlib.sha256()
     for f in files:
+        if fmt == "jsonl" and _blank_jsonl(f):
+            file_rows.append(0)
+            hasher.update(f"{os.path.abspath(f)}\0{os.path.getsize(f)}\00\n".encode())
+            continue
         try:
             dset = _file_dataset(f, fmt)
             schema = dset.schema
@@ -198,10 +292,12 @@ def check_ids(spec: InputSpec, plan: InputPlan) -> None:
     for f, n in zip(plan.files, plan.file_rows):
         if n == 0:
             continue
-        for batch in _file_dataset(f, plan.format).to_batches(columns=[id_col], batch_size=BATCH_ROWS):
-            for v in batch.column(0).to_pylist():
+        for _, batch in _iter_batches(f, plan.format, [id_col]):
+            for v in _column_values(batch.column(0), id_col):
                 if v is None:
                     raise InputError(f"row {row_idx} ({f}): id is null; every row needs an id")
+                if isinstance(v, InvalidText):
+                    raise InputError(f"row {row_idx} ({f}): id is not valid UTF-8 ({v.detail})")
                 key = str(v)
                 if key in seen:
                     n_dups += 1
@@ -224,20 +320,15 @@ def iter_raw_rows(plan: InputPlan, row_start: int, row_stop: int, columns: list[
             continue
         if base >= row_stop:
             return
-        dset = _file_dataset(f, plan.format)
-        cols = [c for c in columns if c in dset.schema.names]
-        row_idx = base
-        for batch in dset.to_batches(columns=cols, batch_size=BATCH_ROWS):
+        for first, batch in _iter_batches(f, plan.format, columns, skip_rows=max(0, row_start - base)):
+            row_idx = base + first
             if row_idx + batch.num_rows <= row_start:
-                row_idx += batch.num_rows
                 continue
             lo = max(0, row_start - row_idx)
             hi = min(batch.num_rows, row_stop - row_idx)
-            part = batch.slice(lo, hi - lo).to_pylist()
-            for i, rec in enumerate(part):
+            for i, rec in enumerate(_records(batch.slice(lo, hi - lo))):
                 yield row_idx + lo + i, rec
-            row_idx += batch.num_rows
-            if row_idx >= row_stop:
+            if row_idx + batch.num_rows >= row_stop:
                 return
         base += n
 
@@ -282,9 +373,13 @@ def parse_row(job: JobSpec, row_idx: int, rec: dict) -> RowTask:
     """Normalise one input record; a bad row comes back with ``error`` set (never raises)."""
     cols = job.input.columns
     rid = rec.get(cols.id)
-    route = rec.get(cols.route) or job.route
+    route = rec.get(cols.route)
+    route = job.route if not route or isinstance(route, InvalidText) else route
     task = RowTask(row_idx=row_idx, id=str(rid), route=str(route), seed=(job.seed + row_idx) % (2**63))
     try:
+        bad = next((v for v in rec.values() if isinstance(v, InvalidText)), None)
+        if bad is not None:
+            raise ValueError(f"column {bad.column!r} is not valid UTF-8 ({bad.detail})")
         overrides: dict[str, Any] = {}
         for name in ("max_new_tokens", "temperature", "top_p", "seed"):
             v = rec.get(getattr(cols, name))
