@@ -349,10 +349,13 @@ def errors(job_id: str, limit: int, as_json: bool, redis_url: Optional[str], pre
 @click.option("--idle-exit", type=float, default=None, help="Exit after this many seconds with nothing queued.")
 @click.option("--name", default=None, help="Worker name (consumer name in the queue).")
 @click.option("--allow-remote-code", is_flag=True, help="Allow jobs that set model.trust_remote_code.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="RACER_BATCH_METRICS_PORT",
+              help="Serve Prometheus metrics on this port at /metrics (env RACER_BATCH_METRICS_PORT; off by default).")
+@click.option("--metrics-host", default="0.0.0.0", show_default=True, help="Address the metrics endpoint binds.")
 @_redis_options
 def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], lease_s: float,
            max_jobs: Optional[int], idle_exit: Optional[float], name: Optional[str], allow_remote_code: bool,
-           redis_url: Optional[str], prefix: str) -> None:
+           metrics_port: Optional[int], metrics_host: str, redis_url: Optional[str], prefix: str) -> None:
     """Take jobs from the queue and run them on a pool of Ray actors (one per GPU, else one on the CPUs)."""
     from racer_batch.service.local import init_local_ray, make_executor
     from racer_batch.service.worker import Worker, worker_id
@@ -367,6 +370,18 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
             raise ServiceExit(f"cannot start or reach Ray: {exc}", EXIT_SERVICE) from None
     executor = make_executor("thread" if no_ray else "ray", url=url, prefix=prefix, name=name,
                              allow_remote_code=allow_remote_code)
+    metrics = None
+    if metrics_port is not None:
+        from racer_batch.service.metrics import MeteredExecutor, WorkerMetrics
+
+        metrics = WorkerMetrics(worker=name)
+        try:
+            bound = metrics.serve(metrics_port, host=metrics_host)
+        except OSError as exc:
+            executor.shutdown()
+            raise ServiceExit(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}", EXIT_SERVICE) from None
+        executor = MeteredExecutor(executor, metrics)
+        err_console.print(f"metrics: http://{metrics_host}:{bound}/metrics")
     w = Worker(queue, executor, name=name, lease_s=lease_s)
     stopping = threading.Event()
     # SIGTERM (Kubernetes, systemd): stop taking jobs, hand the current one back to the queue at once.
@@ -378,6 +393,8 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
         n = w.jobs_run
     finally:
         executor.shutdown()
+        if metrics is not None:
+            metrics.close()
         if not no_ray:
             from racer_batch.service.local import shutdown_local_ray
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from racer_batch.service.inputs import InputPlan, RowTask, iter_raw_rows, parse_row
+from racer_batch.service.metrics import ShardCounts
 from racer_batch.service.output import part_path, shard_complete, write_part
 from racer_batch.service.queue import ShardSummary
 from racer_batch.service.schema import RowAccumulator, error_record, now_utc
@@ -181,6 +182,7 @@ class RowRunner:
         device = str(getattr(engine.bundle, "device", "cpu"))
         verdict = self._make_probe(task)
         summary = ShardSummary()
+        counts = ShardCounts()  # per-route rows/tokens/accepted/steps for the worker's Prometheus metrics
         records: list[dict] = []
         base_common = {
             "shard": task.shard, "worker": self.worker_name, "device": device, "model": spec.model.name,
@@ -209,6 +211,7 @@ class RowRunner:
             gen_ms = (out.get("prefill_ms") or 0.0) + (out.get("decode_ms") or 0.0)
             summary.observe_row(status=out["status"], route=out["route"], output_tokens=out["output_tokens"] or 0,
                                 steps=out["steps"] or 0, gen_ms=gen_ms)
+            counts.observe_row(out)
             self.sink.record_row(task.job_id, _telemetry(out), shard=task.shard, progress=summary)
         assert len(records) == task.row_stop - task.row_start, (
             f"shard {task.shard} of job {task.job_id}: read {len(records)} rows, expected "
@@ -220,7 +223,8 @@ class RowRunner:
         if shadow_records:
             meta["shadow_rows"] = len(shadow_records) // 2
         written = self._commit(task, records, meta, stopped=stopped, shadow_records=shadow_records)
-        return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)))
+        return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)),
+                    counts=counts.to_dict())
 
     def _commit(self, task: ShardTask, records: list[dict], meta: dict, *, stopped: Optional[str],
                 shadow_records: Optional[list[dict]] = None) -> bool:

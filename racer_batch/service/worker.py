@@ -322,4 +322,4 @@ class ShardFeed:
 
 
 def _meta(out: dict) -> dict:
-    return {k: v for k, v in out.items() if k not in ("stopped", "written", "path")}
+    return {k: v for k, v in out.items() if k not in ("stopped", "written", "path", "counts")}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU cost-model benchmark (scripts/gpu_bench.py) for a CUDA machine with no network.
+#
+#   bash scripts/gpu_bench.sh                 # 8B-shaped random bf16 Llama on cuda:0 (~17 GB GPU memory, ~3 min)
+#   bash scripts/gpu_bench.sh --tiny          # tiny Llama on the CPU: checks the script anywhere, in seconds
+#   bash scripts/gpu_bench.sh --mat 2.4       # project with this MAT instead of the newest benchmarks/bench-*.json
+#
+# Needs python with torch (a CUDA build for the real run), transformers, numpy and pydantic; nothing is
+# downloaded (weights are random, built from the config). Uses .venv/bin/python when present, else $PYTHON,
+# else python3. Results go to $OUT when set (the folder a remote runner brings back), else benchmarks/;
+# they are a few KB (JSON + Markdown + environment.txt), well under a 64 MiB upload limit.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+
+if [ -n "${PYTHON:-}" ]; then
+    py="$PYTHON"
+elif [ -x .venv/bin/python ]; then
+    py=.venv/bin/python
+else
+    py=python3
+fi
+out="${OUT:-benchmarks}"
+mkdir -p "$out"
+
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "host: $(uname -srm)"
+    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
+    else
+        echo "nvidia-smi: not found"
+    fi
+    "$py" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "transformers", transformers.__version__)'
+} > "$out/environment.txt" 2>&1
+cat "$out/environment.txt"
+
+exec "$py" scripts/gpu_bench.py --out "$out" "$@"

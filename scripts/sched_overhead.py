@@ -1,0 +1,359 @@
+"""Scheduling overhead of the batch service, and processes vs threads as generation streams (CPU only).
+
+Part ``overhead`` (docs/scaleout.md, issue 7 part 2): jobs on the stand-in engine (fixed cost per step, it
+sleeps, so 8 actors on 2 cores measure the service and not CPU contention) run through the real path:
+Redis queue and lease, a Worker, a pool of 1, 2, 4, 8 Ray actors (fractional CPUs), Redis telemetry per row,
+Parquet part files and the manifest. For each pool size:
+
+    overhead share = (actors * job wall time - generation time) / generation time
+
+where generation time is the sum over rows of the engine's own prefill + decode time (what the stand-in
+spent sleeping). The share is split with the shard summaries: inside the actor (row parsing, Redis
+telemetry, cancel probes) vs outside it (Ray dispatch, Parquet write, worker loop, idle actors at the
+tail). Redis, Parquet and Ray round trips are also timed on their own, per row. Target: at most 2%.
+
+Part ``streams`` (issue 7 part 3): ``tiny-random`` (a real torch model whose step is mostly Python, as a
+GPU step is mostly launch and drafting overhead) on N = 1, 2, 4 streams as Ray actor processes with
+fractional CPUs vs as threads of one process (ThreadExecutor: the GIL is shared), and the stand-in (a
+step that waits, as a GPU kernel does) as fractional actors vs threads.
+
+Writes ``benchmarks/sched_overhead.{json,md}`` and ``benchmarks/streams_cpu.{json,md}``. A benchmark, not a
+test: it asserts nothing about speed. Needs the Redis at ``--redis-url``; starts its own local Ray.
+
+    python scripts/sched_overhead.py                     # both parts (~4 min on 2 cores)
+    python scripts/sched_overhead.py --part overhead --actors 1,2,4,8 --ms-per-step 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from racer_batch.service.actors import RayExecutor, RedisSink, ThreadExecutor  # noqa: E402
+from racer_batch.service.local import init_local_ray, shutdown_local_ray  # noqa: E402
+from racer_batch.service.output import read_output, write_part  # noqa: E402
+from racer_batch.service.queue import JobQueue, ShardSummary, connect  # noqa: E402
+from racer_batch.service.spec import load_spec  # noqa: E402
+from racer_batch.service.submit import submit_job  # noqa: E402
+from racer_batch.service.worker import Worker  # noqa: E402
+
+log = logging.getLogger("sched_overhead")
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+
+
+# ---- one job, timed
+def write_input(path: Path, *, num_rows: int, tag: str) -> Path:
+    rows = [{"id": f"{tag}-{i}", "prompt": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(6 + i % 5))}
+            for i in range(num_rows)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def run_job(queue: JobQueue, worker: Worker, work: Path, *, tag: str, num_rows: int, overrides: dict) -> dict:
+    """Submit a job, claim it, run it with ``worker`` and time ``run_job`` (claim excluded)."""
+    inp = write_input(work / f"{tag}.parquet", num_rows=num_rows, tag=tag)
+    spec = load_spec(None, dict(overrides, **{"input.path": str(inp), "output.path": str(work / f"out-{tag}")}))
+    job_id = submit_job(queue, spec).job_id
+    lease = queue.claim(consumer=worker.name, lease_ms=int(worker.lease_s * 1000), block_ms=5000)
+    assert lease is not None and lease.job_id == job_id, f"claimed {lease} instead of job {job_id}"
+    t0 = time.perf_counter()
+    state = worker.run_job(lease)
+    wall_s = time.perf_counter() - t0
+    assert state == "done", f"job {tag} ended {state}: {queue.job_fields(job_id).get('message')}"
+    table = read_output(spec.output.path)
+    rows = table.to_pylist()
+    assert len(rows) == num_rows and all(r["status"] == "ok" for r in rows), f"job {tag}: rows missing or failed"
+    shards = queue.committed(job_id)
+    return {
+        "job_id": job_id, "wall_s": wall_s, "rows": rows, "out_dir": spec.output.path,
+        "gen_s": sum((r["prefill_ms"] or 0.0) + (r["decode_ms"] or 0.0) for r in rows) / 1000.0,
+        "in_actor_s": sum(float(m["elapsed_s"]) for m in shards.values()),
+        "output_tokens": sum(r["output_tokens"] for r in rows),
+        "workers": sorted({r["worker"] for r in rows}),
+    }
+
+
+def actor_memory_mb(executor: RayExecutor) -> list[dict]:
+    """RSS and USS of each actor process (the pid is the tail of the runner's worker name)."""
+    import psutil
+    import ray
+
+    out = []
+    for a in executor.actors:
+        pid = int(ray.get(a.describe.remote(), timeout=30)["worker"].rsplit(":", 1)[1])
+        mem = psutil.Process(pid).memory_full_info()
+        out.append({"pid": pid, "rss_mb": round(mem.rss / 2**20, 1), "uss_mb": round(mem.uss / 2**20, 1)})
+    return out
+
+
+# ---- component timings, each on its own
+def time_components(queue: JobQueue, executor: RayExecutor, sample_rows: list[dict], work: Path, *,
+                    shard_rows: int, repeats: int = 200) -> dict:
+    """Milliseconds of: one row's Redis telemetry write, one cancel/lease probe, one Parquet part file of
+    ``shard_rows`` rows, one Ray actor round trip."""
+    import ray
+
+    sink = RedisSink(queue)
+    job = f"bench-{uuid.uuid4().hex[:6]}"
+    queue.r.hset(queue.k_job(job), mapping={"owner": "me", "cancel": "0"})
+    tele = {k: sample_rows[0].get(k) for k in ("id", "row_idx", "shard", "route", "status", "error",
+                                                 "output_tokens", "steps", "mat", "tokens_per_s",
+                                                 "finish_reason", "worker", "device")}
+    prog = ShardSummary()
+
+    def med_ms(fn, n: int) -> float:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1000.0)
+        return statistics.median(ts)
+
+    record_ms = med_ms(lambda: sink.record_row(job, tele, shard=0, progress=prog), repeats)
+    probe_ms = med_ms(lambda: sink.verdict(job, "me"), repeats)
+    for k in ("", "rows", "inflight"):
+        queue.r.delete(queue.k_job(job, k))
+    recs = (sample_rows * (shard_rows // max(1, len(sample_rows)) + 1))[:shard_rows]
+    pdir = work / "parquet-timing"
+    parquet_ms = med_ms(lambda: write_part(pdir, 0, recs, shard_meta={"rows": len(recs)}), 20)
+    shutil.rmtree(pdir, ignore_errors=True)
+    actor = executor.actors[0]
+    ray_ms = med_ms(lambda: ray.get(actor.describe.remote()), 50)
+    return {"redis_record_row_ms": round(record_ms, 3), "redis_probe_ms": round(probe_ms, 3),
+            "parquet_part_ms": round(parquet_ms, 2), "ray_roundtrip_ms": round(ray_ms, 3)}
+
+
+# ---- part 2: scheduling overhead
+def overhead(queue: JobQueue, url: str, work: Path, args: argparse.Namespace) -> dict:
+    standin = f"stand-in?ms_per_step={args.ms_per_step}&mat={args.mat}"
+    results = []
+    components: Optional[dict] = None
+    executor = RayExecutor(url, prefix=queue.prefix, name="bench")
+    worker = Worker(queue, executor, name=f"bench-{os.getpid()}", lease_s=60)
+    try:
+        for n in args.actors:
+            res = {"num_actors": n, "cpus_per_actor": round(args.cpus / n, 4), "torch_threads": 1}
+            over = {"model.name": standin, "generation.max_new_tokens": args.max_new_tokens,
+                    "output.shard_rows": args.shard_rows, "resources.num_actors": n,
+                    "resources.cpus_per_actor": args.cpus / n}
+            run_job(queue, worker, work, tag=f"warm{n}", num_rows=n * args.shard_rows, overrides=over)
+            job = run_job(queue, worker, work, tag=f"n{n}", num_rows=n * args.rows_per_actor, overrides=over)
+            rows = job["rows"]
+            busy_s = n * job["wall_s"]
+            row_gen_ms = 1000.0 * job["gen_s"] / len(rows)
+            if components is None:
+                components = time_components(queue, executor, rows, work, shard_rows=args.shard_rows)
+            res.update(
+                rows=len(rows), wall_s=round(job["wall_s"], 3), rows_per_s=round(len(rows) / job["wall_s"], 3),
+                ideal_rows_per_s=round(n / (job["gen_s"] / len(rows)), 3),
+                output_tokens=job["output_tokens"], row_gen_ms=round(row_gen_ms, 2),
+                overhead_ms_per_row=round(1000.0 * (busy_s - job["gen_s"]) / len(rows), 2),
+                overhead_share=round((busy_s - job["gen_s"]) / job["gen_s"], 4),
+                in_actor_share=round((job["in_actor_s"] - job["gen_s"]) / job["gen_s"], 4),
+                outside_actor_share=round((busy_s - job["in_actor_s"]) / job["gen_s"], 4),
+                actors_used=len(job["workers"]), actor_memory=actor_memory_mb(executor),
+            )
+            results.append(res)
+            log.info("overhead %s", {k: v for k, v in res.items() if k != "actor_memory"})
+    finally:
+        executor.shutdown()
+    assert components is not None
+    row_gen_ms = statistics.mean(r["row_gen_ms"] for r in results)
+    probes_per_row = row_gen_ms / 50.0  # RowRunner probes Redis at most every 50 ms
+    per_row = {
+        "redis_ms": round(components["redis_record_row_ms"] + probes_per_row * components["redis_probe_ms"], 3),
+        "parquet_ms": round(components["parquet_part_ms"] / args.shard_rows, 3),
+        "ray_ms": round(components["ray_roundtrip_ms"] / args.shard_rows, 3),
+    }
+    per_row["share_of_row"] = {k: round(v / row_gen_ms, 5) for k, v in per_row.items()}
+    return {"config": {"model": standin, "max_new_tokens": args.max_new_tokens, "shard_rows": args.shard_rows,
+                       "rows_per_actor": args.rows_per_actor, "ray_logical_cpus": args.cpus,
+                       "ms_per_token": args.ms_per_step / args.mat},
+            "results": results, "components_ms": components, "components_per_row": per_row, "target_share": 0.02}
+
+
+# ---- part 3: streams as processes vs threads
+def streams(queue: JobQueue, url: str, work: Path, args: argparse.Namespace) -> dict:
+    cases = [("tiny-random", {"model.name": "tiny-random", "decoding.method": "racer", "decoding.capacity": 16,
+                              "generation.max_new_tokens": 64}, args.stream_rows),
+             ("stand-in", {"model.name": f"stand-in?ms_per_step={args.ms_per_step}&mat={args.mat}",
+                           "generation.max_new_tokens": args.max_new_tokens}, args.stream_rows)]
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # threads: one intra-op thread each, as the actors get
+    except ImportError:
+        pass
+    cases = [c for c in cases if c[0] in args.models]
+    results = []
+    for model, base, num_rows in cases:
+        for kind in ("processes", "threads"):
+            for n in args.streams:
+                over = dict(base, **{"output.shard_rows": max(1, num_rows // (2 * n)), "resources.num_actors": n,
+                                     "resources.cpus_per_actor": args.cpus / n, "resources.torch_threads": 1})
+                if kind == "processes":
+                    executor: Any = RayExecutor(url, prefix=queue.prefix, name="streams")
+                else:
+                    executor = ThreadExecutor(url, prefix=queue.prefix)
+                worker = Worker(queue, executor, name=f"streams-{os.getpid()}", lease_s=120)
+                try:
+                    tag = f"{model.split('?')[0]}-{kind}-{n}"
+                    run_job(queue, worker, work, tag=f"warm-{tag}", num_rows=2 * n, overrides=over)
+                    job = run_job(queue, worker, work, tag=tag, num_rows=num_rows, overrides=over)
+                    mem = actor_memory_mb(executor) if kind == "processes" else []
+                finally:
+                    executor.shutdown()
+                res = {"model": model, "kind": kind, "streams": n, "rows": num_rows,
+                       "wall_s": round(job["wall_s"], 3), "tokens_per_s": round(job["output_tokens"] / job["wall_s"], 2),
+                       "rows_per_s": round(num_rows / job["wall_s"], 3),
+                       "memory_mb": mem, "process_rss_mb": _self_rss_mb() if kind == "threads" else None}
+                results.append(res)
+                log.info("streams %s", res)
+    return {"config": {"cases": {m: b for m, b, _ in cases}, "ray_logical_cpus": args.cpus}, "results": results}
+
+
+def _self_rss_mb() -> float:
+    import psutil
+
+    return round(psutil.Process().memory_info().rss / 2**20, 1)
+
+
+# ---- output
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
+            "platform": platform.platform(), "gpu": None}
+
+
+def write_overhead_md(d: dict, path: Path, command: str) -> None:
+    c = d["config"]
+    lines = [
+        "# Scheduling overhead (stand-in engine, CPU actors)", "",
+        f"Reproduce: `{command}`", "",
+        f"Stand-in: `{c['model']}` ({c['ms_per_token']:.1f} ms per token, fixed), max_new_tokens "
+        f"{c['max_new_tokens']}, shard_rows {c['shard_rows']}, {c['rows_per_actor']} rows per actor, "
+        f"Ray with {c['ray_logical_cpus']} logical CPUs split evenly among the actors. Machine: "
+        f"{d['machine']['cpus']} cores shared with other jobs (load average {d['machine']['loadavg_1m']} at "
+        f"start, {d['machine_end']['loadavg_1m']} at the end).", "",
+        "overhead share = (actors x job wall time - generation time) / generation time; generation time is "
+        "the sum of the engine's prefill + decode time over rows. Inside the actor: row parsing, Redis "
+        "telemetry, cancel/lease probes. Outside: Ray dispatch, Parquet write, the worker loop, actors idle "
+        "at the tail of the job. Target: at most 2%.", "",
+        "| actors | rows | wall s | rows/s | ideal rows/s | row gen ms | overhead ms/row | overhead share | "
+        "in actor | outside actor | actor RSS MB (USS) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["results"]:
+        mem = r["actor_memory"]
+        rss = statistics.mean(m["rss_mb"] for m in mem) if mem else 0
+        uss = statistics.mean(m["uss_mb"] for m in mem) if mem else 0
+        lines.append(f"| {r['num_actors']} | {r['rows']} | {r['wall_s']} | {r['rows_per_s']} | "
+                     f"{r['ideal_rows_per_s']} | {r['row_gen_ms']} | {r['overhead_ms_per_row']} | "
+                     f"{100 * r['overhead_share']:.2f}% | {100 * r['in_actor_share']:.2f}% | "
+                     f"{100 * r['outside_actor_share']:.2f}% | {rss:.0f} ({uss:.0f}) |")
+    comp, per = d["components_ms"], d["components_per_row"]
+    lines += [
+        "", "## Components, timed on their own", "",
+        "| component | one call ms | per row ms | share of a row's generation |", "|---|---|---|---|",
+        f"| Redis telemetry (1 per row) + probes (1 per 50 ms) | {comp['redis_record_row_ms']} + "
+        f"{comp['redis_probe_ms']} | {per['redis_ms']} | {100 * per['share_of_row']['redis_ms']:.3f}% |",
+        f"| Parquet part file (1 per shard) | {comp['parquet_part_ms']} | {per['parquet_ms']} | "
+        f"{100 * per['share_of_row']['parquet_ms']:.3f}% |",
+        f"| Ray actor round trip (1 per shard) | {comp['ray_roundtrip_ms']} | {per['ray_ms']} | "
+        f"{100 * per['share_of_row']['ray_ms']:.3f}% |", "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def write_streams_md(d: dict, path: Path, command: str) -> None:
+    lines = [
+        "# Generation streams on CPU: Ray actor processes vs threads of one process", "",
+        f"Reproduce: `{command}`", "",
+        f"Machine: {d['machine']['cpus']} cores shared with other jobs (load average {d['machine']['loadavg_1m']} "
+        f"at start, {d['machine_end']['loadavg_1m']} at the end); no GPU. Processes: N Ray actors with "
+        f"{d['config']['ray_logical_cpus']}/N logical CPUs each (the CPU analogue of fractional-GPU actors). "
+        "Threads: N RowRunners on threads of one process (ThreadExecutor), one torch thread each.", "",
+        "| model | kind | streams | rows | wall s | tokens/s | rows/s | memory MB |", "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["results"]:
+        if r["memory_mb"]:
+            mem = f"{sum(m['rss_mb'] for m in r['memory_mb']):.0f} RSS, {sum(m['uss_mb'] for m in r['memory_mb']):.0f} USS (all actors)"
+        else:
+            mem = f"{r['process_rss_mb']:.0f} RSS (whole process)"
+        lines.append(f"| {r['model']} | {r['kind']} | {r['streams']} | {r['rows']} | {r['wall_s']} | "
+                     f"{r['tokens_per_s']} | {r['rows_per_s']} | {mem} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=["overhead", "streams", "all"], default="all")
+    p.add_argument("--actors", default="1,2,4,8", help="pool sizes for the overhead part")
+    p.add_argument("--streams", default="1,2,4", help="stream counts for the streams part")
+    p.add_argument("--ms-per-step", type=float, default=20.0, help="stand-in cost of one step (ms)")
+    p.add_argument("--mat", type=int, default=2, help="stand-in tokens per step")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--shard-rows", type=int, default=8)
+    p.add_argument("--rows-per-actor", type=int, default=16)
+    p.add_argument("--stream-rows", type=int, default=16, help="rows per job in the streams part")
+    p.add_argument("--models", default="tiny-random,stand-in", help="models of the streams part")
+    p.add_argument("--cpus", type=float, default=2.0, help="logical CPUs of the local Ray")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks"))
+    args = p.parse_args(argv)
+    args.actors = [int(x) for x in args.actors.split(",")]
+    args.streams = [int(x) for x in args.streams.split(",")]
+    args.models = args.models.split(",")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("racer_batch").setLevel(logging.WARNING)
+    command = "python scripts/sched_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prefix = f"rb-sched-{uuid.uuid4().hex[:8]}:"
+    queue = JobQueue(connect(args.redis_url), prefix=prefix)
+    work = Path(tempfile.mkdtemp(prefix="rb-sched-"))
+    init_local_ray(num_cpus=int(args.cpus))
+    try:
+        if args.part in ("overhead", "all"):
+            m0 = machine()
+            d = overhead(queue, args.redis_url, work, args)
+            d.update(machine=m0, machine_end=machine(), command=command, written_at=time.strftime("%Y-%m-%d %H:%M"))
+            (out / "sched_overhead.json").write_text(json.dumps(d, indent=2))
+            write_overhead_md(d, out / "sched_overhead.md", command)
+            print((out / "sched_overhead.md").read_text())
+        if args.part in ("streams", "all"):
+            m0 = machine()
+            d = streams(queue, args.redis_url, work, args)
+            d.update(machine=m0, machine_end=machine(), command=command, written_at=time.strftime("%Y-%m-%d %H:%M"))
+            (out / "streams_cpu.json").write_text(json.dumps(d, indent=2))
+            write_streams_md(d, out / "streams_cpu.md", command)
+            print((out / "streams_cpu.md").read_text())
+    finally:
+        shutdown_local_ray()
+        keys = list(queue.r.scan_iter(f"{prefix}*", count=1000))
+        if keys:
+            queue.r.delete(*keys)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

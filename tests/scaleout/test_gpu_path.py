@@ -1,0 +1,96 @@
+"""The reduced-precision path on the CPU: greedy comparison by common prefix (numerics helper), the engine
+in bfloat16, and scripts/gpu_bench.py in its tiny CPU mode. No GPU is needed (none is available here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from racer_batch.engine import Engine
+from racer_batch.engine.numerics import Divergence, compare_greedy, first_divergence
+from racer_batch.engine.reference import generate_reference
+from racer_batch.types import DecodingConfig, GenerationParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_first_divergence_on_token_lists():
+    assert first_divergence([5, 7, 9, 2], [5, 7, 4]) == Divergence(2, 4, 3, 9, 4)
+    assert first_divergence([1, 2, 3], [1, 2, 3]).identical
+    d = first_divergence([1, 2], [1, 2, 3])
+    assert (d.common_prefix, d.token_a, d.token_b, d.identical) == (2, None, 3, False)
+    assert first_divergence([], [4]).token_b == 4
+    assert "diverge after 2 of 4/3 tokens: 9 vs 4" in first_divergence([5, 7, 9, 2], [5, 7, 4]).describe()
+
+
+def test_tie_tolerance_by_dtype():
+    assert Divergence(3, 5, 5, 1, 2, logit_gap=0.2, dtype="bfloat16").is_tie
+    assert not Divergence(3, 5, 5, 1, 2, logit_gap=0.2, dtype="float16").is_tie
+    assert Divergence(3, 5, 5, 1, 2).is_tie is None
+
+
+def _bf16(bundle):
+    bundle.model.to(torch.bfloat16)
+    bundle.dtype = "bfloat16"
+    return bundle
+
+
+@pytest.mark.parametrize("method", ["racer", "pld"])
+def test_engine_in_bfloat16_matches_reference_up_to_ties(tiny, method):
+    bundle = _bf16(tiny)
+    prompt = "abcabcabd abcabc " * 3
+    params = GenerationParams(max_new_tokens=48)
+    engine = Engine(bundle, DecodingConfig(method=method, capacity=16))
+    assert engine.runner.dtype == torch.bfloat16
+    res = engine.generate(prompt, params)
+    ref = generate_reference(bundle, prompt, params)
+    div = compare_greedy(bundle, engine.encode(prompt), ref.token_ids, res.token_ids)
+    # Equal, or parted at a near-tie of the target's top two logits (rounding), never at a clear winner.
+    assert div.identical or div.is_tie, div.describe()
+
+
+def test_compare_greedy_measures_the_gap_where_outputs_part(tiny):
+    prompt_ids = [3, 4, 5, 6]
+    ref = generate_reference(tiny, prompt_ids, GenerationParams(max_new_tokens=6)).token_ids
+    other = ref[:3] + [(ref[3] + 1) % 60 + 3]  # force a different 4th token
+    div = compare_greedy(tiny, prompt_ids, ref, other)
+    assert div.common_prefix == 3 and div.dtype == "float32"
+    assert div.logit_gap > 0, "the reference's own greedy token must have the larger logit"
+
+
+@pytest.fixture(scope="module")
+def gpu_bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "scripts" / "gpu_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
+    bench = tmp_path / "bench-20260101-000000.json"
+    bench.write_text(json.dumps({"config": {"capacity": 16}, "overall": {"racer": {"mat": 2.5}}}))
+    rc = gpu_bench.main(["--tiny", "--capacities", "1,4,16", "--max-new-tokens", "16", "--repeats", "2",
+                         "--bench-glob", str(tmp_path / "bench-*.json"), "--out", str(tmp_path / "out")])
+    assert rc == 0
+    d = json.loads((tmp_path / "out" / "gpu_bench-tiny-cpu.json").read_text())
+    assert set(d["cost_curve_ms"]) == {"1", "4", "16"}
+    assert d["mat"]["value"] == 2.5 and d["mat"]["bench_capacity"] == 16
+    row16 = next(r for r in d["projection"] if r["T"] == 16)
+    assert row16["at_bench_capacity"] and row16["projected_speedup"] == pytest.approx(
+        2.5 / row16["break_even_mat"], rel=0.01)
+    assert d["overhead"]["ar"]["steps"] == 16 and d["overhead"]["racer"]["steps"] >= 1
+    assert d["greedy_equality"]["identical"] or d["greedy_equality"]["is_tie"]
+    assert "say nothing about a GPU" in (tmp_path / "out" / "gpu_bench-tiny-cpu.md").read_text()
+
+
+def test_gpu_bench_refuses_the_full_run_without_cuda(gpu_bench, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert gpu_bench.main(["--out", str(tmp_path)]) == 3
+    assert "no CUDA device" in capsys.readouterr().err
