@@ -11,21 +11,30 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled"]
-Method = Literal["ar", "pld", "logits", "retrieval", "racer"]
+Method = Literal["ar", "pld", "logits", "retrieval", "racer", "tr", "logitspec", "rest", "sam", "graft"]
 Scope = Literal["job", "request", "global"]
+Acceptance = Literal["lossless", "topk", "threshold"]
 
-METHODS: tuple[str, ...] = ("ar", "pld", "logits", "retrieval", "racer")
+METHODS: tuple[str, ...] = ("ar", "pld", "logits", "retrieval", "racer", "tr", "logitspec", "rest", "sam", "graft")
 
 # Bit flags for where a draft node came from (a node proposed by both carries both bits).
 SOURCE_RETRIEVAL = 1
 SOURCE_LOGITS = 2
 SOURCE_PLD = 4
-SOURCE_NAMES = {SOURCE_RETRIEVAL: "retrieval", SOURCE_LOGITS: "logits", SOURCE_PLD: "pld"}
+SOURCE_TEMPLATE = 8  # Token Recycling: adjacency expanded through the static tree template
+SOURCE_LASTLOGIT = 16  # LogitSpec: top-k of the last verified node's logits (first layer)
+SOURCE_NGRAM = 32  # LogitSpec: n-gram lookup in the context
+SOURCE_CORPUS = 64  # REST: corpus datastore
+SOURCE_SAM = 128  # SAM-Decoding: suffix automaton chain
+SOURCE_NAMES = {
+    SOURCE_RETRIEVAL: "retrieval", SOURCE_LOGITS: "logits", SOURCE_PLD: "pld", SOURCE_TEMPLATE: "template",
+    SOURCE_LASTLOGIT: "lastlogit", SOURCE_NGRAM: "ngram", SOURCE_CORPUS: "corpus", SOURCE_SAM: "sam",
+}
 
 
 class GenerationParams(BaseModel):
@@ -65,7 +74,9 @@ class DecodingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Method = Field("racer", description="drafter: ar | pld | logits | retrieval | racer")
+    method: Method = Field(
+        "racer", description="drafter: ar | pld | logits | retrieval | racer | tr | logitspec | rest | sam | graft"
+    )
     capacity: Union[int, Literal["auto"]] = Field(
         64, description="draft tree nodes per step including the root (paper default 64), or 'auto'"
     )
@@ -80,6 +91,56 @@ class DecodingConfig(BaseModel):
         default_factory=lambda: [4, 8, 12, 16, 24, 32, 48, 64],
         description="capacities the 'auto' tuner may choose from",
     )
+    # ---- literature drafters (issue 8); omitted from dumps and hashes while at their defaults ----
+    corpus_path: Optional[str] = Field(
+        None, min_length=1,
+        description="rest / sam: static corpus, a JSONL file (one object per line with 'text' or 'token_ids') "
+        "or a plain text file (one document per blank-line-separated block)",
+    )
+    corpus_max_tokens: int = Field(
+        2_000_000, ge=1_000, le=200_000_000, description="rest / sam: corpus tokens kept (the rest is dropped)"
+    )
+    rest_learn_outputs: bool = Field(
+        True, description="rest: add each finished row (prompt + output) of the scope to a dynamic datastore"
+    )
+    rest_max_query: int = Field(16, ge=1, le=64, description="rest: longest context suffix used as the query")
+    rest_min_query: int = Field(2, ge=1, le=64, description="rest: shortest context suffix used as the query")
+    rest_max_occurrences: int = Field(
+        512, ge=1, le=100_000, description="rest: most corpus occurrences read per query (most recent first)"
+    )
+    rest_depth: int = Field(8, ge=1, le=64, description="rest: tokens read after each occurrence")
+    sam_min_match: int = Field(
+        3, ge=1, le=1024, description="sam: shortest suffix-automaton match (tokens) that drafts a chain"
+    )
+    sam_num_tokens: int = Field(16, ge=1, le=256, description="sam: most chain tokens drafted from a match")
+    logitspec_ngram: int = Field(3, ge=1, le=16, description="logitspec: longest n-gram looked up in the context")
+    logitspec_branch_tokens: int = Field(
+        12, ge=1, le=128, description="logitspec: tokens copied after the rank-0 branch; rank r gets 1/(r+1) of it"
+    )
+    graft_threshold: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="graft: logits-tree nodes whose calibrated path confidence is below this are pruned",
+    )
+    # ---- acceptance (issue 8, part 6) ----
+    acceptance: Acceptance = Field(
+        "lossless",
+        description="lossless (exact target output) | topk | threshold; relaxed modes change outputs and are "
+        "refused by check_relaxed_allowed unless a shadow run against lossless decoding is configured",
+    )
+    relaxed_topk: int = Field(2, ge=1, le=64, description="acceptance=topk: accept a draft in the target's top-k")
+    relaxed_threshold: float = Field(
+        0.1, gt=0.0, le=1.0, description="acceptance=threshold: accept a draft whose target probability >= this"
+    )
+
+    @model_serializer(mode="wrap")
+    def _drop_new_defaults(self, handler: Any) -> dict:
+        """Leave fields added after the first release out of dumps while they hold their defaults, so the
+        config and job-spec hashes of existing configurations stay byte-identical."""
+        d = handler(self)
+        for name in _OPTIONAL_FIELDS:
+            if name in d and getattr(self, name) == type(self).model_fields[name].default:
+                del d[name]
+        return d
 
     @field_validator("capacity")
     @classmethod
@@ -92,6 +153,70 @@ class DecodingConfig(BaseModel):
         """Short stable hash of the configuration, stamped on every output row."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_OPTIONAL_FIELDS = (
+    "corpus_path", "corpus_max_tokens", "rest_learn_outputs", "rest_max_query", "rest_min_query",
+    "rest_max_occurrences", "rest_depth", "sam_min_match", "sam_num_tokens", "logitspec_ngram",
+    "logitspec_branch_tokens", "graft_threshold", "acceptance", "relaxed_topk", "relaxed_threshold",
+)
+
+
+def _shadow_decoding(shadow: Any) -> DecodingConfig | None:
+    """The decoding config of a shadow configuration in any of the shapes check_relaxed_allowed accepts."""
+    cand = shadow
+    for _ in range(3):  # unwrap spec -> config -> DecodingConfig
+        if isinstance(cand, DecodingConfig):
+            return cand
+        if isinstance(cand, dict):
+            if "config" in cand or "decoding" in cand:
+                cand = cand.get("config", cand.get("decoding"))
+                continue
+            try:
+                return DecodingConfig(**cand)
+            except ValueError:
+                return None
+        attr = getattr(cand, "decoding", None)
+        if callable(attr) and not isinstance(attr, DecodingConfig):
+            try:
+                attr = attr()
+            except AssertionError:  # an unresolved preset name
+                attr = None
+        cand = attr if attr is not None else getattr(cand, "config", None)
+        if cand is None:
+            return None
+    return cand if isinstance(cand, DecodingConfig) else None
+
+
+def check_relaxed_allowed(decoding: DecodingConfig, shadow: Any | None) -> None:
+    """Refuse relaxed acceptance unless the job also runs a shadow comparison against lossless decoding.
+
+    Relaxed acceptance (``decoding.acceptance`` ``topk`` or ``threshold``) changes outputs, so a job may use it
+    only beside a shadow run of the same route whose decoding is lossless, so that the report can show the
+    capability difference next to the speed gain. ``shadow`` is the job's shadow configuration: None (no
+    shadow run), a ``DecodingConfig``, a shadow spec whose ``decoding()`` method, ``decoding`` attribute or
+    ``config`` attribute gives one, or a dict with a ``config`` or ``decoding`` key. Lossless jobs always pass.
+
+    Raises:
+        ValueError: relaxed acceptance without a shadow, or with a shadow that is not lossless.
+    """
+    if decoding.acceptance == "lossless":
+        return
+    what = (f"decoding.acceptance = {decoding.acceptance!r} "
+            f"({'top-' + str(decoding.relaxed_topk) if decoding.acceptance == 'topk' else 'p >= ' + str(decoding.relaxed_threshold)})")
+    if shadow is None:
+        raise ValueError(
+            f"{what} changes outputs and is refused unless the job also runs a shadow comparison against "
+            "lossless decoding on the same route; add a shadow run with decoding.acceptance = 'lossless' "
+            "or use acceptance 'lossless'"
+        )
+    shadow_dec = _shadow_decoding(shadow)
+    if shadow_dec is None:
+        raise ValueError(f"{what}: the shadow configuration {shadow!r} has no decoding config to compare against")
+    if shadow_dec.acceptance != "lossless":
+        raise ValueError(
+            f"{what}: the shadow run must decode losslessly, but its decoding.acceptance is {shadow_dec.acceptance!r}"
+        )
 
 
 @dataclass

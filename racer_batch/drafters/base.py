@@ -104,11 +104,17 @@ class Verified:
         node_tokens: ``[T]`` token ids of the verified tree nodes (root first).
         node_topk: ``[T, k]`` top-k next-token ids of each node's target logits (descending probability).
         committed: tokens appended to the output this step (accepted drafts then the bonus), in order.
+        node_topk_probs: ``[T, k]`` target probabilities of ``node_topk`` (float32), given only to drafters
+            whose ``needs_topk_probs`` is true; else None.
+        last_node: index into ``node_tokens`` of the deepest accepted node, whose logits chose the bonus
+            token; -1 for the prefill update (no tree was verified).
     """
 
     node_tokens: np.ndarray
     node_topk: np.ndarray
     committed: list[int]
+    node_topk_probs: np.ndarray | None = None
+    last_node: int = -1
 
 
 class Drafter(Protocol):

@@ -21,30 +21,36 @@ class CopyLogitStore:
         ValueError: vocab_size < 1 or k < 1.
     """
 
-    def __init__(self, *, vocab_size: int, k: int) -> None:
+    def __init__(self, *, vocab_size: int, k: int, with_probs: bool = False) -> None:
         if vocab_size < 1 or k < 1:
             raise ValueError(f"copy-logit store needs vocab_size >= 1 and k >= 1, got {vocab_size}, {k}")
         self.k = k
         self.table = np.full((vocab_size, k), -1, dtype=np.int64)  # [vocab, k]
+        # [vocab, k] target probability of each stored id (NaN: unknown, e.g. prompt rows); only with_probs
+        self.probs: np.ndarray | None = np.full((vocab_size, k), np.nan, dtype=np.float32) if with_probs else None
 
-    def update(self, tokens: np.ndarray, topk: np.ndarray) -> None:
+    def update(self, tokens: np.ndarray, topk: np.ndarray, probs: np.ndarray | None = None) -> None:
         """Set ``row[tokens[i]] = topk[i]``; later positions win over earlier ones for repeated tokens.
 
         Args:
             tokens: ``[N]`` input token ids of verified positions.
             topk: ``[N, k']`` top-k' next-token ids at those positions (k' >= k; extra columns ignored).
+            probs: ``[N, k']`` their target probabilities, kept when the store was made ``with_probs``;
+                None marks the rows' probabilities unknown (NaN).
         """
         if len(tokens) == 0:
             return
         # numpy fancy assignment applies in order, so the last occurrence of a token wins.
         self.table[tokens] = topk[:, : self.k]
+        if self.probs is not None:
+            self.probs[tokens] = np.nan if probs is None else probs[:, : self.k]
 
     def row(self, token: int) -> np.ndarray:
         return self.table[token]
 
     @property
     def nbytes(self) -> int:
-        return int(self.table.nbytes)
+        return int(self.table.nbytes) + (int(self.probs.nbytes) if self.probs is not None else 0)
 
 
 def child_breadth(parent_breadth: int, *, child_rank: int, parent_depth: int) -> int:

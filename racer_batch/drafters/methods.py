@@ -1,4 +1,5 @@
-"""The drafters behind the engine's one interface: ar, pld, logits, retrieval and racer."""
+"""The drafters behind the engine's one interface: ar, pld, logits, retrieval and racer, and the literature's
+tr, logitspec, rest, sam and graft (their own modules)."""
 
 from __future__ import annotations
 
@@ -107,11 +108,23 @@ class TreeDrafter:
                 st.automaton.advance(tok)
 
 
-def make_state(config: DecodingConfig, *, vocab_size: int, scope: str | None = None) -> DraftState:
-    """A fresh DraftState holding what ``config.method`` needs."""
+LITERATURE_METHODS = ("tr", "logitspec", "rest", "sam", "graft")
+
+
+def make_state(config: DecodingConfig, *, vocab_size: int, scope: str | None = None, tokenizer=None) -> DraftState:
+    """A fresh DraftState holding what ``config.method`` needs.
+
+    ``tokenizer`` is needed only to read a text corpus (``corpus_path``) for rest and sam.
+
+    Raises:
+        ValueError: a corpus that cannot be read (rest, sam).
+    """
     from .automaton import Automaton
     from .copy_logits import CopyLogitStore
 
+    m = config.method
+    if m in LITERATURE_METHODS:
+        return _make_literature_state(config, vocab_size=vocab_size, scope=scope, tokenizer=tokenizer)
     st = DraftState(scope=scope or config.scope)
     if config.method in ("logits", "racer"):
         st.store = CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth)
@@ -119,6 +132,32 @@ def make_state(config: DecodingConfig, *, vocab_size: int, scope: str | None = N
         st.automaton = Automaton(
             max_nodes=config.max_nodes, ngram=config.ngram, min_border_depth=config.min_border_depth
         )
+    return st
+
+
+def _make_literature_state(config: DecodingConfig, *, vocab_size: int, scope: str | None, tokenizer) -> DraftState:
+    from .automaton import Automaton
+    from .copy_logits import CopyLogitStore
+    from .literature_state import LiteratureState
+    from .rest import RestDatastore, static_index
+    from .sam import static_corpus_sam
+
+    m = config.method
+    st = LiteratureState(scope=scope or config.scope)
+    if m in ("tr", "sam", "graft"):
+        st.store = CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth, with_probs=m == "graft")
+    if m == "graft":
+        st.automaton = Automaton(max_nodes=config.max_nodes, ngram=config.ngram, min_border_depth=config.min_border_depth)
+    if m == "rest":
+        static = None
+        if config.corpus_path:
+            static = static_index(config.corpus_path, tokenizer, max_tokens=config.corpus_max_tokens,
+                                  max_query=config.rest_max_query, vocab_size=vocab_size)
+        st.rest = RestDatastore(static=static, learn=config.rest_learn_outputs, max_tokens=config.corpus_max_tokens,
+                                max_query=config.rest_max_query)
+    if m == "sam" and config.corpus_path:
+        st.sam_corpus = static_corpus_sam(config.corpus_path, tokenizer, max_tokens=config.corpus_max_tokens,
+                                          vocab_size=vocab_size)
     return st
 
 
@@ -134,4 +173,26 @@ def make_drafter(config: DecodingConfig, state: DraftState):
             state, use_retrieval=m in ("racer", "retrieval"), use_logits=m in ("racer", "logits"),
             max_breadth=config.max_breadth,
         )
+    if m == "tr":
+        from .token_recycling import TokenRecyclingDrafter
+
+        return TokenRecyclingDrafter(state)
+    if m == "logitspec":
+        from .logitspec import LogitSpecDrafter
+
+        return LogitSpecDrafter(state, max_ngram=config.logitspec_ngram, branch_tokens=config.logitspec_branch_tokens)
+    if m == "rest":
+        from .rest import RestDrafter
+
+        return RestDrafter(state, max_query=config.rest_max_query, min_query=config.rest_min_query,
+                           max_occurrences=config.rest_max_occurrences, depth=config.rest_depth)
+    if m == "sam":
+        from .sam import SamDrafter
+
+        return SamDrafter(state, min_match=config.sam_min_match, num_tokens=config.sam_num_tokens,
+                          max_breadth=config.max_breadth)
+    if m == "graft":
+        from .graft import GraftDrafter
+
+        return GraftDrafter(state, max_breadth=config.max_breadth, threshold=config.graft_threshold)
     raise ValueError(f"unknown decoding method {m!r}")

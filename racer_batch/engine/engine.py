@@ -32,11 +32,58 @@ from .capacity import CapacityTuner, measure_cost_curve
 from .runner import ModelRunner
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker
-from .tree import accept_greedy, accept_sampling, flatten_tree
+from .tree import TreeInputs, accept_greedy, accept_sampling, flatten_tree
 
 log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
+
+
+def accept_relaxed(
+    tree: TreeInputs, logits: torch.Tensor, *, config: DecodingConfig, params: GenerationParams,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """Relaxed (lossy, opt-in) acceptance: also descend into a draft child the target merely finds plausible.
+
+    At each node the target's own choice comes first: the argmax (greedy) or one draw from the processed
+    distribution p (sampling), exactly as in lossless acceptance; if a child carries it, descend. Otherwise
+    descend into the most probable child whose token is within the target's top-``relaxed_topk``
+    (``acceptance="topk"``) or has p >= ``relaxed_threshold`` (``"threshold"``); with none, stop and emit the
+    target's choice as the bonus token. Outputs differ from the target model's: the service must refuse it
+    without a lossless shadow comparison (``types.check_relaxed_allowed``).
+
+    Args:
+        logits: ``[T, V]`` target logits of the flattened tree.
+    Returns:
+        (accepted path as flattened node indices starting with the root, bonus token).
+    """
+    node, path = 0, [0]
+    while True:
+        row = logits[node]  # [V]
+        if params.greedy:
+            probs = torch.softmax(row.float(), dim=-1)
+            choice = int(torch.argmax(row))
+        else:
+            probs = processed_probs(row, params)
+            choice = draw(probs, generator)
+        kids = tree.children[node]
+        nxt = kids.get(choice)
+        if nxt is None and kids:
+            cand = torch.tensor(list(kids), dtype=torch.long)
+            p = probs[cand]  # [children]
+            if config.acceptance == "topk":
+                kth = torch.topk(probs, min(config.relaxed_topk, probs.shape[-1])).values[-1]
+                ok = p >= kth
+            else:
+                ok = p >= config.relaxed_threshold
+            ok &= p > 0  # never accept a token the processed distribution rules out
+            if bool(ok.any()):
+                best = int(torch.argmax(torch.where(ok, p, torch.full_like(p, -1.0))))
+                nxt = kids[int(cand[best])]
+        if nxt is None:
+            return path, choice
+        node = nxt
+        path.append(node)
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None = None) -> list[int]:
@@ -120,9 +167,11 @@ class Engine:
         """Draft state for one scope. With scope ``global`` every call returns the process-wide state."""
         if self.config.scope == "global":
             if self._global_state is None or self._global_state.freed:
-                self._global_state = make_state(self.config, vocab_size=self.bundle.vocab_size)
+                self._global_state = make_state(
+                    self.config, vocab_size=self.bundle.vocab_size, tokenizer=self.bundle.tokenizer
+                )
             return self._global_state
-        return make_state(self.config, vocab_size=self.bundle.vocab_size)
+        return make_state(self.config, vocab_size=self.bundle.vocab_size, tokenizer=self.bundle.tokenizer)
 
     def free_state(self, state: DraftState) -> None:
         """Free a job's draft state (a no-op for the global state, which lives as long as the engine)."""
@@ -173,7 +222,8 @@ class Engine:
             )
         private = False
         if self.config.scope == "request" or state is None:
-            state, private = make_state(self.config, vocab_size=bundle.vocab_size, scope="request"), True
+            state = make_state(self.config, vocab_size=bundle.vocab_size, scope="request", tokenizer=bundle.tokenizer)
+            private = True
         if self.config.scope == "global":
             state, private = self.new_state(), False
         try:
@@ -194,6 +244,7 @@ class Engine:
         bundle, runner, cfg = self.bundle, self.runner, self.config
         drafter = self.drafter_factory(cfg, state)
         k = cfg.max_breadth if getattr(drafter, "needs_topk", False) else 0
+        want_probs = bool(k) and getattr(drafter, "needs_topk_probs", False)
         stops = StopChecker(
             tokenizer=bundle.tokenizer,
             eos_ids=[*bundle.eos_ids, *params.extra_eos_ids],
@@ -230,7 +281,9 @@ class Engine:
             logits = runner.verify(
                 input_ids=tree.input_ids, position_ids=tree.position_ids, attention_mask=tree.attention_mask, cache=cache
             )  # [T, V]
-            if params.greedy:
+            if cfg.acceptance != "lossless":
+                path, bonus = accept_relaxed(tree, logits, config=cfg, params=params, generator=gen)
+            elif params.greedy:
                 path, bonus = accept_greedy(tree, logits.argmax(dim=-1).cpu().numpy())
             else:
                 path, bonus = accept_sampling(tree, lambda node: processed_probs(logits[node], params), gen)
@@ -245,8 +298,15 @@ class Engine:
             if not done:
                 runner.keep_rows(cache, committed_len=committed_len, nodes=path)
                 committed_len += len(path)
-            topk = torch.topk(logits, k, dim=-1).indices.cpu().numpy() if k else np.zeros((tree.size, 1), np.int64)
-            drafter.update(Verified(tree.tokens, topk, block[:emitted]))
+            topk_probs = None
+            if want_probs:  # only drafters that keep probabilities beside the ids (graft) pay for the softmax
+                top = torch.topk(logits, k, dim=-1)
+                topk = top.indices.cpu().numpy()
+                logz = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [T, 1]
+                topk_probs = torch.exp(top.values.float() - logz).cpu().numpy()  # [T, k]
+            else:
+                topk = torch.topk(logits, k, dim=-1).indices.cpu().numpy() if k else np.zeros((tree.size, 1), np.int64)
+            drafter.update(Verified(tree.tokens, topk, block[:emitted], node_topk_probs=topk_probs, last_node=path[-1]))
             root = bonus
             t_d = time.perf_counter()
 
