@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import Callable, Optional
 
+import pyarrow as pa
 import redis
 
 from racer_batch.service.actors import Executor
@@ -63,7 +64,14 @@ class Worker:
                 if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                     break
                 continue
-            self.run_job(lease, stop=stop)
+            try:
+                self.run_job(lease, stop=stop)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis went away at a point where the job's state could not be written (say, marking it
+                # done). Keep the worker: the lease expires and the job is taken again, or, when Redis lost
+                # its data, re-submitting resumes it from the output folder.
+                log.warning("job %s: Redis unavailable (%s); the job is left to its lease", lease.job_id, exc)
+                time.sleep(min(5.0, self.poll_s * 4))
             self.jobs_run += 1
             idle_since = time.monotonic()
         return self.jobs_run
@@ -109,7 +117,10 @@ class Worker:
             if shard not in known:
                 self.queue.commit_shard(job_id, shard, meta)
         self._redis_best_effort(self.queue.mark_run_base, job_id)
-        self._manifest(job_id, spec, plan, done, state="running")
+        unwritable = self._manifest(job_id, spec, plan, done, state="running")
+        if unwritable:
+            self.queue.finish(lease, state="failed", message=unwritable)
+            return "failed"
         pending = ShardFeed(plan, columns=list(spec.input.columns.model_dump().values()), shard_rows=shard_rows,
                             skip=frozenset(done))
         attempts: collections.Counter = collections.Counter()
@@ -137,7 +148,12 @@ class Worker:
                 released = True
                 pending.clear()
             while free_slots and not (cancelled or lost or released or failure):
-                shard = pending.next()
+                try:
+                    shard = pending.next()
+                except (OSError, ValueError, AssertionError, pa.ArrowException) as exc:
+                    failure = f"input no longer readable: {type(exc).__name__}: {exc}"
+                    pending.clear()
+                    break
                 if shard is None:
                     break
                 slot = free_slots.pop()
@@ -187,9 +203,26 @@ class Worker:
         else:
             state = "done"
         self._manifest(job_id, spec, plan, done, state=state)
-        self.queue.finish(lease, state=state, message=failure or "")
+        self._finish(lease, state=state, message=failure or "")
         log.info("job %s: %s (%d/%d shards)", job_id, state, len(done), num_shards)
         return state
+
+    def _finish(self, lease: Lease, *, state: str, message: str) -> None:
+        """Mark the job ended, waiting out a short Redis outage (at most a third of the lease, backing off);
+        a longer one raises, and the job is left to its lease (see run)."""
+        deadline = time.monotonic() + self.lease_s / 3
+        pause_s = 0.1
+        while True:
+            try:
+                self.queue.finish(lease, state=state, message=message)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() + pause_s > deadline:
+                    raise
+                log.warning("job %s: cannot mark it %s yet (%s); retrying in %.1f s", lease.job_id, state, exc,
+                            pause_s)
+                time.sleep(pause_s)
+                pause_s = min(2.0, pause_s * 2)
 
     @staticmethod
     def _redis_best_effort(fn: Callable, *args: object) -> None:
@@ -268,7 +301,18 @@ class Worker:
         write_part(spec.output.path, shard, records, shard_meta=meta)
         return meta
 
-    def _manifest(self, job_id: str, spec: JobSpec, plan: InputPlan, done: dict, *, state: str) -> None:
+    def _manifest(self, job_id: str, spec: JobSpec, plan: InputPlan, done: dict, *, state: str) -> Optional[str]:
+        """Rewrite manifest.json. Returns None, or a message naming the folder when it cannot be written
+        (the part files stay the truth, so only the first write of a run fails the job)."""
+        try:
+            self._write_manifest(job_id, spec, plan, done, state=state)
+        except OSError as exc:
+            message = f"output.path = {spec.output.path!r}: cannot write the manifest: {exc.strerror or exc}"
+            log.warning("job %s: %s", job_id, message)
+            return message
+        return None
+
+    def _write_manifest(self, job_id: str, spec: JobSpec, plan: InputPlan, done: dict, *, state: str) -> None:
         totals = ShardSummary()
         for meta in done.values():
             totals.merge(ShardSummary.from_dict(meta))
