@@ -60,6 +60,13 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+def _url_password(url: str) -> Optional[str]:
+    try:
+        return urllib.parse.urlsplit(url).password
+    except ValueError:
+        return None
+
+
 def resolve_url(*candidates: Optional[str]) -> str:
     """First non-empty of the candidates (flag, spec), then REDIS_URL, then the default."""
     for c in candidates:
@@ -77,6 +84,11 @@ def connect(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
         )
         client.ping()
     except redis.AuthenticationError as exc:
+        if _url_password(url) is None:
+            raise QueueUnavailable(
+                f"Redis at {redact_url(url)} needs a password: put it in the URL "
+                "(redis://:PASSWORD@host:port/db, rediss:// for TLS), e.g. in REDIS_URL"
+            ) from None
         raise QueueUnavailable(f"Redis at {redact_url(url)} refused the credentials: {exc}") from None
     except redis.ResponseError as exc:
         raise QueueUnavailable(f"Redis at {redact_url(url)} answered with an error: {exc}") from None
