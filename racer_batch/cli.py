@@ -133,13 +133,20 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ma
 @click.option("--per-set", type=click.IntRange(1, 8), default=8, show_default=True,
               help="Prompts per set (Spec-Bench, HumanEval, MGSM-ZH) from the smoke subset.")
 @click.option("--out", "out_dir", default="benchmarks", show_default=True, type=click.Path(file_okay=False))
-def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, out_dir: str) -> None:
+@click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
+              help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
+def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, out_dir: str,
+          torch_threads: int) -> None:
     """Run the decoding methods side by side on the smoke prompts and write JSON + Markdown results."""
     from pathlib import Path
 
     from . import ModelLoadError, load_model
     from .bench import HF_METHODS, run_bench, summarize, write_results
 
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
     names = [m.strip() for m in methods.split(",") if m.strip()]
     bad = [m for m in names if m not in (*METHODS, *HF_METHODS)]
     if bad:
