@@ -98,17 +98,19 @@ def check_ray_launcher() -> Result:
     return Result("Ray launcher schema", "passed", f"{path.name} (Ray's ray-schema.json + provider defaults)")
 
 
-def _k8s_validator() -> Optional[Callable[[dict], Optional[str]]]:
-    """A function doc -> error message (None when valid), from the module or the CLI."""
+def _k8s_validator() -> Optional[Callable[[list[dict]], Optional[str]]]:
+    """A function docs -> error messages (None when all are valid), from the module or the CLI (one call)."""
     try:
         import kubernetes_validate  # type: ignore[import-not-found]
 
-        def by_module(doc: dict) -> Optional[str]:
-            try:
-                kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), True)
-            except kubernetes_validate.ValidationError as exc:
-                return str(exc).splitlines()[0]
-            return None
+        def by_module(docs: list[dict]) -> Optional[str]:
+            errors = []
+            for doc in docs:
+                try:
+                    kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), True)
+                except kubernetes_validate.ValidationError as exc:
+                    errors.append(f"{doc['kind']}/{doc['metadata']['name']}: {str(exc).splitlines()[0]}")
+            return "; ".join(errors) or None
 
         return by_module
     except ImportError:
@@ -117,14 +119,15 @@ def _k8s_validator() -> Optional[Callable[[dict], Optional[str]]]:
     if cli is None:
         return None
 
-    def by_cli(doc: dict) -> Optional[str]:
+    def by_cli(docs: list[dict]) -> Optional[str]:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            yaml.safe_dump(doc, f)
+            yaml.safe_dump_all(docs, f)
         try:
-            proc = subprocess.run([cli, "--strict", "--no-warn", f.name], capture_output=True, text=True, timeout=120)
+            proc = subprocess.run([cli, "--strict", "--no-warn", "--quiet", f.name], capture_output=True, text=True,
+                                  timeout=300)
         finally:
             os.unlink(f.name)
-        return None if proc.returncode == 0 else (proc.stdout + proc.stderr).strip()[:400]
+        return None if proc.returncode == 0 else (proc.stdout + proc.stderr).strip()[:1000]
 
     return by_cli
 
@@ -143,27 +146,21 @@ def check_k8s_schemas() -> Result:
     validate = _k8s_validator()
     if validate is None:
         return Result("Kubernetes schemas", "skipped", "kubernetes-validate not installed (pip install kubernetes-validate)")
-    errors, n = [], 0
+    docs = []
     for p in sorted((INFRA / "k8s").glob("*.yaml")):
         for doc in load_docs(p):
-            kind = doc.get("kind")
             if doc.get("apiVersion", "").startswith("monitoring.coreos.com"):
                 continue  # Prometheus Operator CRD: no schema offline
-            if kind in ("RayCluster", "RayJob"):
+            if doc.get("kind") in ("RayCluster", "RayJob"):
                 for where, tmpl in pod_templates(doc):
-                    wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
-                               "metadata": {"name": f"{doc['metadata']['name']}-check"}, "template": tmpl}
-                    n += 1
-                    err = validate(wrapped)
-                    if err:
-                        errors.append(f"{p.name} {kind} {where}: {err}")
+                    name = f"{p.stem}-{where.replace('[', '-').replace(']', '')}".lower()
+                    docs.append({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+                                 "template": tmpl})
                 continue
-            n += 1
-            err = validate(doc)
-            if err:
-                errors.append(f"{p.name} {kind}/{doc['metadata']['name']}: {err}")
-    return Result("Kubernetes schemas", "failed" if errors else "passed",
-                  "; ".join(errors) or f"{n} objects/pod templates, strict")
+            docs.append(doc)
+    err = validate(docs)
+    return Result("Kubernetes schemas", "failed" if err else "passed",
+                  err or f"{len(docs)} objects and KubeRay pod templates, strict")
 
 
 def check_consistency() -> Result:

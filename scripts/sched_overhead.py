@@ -218,13 +218,18 @@ def streams(queue: JobQueue, url: str, work: Path, args: argparse.Namespace) -> 
                 try:
                     tag = f"{model.split('?')[0]}-{kind}-{n}"
                     run_job(queue, worker, work, tag=f"warm-{tag}", num_rows=2 * n, overrides=over)
-                    job = run_job(queue, worker, work, tag=tag, num_rows=num_rows, overrides=over)
+                    jobs = [run_job(queue, worker, work, tag=f"{tag}-r{i}", num_rows=num_rows, overrides=over)
+                            for i in range(args.stream_repeats)]
                     mem = actor_memory_mb(executor) if kind == "processes" else []
                 finally:
                     executor.shutdown()
-                res = {"model": model, "kind": kind, "streams": n, "rows": num_rows,
-                       "wall_s": round(job["wall_s"], 3), "tokens_per_s": round(job["output_tokens"] / job["wall_s"], 2),
-                       "rows_per_s": round(num_rows / job["wall_s"], 3),
+                rates = sorted(j["output_tokens"] / j["wall_s"] for j in jobs)
+                walls = [j["wall_s"] for j in jobs]
+                res = {"model": model, "kind": kind, "streams": n, "rows": num_rows, "repeats": len(jobs),
+                       "wall_s": round(statistics.median(walls), 3),
+                       "tokens_per_s": round(statistics.median(rates), 2),
+                       "tokens_per_s_min": round(rates[0], 2), "tokens_per_s_max": round(rates[-1], 2),
+                       "rows_per_s": round(num_rows / statistics.median(walls), 3),
                        "memory_mb": mem, "process_rss_mb": _self_rss_mb() if kind == "threads" else None}
                 results.append(res)
                 log.info("streams %s", res)
@@ -291,7 +296,9 @@ def write_streams_md(d: dict, path: Path, command: str) -> None:
         f"at start, {d['machine_end']['loadavg_1m']} at the end); no GPU. Processes: N Ray actors with "
         f"{d['config']['ray_logical_cpus']}/N logical CPUs each (the CPU analogue of fractional-GPU actors). "
         "Threads: N RowRunners on threads of one process (ThreadExecutor), one torch thread each.", "",
-        "| model | kind | streams | rows | wall s | tokens/s | rows/s | memory MB |", "|---|---|---|---|---|---|---|---|",
+        "Each configuration: one warm-up job, then the median of the timed jobs (min..max in brackets).", "",
+        "| model | kind | streams | rows | wall s | tokens/s (min..max) | rows/s | memory MB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in d["results"]:
         if r["memory_mb"]:
@@ -299,7 +306,8 @@ def write_streams_md(d: dict, path: Path, command: str) -> None:
         else:
             mem = f"{r['process_rss_mb']:.0f} RSS (whole process)"
         lines.append(f"| {r['model']} | {r['kind']} | {r['streams']} | {r['rows']} | {r['wall_s']} | "
-                     f"{r['tokens_per_s']} | {r['rows_per_s']} | {mem} |")
+                     f"{r['tokens_per_s']} ({r['tokens_per_s_min']}..{r['tokens_per_s_max']}) | {r['rows_per_s']} | "
+                     f"{mem} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -315,6 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rows-per-actor", type=int, default=16)
     p.add_argument("--stream-rows", type=int, default=16, help="rows per job in the streams part")
     p.add_argument("--models", default="tiny-random,stand-in", help="models of the streams part")
+    p.add_argument("--stream-repeats", type=int, default=3, help="timed jobs per streams configuration (median)")
     p.add_argument("--cpus", type=float, default=2.0, help="logical CPUs of the local Ray")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--out", default=str(ROOT / "benchmarks"))
