@@ -309,11 +309,21 @@ def rest_query(
 
     Example: indices over ``[[4, 1, 2, 3]]``, context ``[9, 1, 2]``: "9 1 2" is absent, "1 2" occurs.
     """
-    for m in range(min(max_query, len(context)), min_query - 1, -1):
+    def found(m: int) -> bool:
         q = list(context[len(context) - m :])
-        if any(ix.find(q) for ix in indices):
-            return q
-    return []
+        return any(ix.find(q) for ix in indices)
+
+    # A suffix that occurs has all its own suffixes occurring too, so binary search the longest length.
+    lo, hi = min_query, min(max_query, len(context))
+    if hi < lo or not found(lo):
+        return []
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if found(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return list(context[len(context) - lo :])
 
 
 class RestDrafter:

@@ -219,6 +219,19 @@ def test_rest_query_longest_suffix_and_tree():
     assert d.token_ids == [0, 7, 8] and d.parents == [-1, 0, 1]
 
 
+@settings(max_examples=150, deadline=None)
+@given(docs=st.lists(tokens_st, min_size=1, max_size=3), context=tokens_st, min_q=st.integers(1, 3))
+def test_rest_query_is_the_longest_occurring_suffix(docs, context, min_q):
+    ix = SuffixIndex(docs, max_query=6)
+    want = []
+    for m in range(min(6, len(context)), min_q - 1, -1):
+        q = context[len(context) - m :]
+        if any(doc[i : i + m] == q for doc in docs for i in range(len(doc) - m + 1)):
+            want = q
+            break
+    assert rest_query([ix], context, max_query=6, min_query=min_q) == want
+
+
 def test_rest_max_occurrences_keeps_the_latest():
     ix = SuffixIndex([[1, 2, 10], [1, 2, 11], [1, 2, 12]], max_query=2)
     conts = ix.continuations([1, 2], depth=1, max_occurrences=2)
