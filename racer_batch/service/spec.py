@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from racer_batch.types import DecodingConfig, GenerationParams
+from racer_batch.types import DecodingConfig, GenerationParams, check_relaxed_allowed
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIRS_ENV = "RACER_BATCH_PRESETS"  # extra folders searched for presets, os.pathsep separated
@@ -167,6 +167,12 @@ class JobSpec(BaseModel):
     redis_url: Optional[str] = Field(None, description="Redis URL (else flag, else REDIS_URL); never stored")
     n_samples: int = Field(1, ge=1, le=1024, description="answers per prompt, each with its own recorded seed")
     shadow: Optional[ShadowSpec] = Field(None, description="baseline runs on a sample of rows (see ShadowSpec)")
+
+    @model_validator(mode="after")
+    def _relaxed_needs_lossless_shadow(self) -> "JobSpec":
+        # Relaxed acceptance changes outputs: only with a lossless shadow comparison on the same rows (issue 8).
+        check_relaxed_allowed(self.decoding, self.shadow)
+        return self
 
     def spec_hash(self) -> str:
         """Hash of everything that changes the output rows (not resources, priority, Redis, labels)."""
