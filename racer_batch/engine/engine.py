@@ -32,58 +32,11 @@ from .capacity import CapacityTuner, measure_cost_curve
 from .runner import ModelRunner
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker
-from .tree import TreeInputs, accept_greedy, accept_sampling, flatten_tree
+from .tree import accept_greedy, accept_relaxed, accept_sampling, flatten_tree
 
 log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
-
-
-def accept_relaxed(
-    tree: TreeInputs, logits: torch.Tensor, *, config: DecodingConfig, params: GenerationParams,
-    generator: torch.Generator,
-) -> tuple[list[int], int]:
-    """Relaxed (lossy, opt-in) acceptance: also descend into a draft child the target merely finds plausible.
-
-    At each node the target's own choice comes first: the argmax (greedy) or one draw from the processed
-    distribution p (sampling), exactly as in lossless acceptance; if a child carries it, descend. Otherwise
-    descend into the most probable child whose token is within the target's top-``relaxed_topk``
-    (``acceptance="topk"``) or has p >= ``relaxed_threshold`` (``"threshold"``); with none, stop and emit the
-    target's choice as the bonus token. Outputs differ from the target model's: the service must refuse it
-    without a lossless shadow comparison (``types.check_relaxed_allowed``).
-
-    Args:
-        logits: ``[T, V]`` target logits of the flattened tree.
-    Returns:
-        (accepted path as flattened node indices starting with the root, bonus token).
-    """
-    node, path = 0, [0]
-    while True:
-        row = logits[node]  # [V]
-        if params.greedy:
-            probs = torch.softmax(row.float(), dim=-1)
-            choice = int(torch.argmax(row))
-        else:
-            probs = processed_probs(row, params)
-            choice = draw(probs, generator)
-        kids = tree.children[node]
-        nxt = kids.get(choice)
-        if nxt is None and kids:
-            cand = torch.tensor(list(kids), dtype=torch.long)
-            p = probs[cand]  # [children]
-            if config.acceptance == "topk":
-                kth = torch.topk(probs, min(config.relaxed_topk, probs.shape[-1])).values[-1]
-                ok = p >= kth
-            else:
-                ok = p >= config.relaxed_threshold
-            ok &= p > 0  # never accept a token the processed distribution rules out
-            if bool(ok.any()):
-                best = int(torch.argmax(torch.where(ok, p, torch.full_like(p, -1.0))))
-                nxt = kids[int(cand[best])]
-        if nxt is None:
-            return path, choice
-        node = nxt
-        path.append(node)
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None = None) -> list[int]:

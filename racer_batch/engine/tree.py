@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import draw
+from .sampling import draw, processed_probs
 from ..drafters.base import Draft
+from ..types import DecodingConfig, GenerationParams
 
 
 @dataclass
@@ -149,5 +150,52 @@ def accept_sampling(tree: TreeInputs, probs_of, generator: torch.Generator) -> t
         nxt = tree.children[node].get(tok)
         if nxt is None:
             return path, tok
+        node = nxt
+        path.append(node)
+
+
+def accept_relaxed(
+    tree: TreeInputs, logits: torch.Tensor, *, config: DecodingConfig, params: GenerationParams,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """Relaxed (lossy, opt-in) acceptance: also descend into a draft child the target merely finds plausible.
+
+    At each node the target's own choice comes first: the argmax (greedy) or one draw from the processed
+    distribution p (sampling), exactly as in lossless acceptance; if a child carries it, descend. Otherwise
+    descend into the most probable child whose token is within the target's top-``relaxed_topk``
+    (``acceptance="topk"``) or has p >= ``relaxed_threshold`` (``"threshold"``); with none, stop and emit the
+    target's choice as the bonus token. Outputs differ from the target model's: job specs refuse it
+    without a lossless shadow comparison (``types.check_relaxed_allowed``).
+
+    Args:
+        logits: ``[T, V]`` target logits of the flattened tree.
+    Returns:
+        (accepted path as flattened node indices starting with the root, bonus token).
+    """
+    node, path = 0, [0]
+    while True:
+        row = logits[node]  # [V]
+        if params.greedy:
+            probs = torch.softmax(row.float(), dim=-1)
+            choice = int(torch.argmax(row))
+        else:
+            probs = processed_probs(row, params)
+            choice = draw(probs, generator)
+        kids = tree.children[node]
+        nxt = kids.get(choice)
+        if nxt is None and kids:
+            cand = torch.tensor(list(kids), dtype=torch.long)
+            p = probs[cand]  # [children]
+            if config.acceptance == "topk":
+                kth = torch.topk(probs, min(config.relaxed_topk, probs.shape[-1])).values[-1]
+                ok = p >= kth
+            else:
+                ok = p >= config.relaxed_threshold
+            ok &= p > 0  # never accept a token the processed distribution rules out
+            if bool(ok.any()):
+                best = int(torch.argmax(torch.where(ok, p, torch.full_like(p, -1.0))))
+                nxt = kids[int(cand[best])]
+        if nxt is None:
+            return path, choice
         node = nxt
         path.append(node)
