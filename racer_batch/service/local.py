@@ -153,7 +153,7 @@ def run_until_done(queue: JobQueue, job_id: str, *, url: str, prefix: str, execu
     thread every ``tick_s`` (progress display) while the worker runs on a background thread."""
     t0 = time.monotonic()
     executor = make_executor(executor_kind, url=url, prefix=prefix, name="local")
-    worker = Worker(queue, executor, name=f"local-{os.getpid()}", lease_s=lease_s)
+    worker = Worker(queue, executor, name=f"local-{os.getpid()}", lease_s=lease_s, only_job=job_id)
     stop_flag = threading.Event()
 
     def _done() -> bool:

@@ -36,8 +36,13 @@ def worker_id() -> str:
 
 class Worker:
     def __init__(self, queue: JobQueue, executor: Executor, *, name: Optional[str] = None, lease_s: float = 30.0,
-                 max_shard_attempts: int = 3, max_job_attempts: int = 10, poll_s: float = 0.5) -> None:
+                 max_shard_attempts: int = 3, max_job_attempts: int = 10, poll_s: float = 0.5,
+                 only_job: Optional[str] = None) -> None:
+        """``only_job``: run that job alone (the embedded worker of ``submit --local``); other jobs met in
+        the queue are held while looking for it and then handed back, so they keep their place for real
+        workers and are never run here."""
         assert lease_s > 1, f"lease_s must exceed one second, got {lease_s}"
+        self.only_job = only_job
         self.queue = queue
         self.executor = executor
         self.name = name or worker_id()
@@ -52,29 +57,52 @@ class Worker:
             idle_exit_s: Optional[float] = None) -> int:
         """Take and run jobs until ``stop()``, ``max_jobs`` jobs, or ``idle_exit_s`` with nothing queued."""
         idle_since = time.monotonic()
-        while not stop() and (max_jobs is None or self.jobs_run < max_jobs):
-            try:
-                lease = self.queue.claim(consumer=self.name, lease_ms=int(self.lease_s * 1000),
-                                         block_ms=int(self.poll_s * 1000))
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("queue unavailable, retrying: %s", exc)
-                time.sleep(min(5.0, self.poll_s * 4))
-                continue
-            if lease is None:
-                if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
+        held: list[Lease] = []  # other jobs' leases taken while looking for only_job
+        try:
+            while not stop() and (max_jobs is None or self.jobs_run < max_jobs):
+                before = self.jobs_run
+                if not self._run_one(held, stop=stop, idle_since=idle_since, idle_exit_s=idle_exit_s):
                     break
-                continue
-            try:
-                self.run_job(lease, stop=stop)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                # Redis went away at a point where the job's state could not be written (say, marking it
-                # done). Keep the worker: the lease expires and the job is taken again, or, when Redis lost
-                # its data, re-submitting resumes it from the output folder.
-                log.warning("job %s: Redis unavailable (%s); the job is left to its lease", lease.job_id, exc)
-                time.sleep(min(5.0, self.poll_s * 4))
-            self.jobs_run += 1
-            idle_since = time.monotonic()
+                if self.jobs_run != before:
+                    idle_since = time.monotonic()
+        finally:
+            self._hand_back(held)
         return self.jobs_run
+
+    def _hand_back(self, held: list[Lease]) -> None:
+        for other in held:
+            try:
+                self.queue.release(other, message=f"passed over by embedded worker {self.name}")
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("job %s: could not hand back (%s); its lease will expire", other.job_id, exc)
+        held.clear()
+
+    def _run_one(self, held: list[Lease], *, stop: Callable[[], bool], idle_since: float,
+                 idle_exit_s: Optional[float]) -> bool:
+        """Claim and run at most one job; False when the worker should stop (idle for too long)."""
+        try:
+            lease = self.queue.claim(consumer=self.name, lease_ms=int(self.lease_s * 1000),
+                                     block_ms=int(self.poll_s * 1000))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("queue unavailable, retrying: %s", exc)
+            time.sleep(min(5.0, self.poll_s * 4))
+            return True
+        if lease is None:
+            return not (idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s)
+        if self.only_job is not None and lease.job_id != self.only_job:
+            held.append(lease)  # pending under this consumer, so the next claim moves past it
+            return True
+        self._hand_back(held)
+        try:
+            self.run_job(lease, stop=stop)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Redis went away at a point where the job's state could not be written (say, marking it
+            # done). Keep the worker: the lease expires and the job is taken again, or, when Redis lost
+            # its data, re-submitting resumes it from the output folder.
+            log.warning("job %s: Redis unavailable (%s); the job is left to its lease", lease.job_id, exc)
+            time.sleep(min(5.0, self.poll_s * 4))
+        self.jobs_run += 1
+        return True
 
     # ---- one job
     def run_job(self, lease: Lease, *, stop: Callable[[], bool] = lambda: False) -> str:

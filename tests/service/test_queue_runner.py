@@ -250,3 +250,20 @@ def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_pat
     fields = queue.job_fields(sub.job_id)
     assert fields["state"] == "failed" and "TypeError: draft state cannot be built" in fields["message"]
     assert not list((tmp_path / "out").glob("part-*.parquet"))
+
+
+def test_embedded_worker_runs_only_its_own_job(queue, redis_url, tmp_path):
+    """`submit --local` must not run (or hold) other jobs waiting in the same queue, even ones ahead of it."""
+    write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}, {"id": 2, "prompt": "y"}])
+    other = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=9, **{"output.path": str(tmp_path / "o1")})))
+    older = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o2")})))
+    mine = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o3")})))
+    run = run_until_done(queue, mine.job_id, url=redis_url, prefix=queue.prefix, executor_kind="thread", lease_s=5)
+    assert run.state == "done"
+    for job in (other, older):
+        fields = queue.job_fields(job.job_id)
+        assert fields["state"] == "queued" and "owner" not in fields
+        assert not list((tmp_path / ("o1" if job is other else "o2")).glob("part-*.parquet"))
+    # they are still claimable by a real worker, highest priority first
+    first = queue.claim(consumer="real", lease_ms=10_000, block_ms=0)
+    assert first is not None and first.job_id == other.job_id
