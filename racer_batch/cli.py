@@ -33,13 +33,22 @@ Exit codes:
 """
 
 
+def _pydantic_message(exc: Any) -> str:
+    """One line per error: ``field = value: reason`` (no pydantic boilerplate)."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "value"
+        parts.append(f"{loc} = {err.get('input')!r}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
 def _capacity(value: str) -> Any:
     if value == "auto":
         return "auto"
     try:
         return int(value)
     except ValueError:
-        raise click.BadParameter(f"capacity must be an integer or 'auto', got {value!r}") from None
+        raise click.BadParameter(f"capacity must be an integer or 'auto', got {value!r}", param_hint="--capacity") from None
 
 
 @click.group(epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
@@ -81,9 +90,11 @@ def _decoding_options(f):
 @click.option("--raw", is_flag=True, help="Feed PROMPT as plain text instead of a chat user message.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped with the weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
+              help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
 def generate(prompt: str, model: str, method: str, capacity: str, scope: str, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int, stop: tuple[str, ...], system_prompt: str,
-             raw: bool, trust_remote_code: bool, as_json: bool) -> None:
+             raw: bool, trust_remote_code: bool, as_json: bool, torch_threads: int) -> None:
     """Generate an answer to PROMPT and print it with its decoding statistics."""
     from pydantic import ValidationError
 
@@ -91,12 +102,16 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ma
 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
     try:
         cfg = DecodingConfig(method=method, capacity=_capacity(capacity), scope=scope)
         params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, stop=list(stop))
     except ValidationError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(_pydantic_message(exc)) from None
     try:
         bundle = load_model(model, trust_remote_code=trust_remote_code)
     except ModelLoadError as exc:
