@@ -26,3 +26,18 @@ def tiny():
     from helpers import tiny_bundle
 
     return tiny_bundle()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request):
+    """Tiny models (tests/unit, tests/engine) run fastest on one thread; two threads on a loaded machine spin."""
+    path = str(request.node.fspath)
+    if "/tests/unit/" not in path and "/tests/engine/" not in path:
+        yield
+        return
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

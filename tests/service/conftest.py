@@ -15,6 +15,8 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from service_helpers import base_overrides, write_parquet  # noqa: E402,F401  (re-exported for fixtures)
+
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -63,22 +65,3 @@ def ray_session():
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def write_parquet(path: Path, rows: list[dict], schema: pa.Schema | None = None) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-    return path
-
-
-def base_overrides(tmp_path: Path, **extra) -> dict:
-    d = {
-        "input.path": str(tmp_path / "in.parquet"),
-        "output.path": str(tmp_path / "out"),
-        "model.name": "stand-in?mat=2",
-        "generation.max_new_tokens": 8,
-        "output.shard_rows": 4,
-        "resources.num_actors": 1,
-    }
-    d.update(extra)
-    return d

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import write_parquet
+from service_helpers import write_parquet
 
 from racer_batch.cli_service import register
 from racer_batch.service.queue import redact_url

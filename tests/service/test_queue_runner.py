@@ -8,7 +8,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import base_overrides, write_parquet
+from service_helpers import base_overrides, write_parquet
 
 from racer_batch.service.actors import RedisSink
 from racer_batch.service.local import run_until_done

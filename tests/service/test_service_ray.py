@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import base_overrides, write_parquet
+from service_helpers import base_overrides, write_parquet
 
 from racer_batch.service.local import make_executor, run_until_done
 from racer_batch.service.output import read_output
