@@ -58,9 +58,11 @@ def load_docs(path: Path) -> list[dict]:
 
 
 def tool(name: str) -> Optional[str]:
-    extra = os.environ.get("INFRA_TOOLS_BIN")
-    if extra and (Path(extra) / name).is_file():
-        return str(Path(extra) / name)
+    """A lint tool from $INFRA_TOOLS_BIN, the running interpreter's bin folder (the project venv, which the
+    test extras install them into, also when it is not activated), or PATH."""
+    for folder in (os.environ.get("INFRA_TOOLS_BIN"), str(Path(sys.executable).parent)):
+        if folder and (Path(folder) / name).is_file():
+            return str(Path(folder) / name)
     return shutil.which(name)
 
 
