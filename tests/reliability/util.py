@@ -7,30 +7,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 
+from helpers import base_overrides, write_parquet  # noqa: F401  (shared with the other tiers)
 from racer_batch.service.output import read_output
 
 
-def write_parquet(path: Path, rows: list[dict], schema: Optional[pa.Schema] = None) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-    return path
-
-
-def overrides(tmp_path: Path, **extra) -> dict:
-    """Spec keys of a small stand-in job reading tmp_path/in.parquet (dotted keys, as for load_spec)."""
-    d = {
-        "input.path": str(tmp_path / "in.parquet"),
-        "output.path": str(tmp_path / "out"),
-        "model.name": "stand-in?mat=2",
-        "generation.max_new_tokens": 8,
-        "output.shard_rows": 4,
-        "resources.num_actors": 1,
-    }
-    d.update(extra)
-    return d
+overrides = base_overrides  # spec keys of a small stand-in job reading tmp_path/in.parquet
 
 
 def wait_for(cond: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:

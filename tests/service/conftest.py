@@ -7,15 +7,11 @@ import os
 import shutil
 import tempfile
 import uuid
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from service_helpers import base_overrides, write_parquet  # noqa: E402,F401  (re-exported for fixtures)
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
