@@ -3,7 +3,15 @@
 Runs HF ``generate`` greedy (the baseline), HF prompt lookup (``prompt_lookup_num_tokens``) and the
 engine's methods in one process on the same prompts, interleaved prompt by prompt so that machine drift
 hits every method alike. Speedup = (baseline total ms / total tokens) / (method total ms / total tokens),
-token-weighted, prefill included (RACER.md section 1). Writes ``bench-<stamp>.json`` and ``.md``.
+token-weighted, prefill included (RACER.md section 1). Writes ``bench-<stamp>.json`` and ``.md``; the Markdown
+ends with one table of our MAT and speedup per prompt set beside the RACER paper's published figures for the
+same method (racer_batch/published.py).
+
+A *variant* runs a method with other settings under its own label (``LABEL=METHOD:key=value,...``, e.g.
+``racer-c32=racer:capacity=32`` or ``racer-top2=racer:acceptance=topk,relaxed_topk=2``). Methods that may
+change outputs (relaxed acceptance) are measured for capability too: exact match against HF greedy, answer
+accuracy where the prompt set has references (racer_batch/capability.py), mean output length and the
+repeated 4-gram rate of the output tokens.
 """
 
 from __future__ import annotations
@@ -19,13 +27,76 @@ from typing import Callable
 import torch
 
 from .benchdata import BenchPrompt, conversation, smoke_prompts
+from .capability import REPEAT_N, answer_correct, repeated_ngram_rate
 from .engine import Engine
 from .models import ModelBundle
-from .types import DecodingConfig, GenerationParams
+from .published import PAPER_ROW, SET_TITLES, SOURCE, published
+from .types import METHODS, DecodingConfig, GenerationParams
 
 log = logging.getLogger(__name__)
 
 HF_METHODS = ("hf_greedy", "hf_pld")
+CORPUS_METHODS = ("rest",)  # methods that get --corpus as their static corpus (variants may set corpus_path)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One benchmark row: ``label`` (the row's name), the method, and DecodingConfig overrides."""
+
+    label: str
+    method: str
+    overrides: tuple[tuple[str, str], ...] = ()
+
+
+def parse_method(text: str) -> MethodSpec:
+    """``racer`` or ``LABEL=METHOD:key=value,key=value`` -> MethodSpec.
+
+    Raises:
+        ValueError: empty label, unknown method, a malformed ``key=value``, an unknown DecodingConfig field,
+            or overrides on an HF method (they take none).
+
+    >>> parse_method("racer")
+    MethodSpec(label='racer', method='racer', overrides=())
+    >>> parse_method("racer-c32=racer:capacity=32,acceptance=topk")
+    MethodSpec(label='racer-c32', method='racer', overrides=(('capacity', '32'), ('acceptance', 'topk')))
+    """
+    text = text.strip()
+    label, sep, rest = text.partition("=")
+    if not sep:
+        label, rest = text, text
+    method, _, opts = rest.partition(":")
+    label, method = label.strip(), method.strip()
+    if not label or not method:
+        raise ValueError(f"{text!r}: expected METHOD or LABEL=METHOD[:key=value,...]")
+    if method not in (*HF_METHODS, *METHODS):
+        raise ValueError(f"{text!r}: unknown method {method!r}; choose from {[*HF_METHODS, *METHODS]}")
+    pairs = []
+    for item in filter(None, (o.strip() for o in opts.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{text!r}: {item!r} is not key=value")
+        if key.strip() not in DecodingConfig.model_fields or key.strip() == "method":
+            raise ValueError(f"{text!r}: {key.strip()!r} is not a decoding setting")
+        pairs.append((key.strip(), value.strip()))
+    if pairs and method in HF_METHODS:
+        raise ValueError(f"{text!r}: {method} takes no settings")
+    return MethodSpec(label, method, tuple(pairs))
+
+
+def decoding_config(spec: MethodSpec, *, capacity: int | str, corpus: str | None = None) -> DecodingConfig:
+    """The DecodingConfig of an engine method row: bench defaults, then the row's overrides.
+
+    Raises:
+        pydantic.ValidationError: an override value the config refuses.
+    """
+    assert spec.method not in HF_METHODS, f"{spec.method} is not an engine method"
+    fields: dict = {"method": spec.method, "capacity": capacity}
+    if corpus and spec.method in CORPUS_METHODS:
+        fields["corpus_path"] = corpus
+    fields.update(dict(spec.overrides))
+    if str(fields.get("capacity")).isdigit():
+        fields["capacity"] = int(fields["capacity"])
+    return DecodingConfig.model_validate(fields)
 
 
 @dataclass
@@ -40,6 +111,10 @@ class MethodTotals:
     verify_ms: float = 0.0
     rows: int = 0
     exact: int = 0  # turns whose tokens equal the HF greedy baseline's
+    scored: int = 0  # turns with a reference answer that can be scored (capability.answer_correct)
+    correct: int = 0
+    repeat_sum: float = 0.0  # sum of per-turn repeated 4-gram rates of the output tokens
+    repeat_n: int = 0
 
     def add(self, other: "MethodTotals") -> None:
         for k in self.__dataclass_fields__:
@@ -53,11 +128,24 @@ class MethodTotals:
     def ms_per_token(self) -> float:
         return self.wall_ms / self.tokens if self.tokens else float("nan")
 
+    def observe_answer(self, new_ids: list[int], text: str, references: tuple[str, ...]) -> None:
+        """Capability counters of one answered turn (references: any acceptable answer counts)."""
+        rate = repeated_ngram_rate(new_ids, REPEAT_N)
+        if rate is not None:
+            self.repeat_sum += rate
+            self.repeat_n += 1
+        marks = [answer_correct(text, ref) for ref in references]
+        marks = [m for m in marks if m is not None]
+        if marks:
+            self.scored += 1
+            self.correct += int(any(marks))
+
 
 @dataclass
 class BenchResult:
     config: dict
     groups: dict[str, dict[str, MethodTotals]] = field(default_factory=dict)
+    method_configs: dict[str, dict] = field(default_factory=dict)  # label -> decoding config (JSON)
 
     def totals(self, method: str) -> MethodTotals:
         t = MethodTotals()
@@ -84,6 +172,7 @@ def _hf_runner(bundle: ModelBundle, max_new: int, *, lookup: int | None) -> Call
 
 
 def _engine_runner(engine: Engine, max_new: int) -> Callable:
+    """A runner keeping one draft state across all prompts (job scope, as a batch job does)."""
     state = engine.new_state()
     params = GenerationParams(max_new_tokens=max_new)
 
@@ -98,26 +187,47 @@ def _engine_runner(engine: Engine, max_new: int) -> Callable:
 def run_bench(
     bundle: ModelBundle,
     *,
-    methods: list[str],
+    methods: list[str | MethodSpec],
     capacity: int | str,
     max_new_tokens: int,
     per_set: int = 8,
     items: list[BenchPrompt] | None = None,
+    corpus: str | None = None,
 ) -> BenchResult:
-    """Run every method on every prompt (all turns), interleaved; returns per-group totals."""
+    """Run every method on every prompt (all turns), interleaved; returns per-group totals.
+
+    ``methods``: names or ``parse_method`` strings / MethodSpecs; HF greedy (the baseline) always runs first.
+    ``corpus``: static corpus file for the ``rest`` rows (CORPUS_METHODS), as ``DecodingConfig.corpus_path``.
+
+    Raises:
+        ValueError: a bad method string or two rows with the same label.
+        pydantic.ValidationError: a variant's setting the config refuses.
+    """
     items = items if items is not None else smoke_prompts(per_set)
+    specs = [m if isinstance(m, MethodSpec) else parse_method(m) for m in methods]
+    labels = [s.label for s in specs if s.label != "hf_greedy"]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"method labels must be unique; repeated: {dup}")
     runners: dict[str, Callable] = {"hf_greedy": _hf_runner(bundle, max_new_tokens, lookup=None)}
-    for m in methods:
-        if m == "hf_pld":
-            runners[m] = _hf_runner(bundle, max_new_tokens, lookup=10)
-        elif m != "hf_greedy":
-            runners[m] = _engine_runner(Engine(bundle, DecodingConfig(method=m, capacity=capacity)), max_new_tokens)
+    configs: dict[str, dict] = {"hf_greedy": {"method": "hf_greedy"}}
+    for spec in specs:
+        if spec.label == "hf_greedy" and spec.method == "hf_greedy":
+            continue
+        if spec.method in HF_METHODS:
+            runners[spec.label] = _hf_runner(bundle, max_new_tokens, lookup=10 if spec.method == "hf_pld" else None)
+            configs[spec.label] = {"method": spec.method}
+        else:
+            cfg = decoding_config(spec, capacity=capacity, corpus=corpus)
+            runners[spec.label] = _engine_runner(Engine(bundle, cfg), max_new_tokens)
+            configs[spec.label] = cfg.model_dump(mode="json")
     tok = bundle.tokenizer
     enc = Engine(bundle, DecodingConfig(method="ar"))
     res = BenchResult(config=dict(model=bundle.name, capacity=capacity, max_new_tokens=max_new_tokens,
                                   methods=list(runners), items=len(items), device=bundle.device, dtype=bundle.dtype,
                                   torch_threads=torch.get_num_threads(), machine=platform.machine(),
-                                  processor=platform.processor() or platform.machine()))
+                                  processor=platform.processor() or platform.machine(), corpus=corpus),
+                      method_configs=configs)
     # warm-up so the first measured row does not pay one-time costs
     for run in runners.values():
         run(enc.encode(conversation(["Say hello."], [])))
@@ -143,7 +253,9 @@ def run_bench(
                 if m == "hf_greedy":
                     baseline_ids.append(new)
                 tot.exact += int(new == baseline_ids[turn])
-                answers[m].append(tok.decode([t for t in new if t not in bundle.eos_ids], skip_special_tokens=True))
+                content = [t for t in new if t not in bundle.eos_ids]
+                answers[m].append(tok.decode(content, skip_special_tokens=True))
+                tot.observe_answer(content, answers[m][-1], item.turn_references(turn))
         log.info("bench: %d/%d items done", n + 1, len(items))
     return res
 
@@ -159,17 +271,50 @@ def _row(res: BenchResult, tots: dict[str, MethodTotals], method: str) -> dict:
         "ms_per_token": round(t.ms_per_token, 2),
         "speedup_vs_hf_greedy": round(base.ms_per_token / t.ms_per_token, 3) if t.tokens else None,
         "exact_match_vs_hf_greedy": f"{t.exact}/{t.rows}",
+        "answer_accuracy": f"{t.correct}/{t.scored}" if t.scored else None,
+        "mean_tokens": round(t.tokens / t.rows, 1) if t.rows else None,
+        "repeat4": round(t.repeat_sum / t.repeat_n, 4) if t.repeat_n else None,
         "draft_update_share_of_step": round((t.draft_ms + t.update_ms) / step_ms, 4) if step_ms else None,
     }
 
 
+def set_of(group: str) -> str:
+    """The prompt set of a result group: ``spec_bench/qa`` -> ``spec_bench``."""
+    return group.split("/", 1)[0]
+
+
 def summarize(res: BenchResult) -> dict:
-    out = {"config": res.config, "groups": {}, "overall": {}}
+    """Per group, per prompt set (groups pooled, token-weighted) and overall rows of every method."""
+    out: dict = {"config": res.config, "method_configs": res.method_configs, "groups": {}, "sets": {}, "overall": {}}
     for g, tots in res.groups.items():
         out["groups"][g] = {m: _row(res, tots, m) for m in tots}
+    pooled: dict[str, dict[str, MethodTotals]] = {}
+    for g, tots in res.groups.items():
+        for m, t in tots.items():
+            pooled.setdefault(set_of(g), {}).setdefault(m, MethodTotals()).add(t)
+    out["sets"] = {s: {m: _row(res, tots, m) for m in tots} for s, tots in pooled.items()}
     overall = {m: res.totals(m) for m in res.config["methods"]}
     out["overall"] = {m: _row(res, overall, m) for m in overall}
+    out["published"] = published_table(out)
     return out
+
+
+def published_table(summary: dict) -> list[dict]:
+    """Rows ``{label, set, published_mat, published_speedup, mat, speedup}`` for every method with a paper row.
+
+    A row label is matched to the paper by its name (``racer``, ``hf_pld`` -> ``pld``, ...); variants with
+    other settings carry their own label and get no published figure.
+    """
+    rows = []
+    for s_name, methods in summary["sets"].items():
+        for label, r in methods.items():
+            pub = published(s_name, label)
+            if pub is None:
+                continue
+            mat = r["mat"] if r["mat"] is not None else (1.0 if PAPER_ROW.get(label) == "ar" else None)
+            rows.append({"label": label, "set": s_name, "published_mat": pub[0], "published_speedup": pub[1],
+                         "mat": mat, "speedup": r["speedup_vs_hf_greedy"]})
+    return rows
 
 
 def write_results(summary: dict, out_dir: Path, *, command: str) -> tuple[Path, Path]:
@@ -182,16 +327,50 @@ def write_results(summary: dict, out_dir: Path, *, command: str) -> tuple[Path, 
     lines = [f"# Benchmark {stamp}", "", f"Reproduce: `{command}`", "",
              "Config: " + ", ".join(f"{k}={v}" for k, v in summary["config"].items()), "",
              "## Overall", "", _md_table(summary["overall"]), ""]
+    for s_name, rows in summary.get("sets", {}).items():
+        lines += [f"## {SET_TITLES.get(s_name, s_name)} (groups pooled)", "", _md_table(rows), ""]
     for g, rows in summary["groups"].items():
         lines += [f"## {g}", "", _md_table(rows), ""]
+    lines += _md_published(summary)
     mpath = out_dir / f"bench-{stamp}.md"
     mpath.write_text("\n".join(lines))
     return jpath, mpath
 
 
+def _md_published(summary: dict) -> list[str]:
+    """One table: per method, per prompt set, 'published / ours' MAT and speedup (a dash where none)."""
+    sets = [s for s in SET_TITLES if s in summary.get("sets", {})]
+    if not sets:
+        return []
+    by = {(r["label"], r["set"]): r for r in summary.get("published", [])}
+    labels = list(summary["overall"])
+    head = ["method"] + [f"{SET_TITLES[s]} MAT (paper / ours)" for s in sets] + \
+           [f"{SET_TITLES[s]} speedup (paper / ours)" for s in sets]
+
+    def cell(pub: float | None, ours: float | None, unit: str = "") -> str:
+        p = f"{pub:.2f}{unit}" if pub is not None else "-"
+        o = f"{ours:.2f}{unit}" if ours is not None else "-"
+        return f"{p} / {o}"
+
+    body = []
+    for label in labels:
+        mats, speeds = [], []
+        for s in sets:
+            ours = summary["sets"][s].get(label, {})
+            r = by.get((label, s))
+            mats.append(cell(r["published_mat"] if r else None, r["mat"] if r else ours.get("mat")))
+            speeds.append(cell(r["published_speedup"] if r else None, ours.get("speedup_vs_hf_greedy"), "x"))
+        body.append("| " + " | ".join([label, *mats, *speeds]) + " |")
+    return ["## Beside the published figures", "",
+            f"Paper: {SOURCE}. Ours: {summary['config'].get('model')} on {summary['config'].get('device')}, speedup "
+            "against HF `generate` greedy. Compare MAT first: speedup depends on the hardware (RACER.md section 8). "
+            "A dash: no published figure for that method.", "",
+            "| " + " | ".join(head) + " |", "|---" * len(head) + "|", *body, ""]
+
+
 def _md_table(rows: dict[str, dict]) -> str:
     cols = ["rows", "tokens", "mat", "ms_per_token", "speedup_vs_hf_greedy", "exact_match_vs_hf_greedy",
-            "draft_update_share_of_step"]
+            "answer_accuracy", "mean_tokens", "repeat4", "draft_update_share_of_step"]
     head = "| method | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols)
     body = ["| " + m + " | " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |"
             for m, r in rows.items()]

@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 SETS = ("spec_bench", "human_eval", "mgsm_zh")
@@ -22,12 +23,36 @@ MULTI_TURN_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "
 
 @dataclass(frozen=True)
 class BenchPrompt:
-    """One benchmark item: ``turns`` are user turns answered in order (one for single-turn sets)."""
+    """One benchmark item: ``turns`` are user turns answered in order (one for single-turn sets).
+
+    ``references`` holds each turn's reference answers where the set has them (MGSM-ZH: the numeric answer;
+    Spec-Bench: the record's ``reference`` list, several acceptable answers for a RAG question); an empty
+    tuple for a turn without one. Score them with ``racer_batch.capability.answer_correct``.
+    """
 
     set: str
     group: str
     item_id: str
     turns: tuple[str, ...]
+    references: tuple[tuple[str, ...], ...] = ()
+
+    def turn_references(self, turn: int) -> tuple[str, ...]:
+        """The reference answers of turn ``turn`` (0-based); empty when the data has none."""
+        return self.references[turn] if turn < len(self.references) else ()
+
+
+def _spec_bench_references(rec: dict) -> tuple[tuple[str, ...], ...]:
+    """Per-turn references of a Spec-Bench record: a string, a list of acceptable strings, or empty."""
+    refs = rec.get("reference") or []
+    out: list[tuple[str, ...]] = []
+    for ref in refs[: len(rec["turns"])]:
+        if isinstance(ref, str):
+            out.append((ref,) if ref.strip() else ())
+        elif isinstance(ref, list):
+            out.append(tuple(str(r) for r in ref if str(r).strip()))
+        else:
+            out.append(())
+    return tuple(out)
 
 
 def data_root() -> Path:
@@ -52,7 +77,8 @@ def load_set(name: str, root: Path | None = None) -> list[BenchPrompt]:
             for line in fh:
                 rec = json.loads(line)
                 group = "multi_turn" if rec["category"] in MULTI_TURN_CATEGORIES else rec["category"]
-                out.append(BenchPrompt("spec_bench", group, str(rec["question_id"]), tuple(rec["turns"])))
+                out.append(BenchPrompt("spec_bench", group, str(rec["question_id"]), tuple(rec["turns"]),
+                                       _spec_bench_references(rec)))
         return out
     if name == "human_eval":
         with gzip.open(root / "human_eval" / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as fh:
@@ -63,7 +89,7 @@ def load_set(name: str, root: Path | None = None) -> list[BenchPrompt]:
     if name == "mgsm_zh":
         with open(root / "mgsm_zh" / "mgsm_zh.tsv", encoding="utf-8", newline="") as fh:
             rows = list(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
-        return [BenchPrompt("mgsm_zh", "mgsm_zh", str(i), (r[0],)) for i, r in enumerate(rows)]
+        return [BenchPrompt("mgsm_zh", "mgsm_zh", str(i), (r[0],), ((r[1],),)) for i, r in enumerate(rows)]
     raise ValueError(f"unknown prompt set {name!r}; expected one of {SETS}")
 
 

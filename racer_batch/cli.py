@@ -147,16 +147,24 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ma
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--per-set", type=click.IntRange(1, 8), default=8, show_default=True,
               help="Prompts per set (Spec-Bench, HumanEval, MGSM-ZH) from the smoke subset.")
+@click.option("--variant", "variants", multiple=True, metavar="LABEL=METHOD:key=value,...",
+              help="Also run METHOD with other decoding settings under its own LABEL (repeatable), e.g. "
+              "'racer-c32=racer:capacity=32' or 'racer-top2=racer:acceptance=topk,relaxed_topk=2'.")
+@click.option("--corpus", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Static corpus for the rest rows (JSONL with 'text' or 'token_ids', or plain text); "
+              "scripts/build_rest_corpus.py writes one without the benchmark's own prompts.")
 @click.option("--out", "out_dir", default="benchmarks", show_default=True, type=click.Path(file_okay=False))
 @click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
               help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
-def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, out_dir: str,
-          torch_threads: int) -> None:
+def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, variants: tuple[str, ...],
+          corpus: str | None, out_dir: str, torch_threads: int) -> None:
     """Run the decoding methods side by side on the smoke prompts and write JSON + Markdown results."""
     from pathlib import Path
 
+    from pydantic import ValidationError
+
     from . import ModelLoadError, load_model
-    from .bench import HF_METHODS, run_bench, summarize, write_results
+    from .bench import HF_METHODS, decoding_config, parse_method, run_bench, summarize, write_results
 
     if torch_threads:
         import torch
@@ -166,13 +174,27 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
     bad = [m for m in names if m not in (*METHODS, *HF_METHODS)]
     if bad:
         raise click.BadParameter(f"unknown method(s) {bad}; choose from {[*HF_METHODS, *METHODS]}", param_hint="--methods")
+    specs = [parse_method(m) for m in names]
+    for v in variants:
+        try:
+            spec = parse_method(v)
+            if spec.method not in HF_METHODS:
+                decoding_config(spec, capacity=_capacity(capacity), corpus=corpus)
+        except (ValueError, ValidationError) as exc:
+            msg = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise click.BadParameter(f"{v!r}: {msg}", param_hint="--variant") from None
+        specs.append(spec)
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise click.BadParameter(f"labels must be unique, got {labels}", param_hint="--variant")
     try:
         bundle = load_model(model)
     except ModelLoadError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_MODEL)
     try:
-        res = run_bench(bundle, methods=names, capacity=_capacity(capacity), max_new_tokens=max_new_tokens, per_set=per_set)
+        res = run_bench(bundle, methods=specs, capacity=_capacity(capacity), max_new_tokens=max_new_tokens,
+                        per_set=per_set, corpus=corpus)
     except FileNotFoundError as exc:
         click.echo(f"error: benchmark data not found ({exc}); set RACER_BATCH_DATA to the shared/data folder", err=True)
         sys.exit(EXIT_INPUT)

@@ -1,0 +1,172 @@
+"""`racer-batch bench` pieces: method/variant parsing, capability counters, set pooling and the published table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import racer_batch.bench as bench
+from racer_batch.benchdata import BenchPrompt
+from racer_batch.cli import main
+from racer_batch.published import published
+from tests.helpers import tiny_bundle
+
+
+def _plain(turns, answers):
+    """A plain-text conversation the character tokenizer can encode (it has no chat template)."""
+    parts = []
+    for i, t in enumerate(turns):
+        parts.append(t)
+        if i < len(answers):
+            parts.append(answers[i])
+    return " ".join(parts).lower()
+
+
+ITEMS = [
+    BenchPrompt("spec_bench", "multi_turn", "81", ("write a poem about rain", "now make it shorter")),
+    BenchPrompt("spec_bench", "math_reasoning", "441", ("what is 3 + 4 ?",), (("steps\n#### 7",),)),
+    BenchPrompt("human_eval", "human_eval", "HumanEval/0", ("def add(a, b): return a + b",)),
+    BenchPrompt("mgsm_zh", "mgsm_zh", "0", ("1 + 1 = ?",), (("2",),)),
+]
+
+
+def test_parse_method_and_errors():
+    assert bench.parse_method("pld") == bench.MethodSpec("pld", "pld", ())
+    s = bench.parse_method("r8=racer:capacity=8, acceptance=topk ,relaxed_topk=3")
+    assert (s.label, s.method, s.overrides) == ("r8", "racer", (("capacity", "8"), ("acceptance", "topk"),
+                                                                 ("relaxed_topk", "3")))
+    cfg = bench.decoding_config(s, capacity=16)
+    assert (cfg.capacity, cfg.acceptance, cfg.relaxed_topk) == (8, "topk", 3)
+    for bad in ("nope", "x=nope", "x=racer:capacity", "x=racer:colour=red", "x=hf_pld:capacity=4", "=racer",
+                "x=racer:method=ar"):
+        with pytest.raises(ValueError):
+            bench.parse_method(bad)
+
+
+def test_corpus_goes_to_rest_rows_only(tmp_path):
+    corpus = str(tmp_path / "c.jsonl")
+    assert bench.decoding_config(bench.parse_method("rest"), capacity=16, corpus=corpus).corpus_path == corpus
+    assert bench.decoding_config(bench.parse_method("sam"), capacity=16, corpus=corpus).corpus_path is None
+    assert bench.decoding_config(bench.parse_method(f"s=sam:corpus_path={corpus}"), capacity=16).corpus_path == corpus
+
+
+def test_capability_counters():
+    t = bench.MethodTotals()
+    t.observe_answer([1, 2, 3, 4, 1, 2, 3, 4], "so the answer is 7", ("#### 7",))
+    t.observe_answer([5, 6], "no number", ("2",))
+    t.observe_answer([5, 6, 7, 8], "free text", ())  # no reference: not scored
+    t.observe_answer([5, 6, 7, 8], "x", ("a reference far too long to be any kind of short answer here",))
+    assert (t.correct, t.scored) == (1, 2)
+    assert t.repeat_n == 3 and t.repeat_sum == pytest.approx(0.2)  # [1..4]*2: 5 4-grams, 4 distinct
+
+
+@pytest.fixture(scope="module")
+def result():
+    mp = pytest.MonkeyPatch()
+    mp.setattr(bench, "conversation", _plain)
+    try:
+        res = bench.run_bench(tiny_bundle(seed=3), methods=["hf_pld", "ar", "racer", "r4=racer:capacity=4",
+                                                             "top2=racer:acceptance=topk,relaxed_topk=2"],
+                              capacity=16, max_new_tokens=12, items=ITEMS)
+    finally:
+        mp.undo()
+    return res
+
+
+def test_run_bench_rows_and_exactness(result):
+    s = bench.summarize(result)
+    assert list(s["overall"]) == ["hf_greedy", "hf_pld", "ar", "racer", "r4", "top2"]
+    assert s["method_configs"]["r4"]["capacity"] == 4 and s["method_configs"]["top2"]["acceptance"] == "topk"
+    for label in ("hf_pld", "ar", "racer", "r4"):  # lossless rows reproduce HF greedy token for token
+        assert s["overall"][label]["exact_match_vs_hf_greedy"] == "5/5"
+    assert s["overall"]["ar"]["mat"] == 1.0
+    assert s["overall"]["racer"]["answer_accuracy"].endswith("/2")  # two scorable turns (#### 7 and 2)
+    assert s["overall"]["racer"]["answer_accuracy"] == s["overall"]["hf_greedy"]["answer_accuracy"]
+    # set pooling: spec_bench pools its two groups
+    sb = s["sets"]["spec_bench"]["racer"]
+    assert sb["rows"] == 3 and sb["tokens"] == sum(s["groups"][g]["racer"]["tokens"] for g in
+                                                   ("spec_bench/multi_turn", "spec_bench/math_reasoning"))
+
+
+def test_published_table_and_markdown(result, tmp_path):
+    s = bench.summarize(result)
+    pub = {(r["label"], r["set"]): r for r in s["published"]}
+    assert (pub[("racer", "mgsm_zh")]["published_mat"], pub[("racer", "mgsm_zh")]["published_speedup"]) == \
+        published("mgsm_zh", "racer") == (3.71, 2.77)
+    assert pub[("racer", "human_eval")]["mat"] == s["sets"]["human_eval"]["racer"]["mat"]
+    assert ("r4", "spec_bench") not in pub  # variants carry no paper figure
+    jpath, mpath = bench.write_results(s, tmp_path, command="racer-batch bench (test)")
+    md = mpath.read_text()
+    assert "## Beside the published figures" in md
+    section = md.split("## Beside the published figures", 1)[1]
+    racer_line = next(line for line in section.splitlines() if line.startswith("| racer |"))
+    assert "3.00 / " in racer_line and "3.71 / " in racer_line and "2.77x / " in racer_line
+    assert "| r4 | - / " in section
+    assert json.loads(jpath.read_text())["sets"]["mgsm_zh"]["racer"]["rows"] == 1
+
+
+def test_cli_rejects_bad_variants():
+    r = CliRunner().invoke(main, ["bench", "--variant", "x=racer:capacity=0"])
+    assert r.exit_code == 2 and "--variant" in r.output and "capacity" in r.output
+    r = CliRunner().invoke(main, ["bench", "--variant", "racer=pld"])
+    assert r.exit_code == 2 and "unique" in r.output
+
+
+def _script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_docstring_examples():
+    import doctest
+
+    import racer_batch.published
+
+    for mod in (bench, racer_batch.published):
+        res = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert res.attempted > 0 and res.failed == 0, mod.__name__
+
+
+def test_capacity_vs_relaxed_reading():
+    cvr = _script("capacity_vs_relaxed")
+    names = cvr.variants([8, 16, 64], 16, 2, 0.1)
+    assert names[0] == "lossless-c64=racer:capacity=64" and names.count("lossless-c64=racer:capacity=64") == 1
+    assert all(bench.parse_method(n).method == "racer" for n in names)
+
+    def rows(**s):
+        return {k.replace("_", "-"): {"speedup_vs_hf_greedy": v} for k, v in s.items()}
+
+    a = cvr.analyse(rows(lossless_c64=1.0, lossless_c16=1.3, top2_c64=1.2, top2_c16=1.4))
+    assert (a["best_lossless"], a["best_relaxed"]) == ("lossless-c16", "top2-c16")
+    assert a["share"] == pytest.approx(0.75) and a["verdict"].startswith("reproduced")
+    a = cvr.analyse(rows(lossless_c64=1.0, lossless_c16=1.05, top2_c64=1.5))
+    assert a["share"] == pytest.approx(0.1) and a["verdict"].startswith("refuted")
+    a = cvr.analyse(rows(lossless_c64=1.0, lossless_c16=1.05, top2_c64=0.9))
+    assert a["share"] is None
+
+
+def test_rest_corpus_leaves_the_smoke_items_out(tmp_path):
+    import gzip
+
+    from racer_batch.benchdata import data_root, load_set, smoke_subset
+
+    build = _script("build_rest_corpus")
+    docs = build.human_eval_docs(data_root())
+    smoke = {it.item_id for it in smoke_subset(load_set("human_eval"))}
+    with gzip.open(data_root() / "human_eval" / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as fh:
+        recs = {r["task_id"]: r for r in map(json.loads, fh)}
+    assert len(docs) == len(recs) - len(smoke) > 0
+    text = "\n".join(docs)
+    assert all(recs[t]["prompt"] not in text for t in smoke)
+    mg = build.mgsm_docs(data_root())
+    assert len(mg) == 250 - 8
+    smoke_q = [it.turns[0] for it in smoke_subset(load_set("mgsm_zh"))]
+    assert not any(d.split("\n")[0] in smoke_q for d in mg)
