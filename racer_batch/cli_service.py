@@ -30,7 +30,9 @@ from racer_batch.service.spec import SpecError, load_spec, parse_override
 from racer_batch.types import METHODS
 
 EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_SERVICE, EXIT_JOB_FAILED = 0, 1, 2, 4, 5
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 PREFIX_ENV = "RACER_BATCH_PREFIX"
+PLAIN_PROGRESS_S = 10.0  # without a terminal: one progress line at most this often
 
 _EPILOG = """\b
 Exit codes:
@@ -38,6 +40,13 @@ Exit codes:
   2  invalid job spec or input (nothing queued)
   4  Redis or Ray unreachable
   5  the job ended failed or cancelled (with --wait)
+  130  interrupted (Ctrl-C); a --local job goes back to the queue
+"""
+
+_WORKER_EPILOG = """\b
+Exit codes:
+  0  stopped after --max-jobs, --idle-exit, SIGTERM or Ctrl-C (the current job goes back to the queue)
+  4  Redis or Ray unreachable, or the metrics port cannot be bound
 """
 
 err_console = Console(stderr=True)
@@ -121,6 +130,39 @@ def _progress() -> Progress:
                     TextColumn("{task.fields[info]}"), console=err_console)
 
 
+class _JobProgress:
+    """A rich progress bar on a terminal; plain lines (at most one per PLAIN_PROGRESS_S, and the last one) in a
+    log or pipe, where a live bar would print nothing until the end."""
+
+    def __init__(self, job_id: str, total: int, *, plain: Optional[bool] = None) -> None:
+        self.job_id = job_id
+        self.total = total
+        self.plain = (not err_console.is_terminal) if plain is None else plain
+        self._prog: Optional[Progress] = None
+        self._last_line = -1.0
+        self._last_text = ""
+
+    def __enter__(self) -> "_JobProgress":
+        if not self.plain:
+            self._prog = _progress().__enter__()
+            self._task = self._prog.add_task(self.job_id, total=self.total, info="")
+        return self
+
+    def update(self, st: q.JobStatus, *, force: bool = False) -> None:
+        if self._prog is not None:
+            self._prog.update(self._task, completed=st.rows_done, info=_progress_info(st))
+            return
+        text = f"{self.job_id}: {st.rows_done}/{st.rows_total} rows  {_progress_info(st)}"
+        now = time.monotonic()
+        if (force and text != self._last_text) or now - self._last_line >= PLAIN_PROGRESS_S:
+            err_console.print(text, highlight=False, soft_wrap=True)
+            self._last_line, self._last_text = now, text
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._prog is not None:
+            self._prog.__exit__(*exc)
+
+
 def _progress_info(st: q.JobStatus) -> str:
     return (f"{st.state}  MAT {_fmt(st.mat)}  {st.rows_per_s:.2f} rows/s  {st.tokens_per_s:.1f} tok/s  "
             f"ETA {_eta(st.eta_s)}")
@@ -129,14 +171,18 @@ def _progress_info(st: q.JobStatus) -> str:
 def _watch(queue: q.JobQueue, job_id: str, *, interval_s: float = 1.0) -> q.JobStatus:
     """Progress bar until the job ends; returns the final status."""
     st = queue.status(job_id)
-    with _progress() as prog:
-        task = prog.add_task(job_id, total=st.rows_total, info="")
-        while True:
-            st = queue.status(job_id)
-            prog.update(task, completed=st.rows_done, info=_progress_info(st))
-            if st.state in q.TERMINAL:
-                return st
-            time.sleep(interval_s)
+    with _JobProgress(job_id, st.rows_total) as prog:
+        try:
+            while True:
+                st = queue.status(job_id)
+                done = st.state in q.TERMINAL
+                prog.update(st, force=done)
+                if done:
+                    return st
+                time.sleep(interval_s)
+        except KeyboardInterrupt:
+            raise ServiceExit(f"interrupted; job {job_id} goes on (racer-batch status {job_id})",
+                              EXIT_INTERRUPTED) from None
 
 
 # ---- commands
@@ -249,18 +295,13 @@ def _run_local(queue: q.JobQueue, job_id: str, *, url: str, prefix: str, executo
         except Exception as exc:  # noqa: BLE001 - Ray raises many types at start; all mean "unavailable"
             raise ServiceExit(f"cannot start local Ray: {exc}", EXIT_SERVICE) from None
     st = queue.status(job_id)
-    with _progress() as prog:
-        task = prog.add_task(job_id, total=st.rows_total, info="")
-
-        def tick() -> None:
-            s = queue.status(job_id)
-            prog.update(task, completed=s.rows_done, info=_progress_info(s))
-
+    with _JobProgress(job_id, st.rows_total) as prog:
         try:
-            run_until_done(queue, job_id, url=url, prefix=prefix, executor_kind=executor, on_tick=tick)
+            run_until_done(queue, job_id, url=url, prefix=prefix, executor_kind=executor,
+                           on_tick=lambda: prog.update(queue.status(job_id)))
         except KeyboardInterrupt:
-            raise ServiceExit(f"interrupted; job {job_id} handed back to the queue", EXIT_JOB_FAILED) from None
-        tick()
+            raise ServiceExit(f"interrupted; job {job_id} handed back to the queue", EXIT_INTERRUPTED) from None
+        prog.update(queue.status(job_id), force=True)
     return queue.status(job_id)
 
 
@@ -339,7 +380,7 @@ def errors(job_id: str, limit: int, as_json: bool, redis_url: Optional[str], pre
     out_console.print(t)
 
 
-@click.command(epilog=_EPILOG)
+@click.command(epilog=_WORKER_EPILOG)
 @click.option("--ray-address", default=None, help="Join this Ray cluster (default: start a local Ray).")
 @click.option("--no-ray", is_flag=True, help="Run shards on threads of this process instead of Ray actors.")
 @click.option("--num-cpus", type=int, default=None, help="CPUs for a local Ray (default: all).")

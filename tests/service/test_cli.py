@@ -105,3 +105,29 @@ def test_local_submit_starts_private_redis_when_none_answers(cli, tmp_path):
     assert json.loads(res.stdout.strip().splitlines()[-1])["rows_done"] == 2
     assert "started a private redis-server" in res.output
     assert sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet")) == ["part-00000.parquet"]
+
+
+def test_progress_lines_without_a_terminal_and_ctrl_c_exit_code(cli, tmp_path, redis_url, prefix, monkeypatch):
+    spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    common = ["--redis-url", redis_url, "--prefix", prefix]
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", *common])
+    assert res.exit_code == 0, res.output
+    job_id = res.stdout.strip().splitlines()[0]
+    # the test runner's stderr is not a terminal: plain progress lines, the last one with every row done
+    progress = [ln for ln in res.stderr.splitlines() if ln.startswith(f"{job_id}: ")]
+    assert progress and progress[-1].startswith(f"{job_id}: 2/2 rows") and "done" in progress[-1], res.stderr
+
+    import racer_batch.service.local as local
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local, "run_until_done", interrupted)
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", "--output",
+                                   str(tmp_path / "out2"), *common])
+    assert res.exit_code == 130 and "interrupted" in res.output
+
+
+def test_worker_help_has_its_own_exit_codes(cli):
+    res = CliRunner().invoke(cli, ["worker", "--help"])
+    assert res.exit_code == 0 and "SIGTERM" in res.output and "with --wait" not in res.output
