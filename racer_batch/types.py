@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled"]
 Method = Literal["ar", "pld", "logits", "retrieval", "racer", "tr", "logitspec", "rest", "sam", "graft"]
@@ -148,6 +148,13 @@ class DecodingConfig(BaseModel):
         if isinstance(v, int) and not 1 <= v <= 1024:
             raise ValueError(f"capacity must be in 1..1024 or 'auto', got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _rest_has_a_source(self) -> "DecodingConfig":
+        if self.method == "rest" and self.corpus_path is None and not self.rest_learn_outputs:
+            raise ValueError("method 'rest' with no corpus_path and rest_learn_outputs false has nothing to "
+                             "retrieve from (every step would draft nothing); set corpus_path or rest_learn_outputs")
+        return self
 
     def config_hash(self) -> str:
         """Short stable hash of the configuration, stamped on every output row."""

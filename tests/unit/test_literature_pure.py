@@ -467,3 +467,15 @@ def test_check_relaxed_allowed():
         check_relaxed_allowed(relaxed, Shadow(DecodingConfig(acceptance="topk")))
     with pytest.raises(ValueError, match="no decoding config"):
         check_relaxed_allowed(relaxed, {"fraction": 0.1})
+
+
+def test_rest_without_any_source_is_refused():
+    from pydantic import ValidationError
+
+    from racer_batch.types import DecodingConfig
+
+    assert DecodingConfig(method="rest").rest_learn_outputs  # learns the job's rows by default
+    with pytest.raises(ValidationError, match="nothing to retrieve from"):
+        DecodingConfig(method="rest", rest_learn_outputs=False)
+    assert DecodingConfig(method="rest", rest_learn_outputs=False, corpus_path="c.jsonl").corpus_path == "c.jsonl"
+    assert DecodingConfig(method="racer", rest_learn_outputs=False).method == "racer"  # other methods ignore it
