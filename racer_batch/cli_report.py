@@ -130,14 +130,20 @@ def shadow(job: str, redis_url: Optional[str], prefix: str, baseline: str, fract
     import pyarrow.parquet as pq
 
     job_rows = {r["row_idx"]: r for r in data.rows.to_pylist()}
-    for res in analyze(pq.read_table(path).to_pylist(), job_rows=job_rows):
+    for res in analyze(pq.read_table(path).to_pylist(), job_rows=job_rows, decoding=data.spec.get("decoding")):
         d = res.to_dict()
         ci = d["speed_ratio_ci95"]
+        cap = d["capability"]
+        acc = ""
+        if cap and cap["method"]["scored"]:
+            acc = (f", accuracy {_pct(cap['method']['accuracy'])} vs {_pct(cap['baseline']['accuracy'])}"
+                   f" ({cap['method']['scored']} scored turns)")
         err_console.print(
             f"{d['route']}: {d['pairs_ok']} pairs, greedy exact match "
             f"{_pct(d['greedy_exact_match_rate'])}, speed ratio {_num(d['speed_ratio'])}x"
             + (f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
-            + f", MAT {_num(d['mat_method'])} vs {_num(d['mat_baseline'])}")
+            + f", MAT {_num(d['mat_method'])} vs {_num(d['mat_baseline'])}" + acc
+            + (f"; relaxed acceptance ({d['acceptance_rule']}): outputs differ by design" if d["relaxed"] else ""))
     click.echo(str(path))
 
 

@@ -50,6 +50,11 @@ class Report:
             if s["route"] == OVERALL:
                 lines.append(f"shadow vs {s['baseline']} ({s['run']}): {s['pairs_ok']} pairs, greedy exact match "
                              f"{_pct(s['greedy_exact_match_rate'])}, speed ratio {_f(s['speed_ratio'])}x")
+                cap = s.get("capability")
+                if s.get("relaxed") and cap:
+                    lines.append(f"  relaxed acceptance ({s['acceptance_rule']}): exact match "
+                                 f"{_pct(cap['exact_match_rate'])}, accuracy {_acc(cap['method'])} (method) vs "
+                                 f"{_acc(cap['baseline'])} (baseline)")
         if not self.shadow:
             lines.append("no shadow rows: speedup not measured")
         return lines
@@ -62,7 +67,8 @@ def build_report(data: JobData, *, by: str = "route", price_per_device_hour: Opt
     stats = aggregate(rows, by=by, spec=spec)
     routes = {k: v.to_dict(price_per_device_hour) for k, v in stats.items()}
     job_rows = {r["row_idx"]: r for r in rows}
-    shadow = [r.to_dict(n_boot=n_boot) for r in analyze(data.shadow.to_pylist(), job_rows=job_rows)]
+    shadow = [r.to_dict(n_boot=n_boot)
+              for r in analyze(data.shadow.to_pylist(), job_rows=job_rows, decoding=spec.get("decoding"))]
     if by != "route":
         shadow = [s for s in shadow if s["route"] == OVERALL]  # shadow groups are routes
     in_job_baseline = [r for r in data.shadow.to_pylist() if r["run"] == "job" and r["side"] == "baseline"]
@@ -131,6 +137,53 @@ def shadow_table(rep: Report) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
+def _acc(side: dict) -> str:
+    """Accuracy of one side of a capability block: "75% (3/4)", or "-" when no turn could be scored."""
+    return "-" if not side["scored"] else f"{_pct(side['accuracy'])} ({side['correct']}/{side['scored']})"
+
+
+def capability_table(rep: Report) -> tuple[list[str], list[list[str]]]:
+    """Capability beside speed, per run and route: what the speed ratio cost in answers."""
+    head = ["run", rep.by if rep.by == "route" else "group", "acceptance", "pairs", "speed ratio (x)", "95% CI",
+            "exact match", "accuracy method", "accuracy baseline", "mean tokens method", "mean tokens baseline",
+            "repeated 4-grams method", "repeated 4-grams baseline"]
+    body = []
+    for s in rep.shadow:
+        cap = s.get("capability")
+        if not cap:
+            continue
+        ci = s["speed_ratio_ci95"]
+        m, b = cap["method"], cap["baseline"]
+        body.append([s["run"], _route_name(s["route"]), "relaxed" if s.get("relaxed") else "lossless",
+                     str(cap["pairs"]), _f(s["speed_ratio"]), "-" if not ci else f"{ci[0]:.2f} - {ci[1]:.2f}",
+                     _pct(cap["exact_match_rate"]), _acc(m), _acc(b), _f(m["mean_tokens"], 1),
+                     _f(b["mean_tokens"], 1), _pct(m["repeated_ngram_rate"], 1), _pct(b["repeated_ngram_rate"], 1)])
+    return head, body
+
+
+def relaxed_lines(rep: Report) -> list[str]:
+    """One statement per run whose method side used relaxed acceptance: its outputs differ by design."""
+    out, seen = [], set()
+    for s in rep.shadow:
+        if s.get("relaxed") and s["run"] not in seen:
+            seen.add(s["run"])
+            out.append(f"Run {s['run']}: outputs differ by design. The method ({s['method']}) used relaxed "
+                       f"acceptance ({s['acceptance_rule']}); the baseline ({s['baseline']}) decoded losslessly. "
+                       "Exact match below 100% is expected here, not a bug; read accuracy, length and "
+                       "repetition beside the speed ratio.")
+    return out
+
+
+def capability_notes(rep: Report) -> list[str]:
+    """Notes under the capability table: runs and routes without any scorable reference."""
+    unscored = [f"{s['run']} / {_route_name(s['route'])}" for s in rep.shadow
+                if s.get("capability") and not s["capability"]["method"]["scored"]]
+    if not unscored:
+        return []
+    return [f"Accuracy not measured for {', '.join(unscored)}: no answer turn had a scorable reference "
+            "(a `reference` input column with a number or a short answer)."]
+
+
 def sampling_lines(rep: Report) -> list[str]:
     """Notes under the shadow table: shadow cost inside the job, and the sampled (non-greedy) comparisons."""
     out = []
@@ -156,6 +209,13 @@ DEFINITIONS = [
     "speed ratio: (baseline ms per output token) / (method ms per output token) over the shadow rows, "
     "token-weighted, prefill included; CI: percentile bootstrap over rows (2000 resamples).",
     "first divergence: turn and character offset of the first differing character of a mismatched answer.",
+    "exact match (capability table): share of shadow pairs, greedy and sampled, whose answers are equal on "
+    "every turn; relaxed: the method side used relaxed (output-changing) acceptance.",
+    "accuracy: correct / scored answer turns, over turns whose `reference` input is a number (equal to the "
+    "answer's last number; in a GSM8K-style reference the part after ####) or a short text of at most 8 words "
+    "(found in the answer, case and spaces folded); longer references are not scored; '-': none could be.",
+    "mean tokens: output tokens per row of that side; repeated 4-grams: mean over answer turns of "
+    "1 - distinct / total 4-grams of the turn's words (CJK text: characters).",
 ]
 
 
@@ -178,6 +238,10 @@ def render_md(rep: Report) -> str:
              "## Speedup against a baseline (shadow rows)", ""]
     if rep.shadow:
         parts += [_md_table(*shadow_table(rep)), ""] + [f"- {line}" for line in sampling_lines(rep)]
+        parts += ["", "### Capability beside speed", ""]
+        for line in relaxed_lines(rep):
+            parts += [f"**{line}**", ""]
+        parts += [_md_table(*capability_table(rep)), ""] + [f"- {line}" for line in capability_notes(rep)]
     else:
         parts += [NO_SHADOW]
     parts += ["", f"![speedup and cost]({CHART_FILES['speed_cost']})", "", "## Throughput over time", "",
@@ -210,6 +274,10 @@ def render_html(rep: Report) -> str:
     price = (f"Price: {rep.price_per_device_hour:g} USD per device-hour." if rep.price_per_device_hour is not None
              else "No price given: cost shown as device-hours per million tokens.")
     shadow_html = (_html_table(*shadow_table(rep)) + "".join(f"<p>{html.escape(s)}</p>" for s in sampling_lines(rep))
+                   + "<h3>Capability beside speed</h3>"
+                   + "".join(f'<p class="note">{html.escape(s)}</p>' for s in relaxed_lines(rep))
+                   + _html_table(*capability_table(rep))
+                   + "".join(f"<p>{html.escape(s)}</p>" for s in capability_notes(rep))
                    if rep.shadow else f'<p class="note">{html.escape(NO_SHADOW)}</p>')
     generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(rep.title)}</title>

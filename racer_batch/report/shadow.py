@@ -12,6 +12,11 @@ Input: shadow records (service/shadow.py SHADOW_SCHEMA), two per sampled row: ``
   token-weighted, generation time with prefill; > 1 means the method is faster. Confidence interval by a
   percentile bootstrap over rows (pairs resampled with replacement, the ratio recomputed each time).
 - MAT of each side: output tokens / steps.
+- capability (``capability_summary``; measures in racer_batch/capability.py), over all pairs, greedy and
+  sampled: exact-match rate; per side, answer accuracy on the turns whose reference can be scored
+  automatically (numeric or short answers; None when none can), mean output tokens and characters per row,
+  mean repeated-4-gram rate per answer turn, finish-reason counts. This is what a run with relaxed
+  acceptance (``acceptance_rule``: outputs differ by design) must show beside its speed ratio.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+from racer_batch.capability import REPEAT_N, accuracy, answer_correct, mean, repeated_ngram_rate, text_units
 from racer_batch.report.aggregate import OVERALL
+from racer_batch.types import DecodingConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class Pair:
     method_finish: Optional[str] = None
     baseline_finish: Optional[str] = None
     greedy: bool = True
+    references: tuple[Optional[str], ...] = ()  # reference answer per turn (empty: the row has none)
 
 
 def first_divergence(a: Sequence[str], b: Sequence[str]) -> Optional[tuple[int, int]]:
@@ -113,6 +121,84 @@ def _quantile(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[i] + (sorted_vals[i + 1] - sorted_vals[i]) * (pos - i)
 
 
+def acceptance_rule(decoding: Optional[dict]) -> Optional[str]:
+    """The relaxed acceptance rule of a stored decoding config (a job manifest's ``spec.decoding``) in words;
+    None when it decodes losslessly (the default, also when the key is absent).
+
+    >>> acceptance_rule({"method": "racer", "acceptance": "topk", "relaxed_topk": 3})
+    "topk: a draft token is accepted when it is among the target's 3 most likely tokens"
+    >>> acceptance_rule({"acceptance": "threshold"})  # relaxed_threshold at its default
+    'threshold: a draft token is accepted when the target gives it probability >= 0.1'
+    >>> acceptance_rule({"method": "racer"}) is None
+    True
+    """
+    dec = decoding or {}
+    kind = dec.get("acceptance", "lossless")
+    if kind == "lossless":
+        return None
+    fields = DecodingConfig.model_fields
+    if kind == "topk":
+        k = dec.get("relaxed_topk", fields["relaxed_topk"].default)
+        return f"topk: a draft token is accepted when it is among the target's {k} most likely tokens"
+    if kind == "threshold":
+        t = dec.get("relaxed_threshold", fields["relaxed_threshold"].default)
+        return f"threshold: a draft token is accepted when the target gives it probability >= {t:g}"
+    return f"{kind} (unknown acceptance rule)"
+
+
+def exact_match_rate(pairs: Sequence[Pair]) -> Optional[float]:
+    """Share of pairs whose answers are equal on every turn; None without pairs."""
+    if not pairs:
+        return None
+    return sum(first_divergence(p.method_texts, p.baseline_texts) is None for p in pairs) / len(pairs)
+
+
+def _turn_refs(p: Pair, n_turns: int) -> list[Optional[str]]:
+    refs = list(p.references[:n_turns])
+    return refs + [None] * (n_turns - len(refs))
+
+
+def _side_capability(pairs: Sequence[Pair], side: str) -> dict:
+    """Capability measures of one side ("method" or "baseline") over the pairs; see capability_summary."""
+    texts = [getattr(p, f"{side}_texts") for p in pairs]
+    scores = [answer_correct(t, ref) for p, ts in zip(pairs, texts) for t, ref in zip(ts, _turn_refs(p, len(ts)))]
+    correct, scored = accuracy(scores)
+    return {
+        "accuracy": correct / scored if scored else None, "correct": correct, "scored": scored,
+        "mean_tokens": mean(getattr(p, f"{side}_tokens") for p in pairs),
+        "mean_chars": mean(sum(len(t) for t in ts) for ts in texts),
+        "repeated_ngram_rate": mean(repeated_ngram_rate(text_units(t), REPEAT_N) for ts in texts for t in ts),
+        "finish": dict(collections.Counter(str(getattr(p, f"{side}_finish")) for p in pairs)),
+    }
+
+
+def capability_summary(pairs: Sequence[Pair]) -> Optional[dict]:
+    """What changes in the answers, beside the speed: None without pairs, else
+
+    - ``exact_match_rate``: share of pairs (greedy and sampled) whose answers are equal on every turn;
+    - ``turns``: answer turns compared (the method side's), ``turns_with_reference``: those with a reference;
+    - per side (``method``, ``baseline``): ``accuracy`` = correct / scored over the turns whose reference can be
+      scored (capability.answer_correct; None when none can), ``correct``, ``scored``; ``mean_tokens`` and
+      ``mean_chars`` per row (all turns); ``repeated_ngram_rate``: mean over answer turns of the repeated
+      n-gram rate (n = ``repeat_n`` = 4) of the turn's text units (turns shorter than n units left out; None
+      when all are); ``finish``: finish-reason counts per row.
+
+    Example: one pair, reference "18", method answer "so 18", baseline answer "so 17" -> method accuracy 1.0
+    (1/1), baseline 0.0 (0/1), exact match 0.0.
+    """
+    if not pairs:
+        return None
+    return {
+        "pairs": len(pairs),
+        "exact_match_rate": exact_match_rate(pairs),
+        "repeat_n": REPEAT_N,
+        "turns": sum(len(p.method_texts) for p in pairs),
+        "turns_with_reference": sum(r is not None for p in pairs for r in _turn_refs(p, len(p.method_texts))),
+        "method": _side_capability(pairs, "method"),
+        "baseline": _side_capability(pairs, "baseline"),
+    }
+
+
 @dataclass
 class ShadowResult:
     """Comparison of one run on one route (or OVERALL)."""
@@ -125,6 +211,7 @@ class ShadowResult:
     pairs: list[Pair] = field(default_factory=list)  # both sides ok
     job_text_matches: Optional[int] = None  # method side == the job's own output (post-hoc re-runs)
     job_text_compared: int = 0
+    acceptance: Optional[str] = None  # relaxed acceptance rule of the method side (acceptance_rule); None: lossless
 
     @property
     def greedy_pairs(self) -> list[Pair]:
@@ -142,12 +229,6 @@ class ShadowResult:
             if d is not None:
                 out.append((p.id, d))
         return out
-
-    @staticmethod
-    def _rate(pairs: list[Pair]) -> Optional[float]:
-        if not pairs:
-            return None
-        return sum(first_divergence(p.method_texts, p.baseline_texts) is None for p in pairs) / len(pairs)
 
     def to_dict(self, *, n_boot: int = 2000) -> dict:
         ratio = speed_ratio(self.pairs)
@@ -169,14 +250,16 @@ class ShadowResult:
         return {
             "run": self.run, "route": self.route, "method": self.method, "baseline": self.baseline,
             "sampled_rows": self.sampled_rows, "pairs_ok": len(self.pairs),
-            "greedy_pairs": len(self.greedy_pairs), "greedy_exact_match_rate": self._rate(self.greedy_pairs),
-            "sampled_exact_match_rate": self._rate(sp), "sampling": sampling,
+            "greedy_pairs": len(self.greedy_pairs), "greedy_exact_match_rate": exact_match_rate(self.greedy_pairs),
+            "sampled_exact_match_rate": exact_match_rate(sp), "sampling": sampling,
             "mismatches": [{"id": rid, "turn": d[0], "char": d[1]} for rid, d in self.mismatches()],
             "speed_ratio": ratio, "speed_ratio_ci95": list(ci) if ci else None,
             "mat_method": mt / ms if ms else None, "mat_baseline": bt / bs if bs else None,
             "method_ms": sum(p.method_ms for p in self.pairs), "baseline_ms": sum(p.baseline_ms for p in self.pairs),
             "method_tokens": mt, "baseline_tokens": bt,
             "job_text_matches": self.job_text_matches, "job_text_compared": self.job_text_compared,
+            "relaxed": self.acceptance is not None, "acceptance_rule": self.acceptance,
+            "capability": capability_summary(self.pairs),
         }
 
 
@@ -191,12 +274,16 @@ def _gen_ms(rec: dict) -> float:
     return float(rec.get("prefill_ms") or 0.0) + float(rec.get("decode_ms") or 0.0)
 
 
-def analyze(records: Iterable[dict], *, job_rows: Optional[dict[int, dict]] = None) -> list[ShadowResult]:
+def analyze(records: Iterable[dict], *, job_rows: Optional[dict[int, dict]] = None,
+            decoding: Optional[dict] = None) -> list[ShadowResult]:
     """Pair the records by (run, row_idx) and compare per run and route, plus OVERALL per run.
 
     ``job_rows`` (row_idx -> output record) lets a post-hoc run also check that its re-run of the method
-    reproduced the job's own answers.
+    reproduced the job's own answers. ``decoding`` is the job's stored decoding config (the manifest's
+    ``spec.decoding``): the method side of every run decodes with it, so a relaxed ``acceptance`` there marks
+    every run as relaxed (``acceptance_rule``).
     """
+    rule = acceptance_rule(decoding)
     by_key: dict[tuple[str, int], dict[str, dict]] = collections.defaultdict(dict)
     for r in records:
         by_key[(r["run"], int(r["row_idx"]))][r["side"]] = r
@@ -209,7 +296,8 @@ def analyze(records: Iterable[dict], *, job_rows: Optional[dict[int, dict]] = No
             res = groups.get((run, route))
             if res is None:
                 res = groups[(run, route)] = ShadowResult(run=run, route=route, method=str(m.get("method")),
-                                                          baseline=str(b.get("method")), sampled_rows=0)
+                                                          baseline=str(b.get("method")), sampled_rows=0,
+                                                          acceptance=rule)
             res.sampled_rows += 1
             if m["status"] == "ok" and b["status"] == "ok":
                 res.pairs.append(Pair(
@@ -218,6 +306,7 @@ def analyze(records: Iterable[dict], *, job_rows: Optional[dict[int, dict]] = No
                     method_steps=int(m.get("steps") or 0), baseline_steps=int(b.get("steps") or 0),
                     method_texts=_texts(m), baseline_texts=_texts(b), method_finish=m.get("finish_reason"),
                     baseline_finish=b.get("finish_reason"), greedy=float(m.get("temperature") or 0.0) == 0.0,
+                    references=tuple(m.get("reference") or b.get("reference") or ()),
                 ))
             if job_rows is not None and run != "job" and row_idx in job_rows and m["status"] == "ok":
                 res.job_text_compared += 1

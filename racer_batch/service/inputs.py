@@ -84,6 +84,7 @@ class RowTask:
     params: Any = None  # GenerationParams
     error: Optional[str] = None
     extra: dict = field(default_factory=dict)
+    reference: Optional[list[Optional[str]]] = None  # reference answer per turn (parse_reference); analysis only
 
 
 _SUFFIX_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
@@ -222,6 +223,11 @@ def _type_ok(canonical: str, t: pa.DataType) -> bool:
         return (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
             pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)
             or pa.types.is_null(t.value_type))
+    if canonical == "reference":
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            t = t.value_type
+        return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+                or pa.types.is_floating(t) or pa.types.is_null(t))
     if canonical == "messages":
         if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
             return False
@@ -234,6 +240,7 @@ _EXPECTED = {
     "id": "string or integer", "prompt": "string", "route": "string", "max_new_tokens": "integer",
     "seed": "integer", "temperature": "number", "top_p": "number", "turns": "list of strings",
     "stop": "string or list of strings", "messages": "list of {role, content}",
+    "reference": "string, number, or a list of them",
 }
 
 
@@ -369,15 +376,59 @@ def _clean_str(v: Any, what: str) -> str:
     return v
 
 
+def _reference_text(v: Any) -> Optional[str]:
+    """One reference entry as text; None for null, empty or NaN; raises TypeError for another type."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+        raise TypeError(type(v).__name__)
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return None
+        v = int(v) if v.is_integer() else v
+    text = str(v)
+    return text if text.strip() else None
+
+
+def parse_reference(value: Any, *, n_turns: int) -> Optional[list[Optional[str]]]:
+    """The row's reference answers, one per turn (``n_turns`` >= 1), or None when it has none to use.
+
+    A string or number is the reference of the last turn (the final answer); a list gives one per turn and
+    must have exactly ``n_turns`` entries (a null or empty entry: that turn has none). Any other value (another
+    type, a list of another length, text that is not valid UTF-8) gives None: references only feed the shadow
+    analysis, so a bad one never fails the row; the report counts the turns that had a scorable one.
+
+    >>> parse_reference("18", n_turns=1), parse_reference(1000.0, n_turns=2)
+    (['18'], [None, '1000'])
+    >>> parse_reference(["", "#### 7"], n_turns=2)
+    [None, '#### 7']
+    >>> parse_reference(["a"], n_turns=2) is None, parse_reference({"a": 1}, n_turns=1) is None
+    (True, True)
+    """
+    assert n_turns >= 1, f"n_turns must be >= 1, got {n_turns}"
+    try:
+        if isinstance(value, (list, tuple)):
+            if len(value) != n_turns:
+                return None
+            refs = [_reference_text(v) for v in value]
+        else:
+            refs = [None] * (n_turns - 1) + [_reference_text(value)]
+    except TypeError:
+        return None
+    return refs if any(r is not None for r in refs) else None
+
+
 def parse_row(job: JobSpec, row_idx: int, rec: dict) -> RowTask:
-    """Normalise one input record; a bad row comes back with ``error`` set (never raises)."""
+    """Normalise one input record; a bad row comes back with ``error`` set (never raises).
+
+    The reference column (``parse_reference``) never makes a row bad: an unusable reference is dropped."""
     cols = job.input.columns
     rid = rec.get(cols.id)
     route = rec.get(cols.route)
     route = job.route if not route or isinstance(route, InvalidText) else route
     task = RowTask(row_idx=row_idx, id=str(rid), route=str(route), seed=(job.seed + row_idx) % (2**63))
     try:
-        bad = next((v for v in rec.values() if isinstance(v, InvalidText)), None)
+        bad = next((v for k, v in rec.items() if isinstance(v, InvalidText) and k != cols.reference), None)
         if bad is not None:
             raise ValueError(f"column {bad.column!r} is not valid UTF-8 ({bad.detail})")
         overrides: dict[str, Any] = {}
@@ -426,6 +477,7 @@ def parse_row(job: JobSpec, row_idx: int, rec: dict) -> RowTask:
                 raise ValueError("turns is empty")
             task.turns = [_clean_str(t, f"turns[{i}]") for i, t in enumerate(turns)]
             task.chat = head
+        task.reference = parse_reference(rec.get(cols.reference), n_turns=len(task.turns) if task.turns else 1)
     except ValueError as exc:
         task.error = str(exc)
     return task

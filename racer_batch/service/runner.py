@@ -280,7 +280,7 @@ class RowRunner:
                 method = acc.record(status=status, error=error, base=base)
                 method["finished_at"] = now_utc()
                 pair.insert(0, shadow_record(method, run="job", side="method", ran_first=not first,
-                                             temperature=row.params.temperature))
+                                             temperature=row.params.temperature, reference=row.reference))
                 if not first:
                     pair.append(self._shadow_baseline(spec, row, base, job_id=job_id, ran_first=False,
                                                       should_cancel=should_cancel))
@@ -316,7 +316,7 @@ class RowRunner:
                                                                config_hash=decoding.config_hash()))
         rec["finished_at"] = now_utc()
         return shadow_record(rec, run="job", side="baseline", ran_first=ran_first,
-                             temperature=row.params.temperature)
+                             temperature=row.params.temperature, reference=row.reference)
 
     def _answer(self, engine: Any, state: Any, row: RowTask, params: Any, *,
                 should_cancel: Callable[[], bool]) -> tuple[RowAccumulator, str, Optional[str]]:

@@ -87,15 +87,21 @@ SHADOW_SCHEMA = pa.schema(
         pa.field("worker", pa.string()),
         pa.field("device", pa.string()),
         pa.field("finished_at", pa.timestamp("ms", tz="UTC")),
+        # The row's reference answer per turn (input column ``reference``; null entries: none). Added for the
+        # capability comparison (issue 8); files written before it read back with nulls here (read_shadow).
+        pa.field("reference", pa.list_(pa.string())),
     ]
 )
 
 
-def shadow_record(rec: dict, *, run: str, side: str, ran_first: bool, temperature: float) -> dict:
-    """Project an output record (OUTPUT_SCHEMA fields) onto SHADOW_SCHEMA."""
+def shadow_record(rec: dict, *, run: str, side: str, ran_first: bool, temperature: float,
+                  reference: Optional[list[Optional[str]]] = None) -> dict:
+    """Project an output record (OUTPUT_SCHEMA fields) onto SHADOW_SCHEMA, with the row's ``reference``
+    answers (one per turn, or None; see inputs.parse_reference)."""
     assert side in SIDES, f"side must be one of {SIDES}, got {side!r}"
     out = {name: rec.get(name) for name in SHADOW_SCHEMA.names}
-    out.update(run=run, side=side, ran_first=ran_first, temperature=float(temperature))
+    out.update(run=run, side=side, ran_first=ran_first, temperature=float(temperature),
+               reference=list(reference) if reference is not None else None)
     return out
 
 
@@ -129,7 +135,9 @@ def write_shadow(path: str | Path, records: list[dict], *, meta: Optional[dict] 
 
 
 def read_shadow(out_dir: str | Path) -> pa.Table:
-    """Every shadow file of an output folder as one table (SHADOW_SCHEMA; empty when there are none)."""
+    """Every shadow file of an output folder as one table (SHADOW_SCHEMA; empty when there are none).
+
+    Reading with the schema fills a column missing from an older file with nulls (``reference``)."""
     files = sorted(Path(out_dir).glob(SHADOW_FILE_GLOB))
     if not files:
         return SHADOW_SCHEMA.empty_table()

@@ -48,6 +48,10 @@ class ColumnMap(BaseModel):
     top_p: str = Field("top_p", description="per-row top_p column")
     seed: str = Field("seed", description="per-row seed column")
     stop: str = Field("stop", description="per-row stop strings column (string or list of strings)")
+    reference: str = Field(
+        "reference", description="optional reference answer column (string, or list of strings: one per turn); "
+        "never changes generation, only scored in shadow comparisons (report/shadow.py)"
+    )
 
 
 class InputSpec(BaseModel):
@@ -180,6 +184,8 @@ class JobSpec(BaseModel):
         # Left out at their defaults, so the hash of a spec written before these keys existed is unchanged.
         exclude |= {k for k, default in (("n_samples", 1), ("shadow", None)) if getattr(self, k) == default}
         d = self.model_dump(mode="json", exclude=exclude)
+        # The reference column only feeds the shadow analysis, never the output rows: always left out.
+        del d["input"]["columns"]["reference"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def row_params(self, overrides: dict[str, Any], *, seed: int) -> GenerationParams:

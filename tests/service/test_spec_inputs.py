@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from service_helpers import base_overrides, write_parquet
 
-from racer_batch.service.inputs import InputError, check_ids, parse_row, plan_input
+from racer_batch.service.inputs import InputError, InvalidText, check_ids, parse_row, plan_input
 from racer_batch.service.spec import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +109,48 @@ def test_parse_row_kinds(tmp_path):
     }
     for expected, rec in cases.items():
         assert expected in (parse_row(spec, 0, rec).error or ""), (expected, parse_row(spec, 0, rec).error)
+
+
+def test_parse_row_reference(tmp_path):
+    """The optional reference column: one entry per turn; an unusable value is dropped, never fails the row."""
+    spec = load_spec(None, base_overrides(tmp_path))
+
+    def ref(rec):
+        row = parse_row(spec, 0, {"id": "r", **rec})
+        assert row.error is None, row.error  # a reference never makes a row bad
+        return row.reference
+
+    assert ref({"prompt": "x"}) is None and ref({"prompt": "x", "reference": None}) is None
+    assert ref({"prompt": "x", "reference": "18"}) == ["18"]
+    assert ref({"prompt": "x", "reference": "Half of it.\n#### 1,000"}) == ["Half of it.\n#### 1,000"]
+    assert ref({"prompt": "x", "reference": 18}) == ["18"] and ref({"prompt": "x", "reference": 2.0}) == ["2"]
+    assert ref({"prompt": "x", "reference": ["18"]}) == ["18"]
+    assert ref({"prompt": "x", "reference": "  "}) is None and ref({"prompt": "x", "reference": [""]}) is None
+    two = {"turns": ["a", "b"]}
+    assert ref({**two, "reference": ["#### 7", None]}) == ["#### 7", None]
+    assert ref({**two, "reference": "7"}) == [None, "7"]  # a single reference is the final answer's
+    assert ref({**two, "reference": ["7"]}) is None  # one per turn or nothing: guessing the turn is worse
+    assert ref({"prompt": "x", "reference": {"a": 1}}) is None and ref({"prompt": "x", "reference": True}) is None
+    assert ref({"prompt": "x", "reference": ["18", {"a": 1}]}) is None
+    bad = InvalidText(column="reference", detail="byte 0xff at offset 0")
+    assert ref({"prompt": "x", "reference": bad}) is None
+    # a broken prompt still fails the row, whatever the reference
+    assert parse_row(spec, 0, {"id": "r", "prompt": " ", "reference": "18"}).error == "prompt is empty"
+    # a renamed column
+    renamed = load_spec(None, base_overrides(tmp_path, **{"input.columns.reference": "answer"}))
+    assert parse_row(renamed, 0, {"id": "r", "prompt": "x", "answer": "42", "reference": "no"}).reference == ["42"]
+
+
+@pytest.mark.parametrize("value, ok", [("18", True), (18, True), (1.5, True), (["a", None], True),
+                                       ({"a": 1}, False), ([{"a": 1}], False)])
+def test_reference_column_type_checked_at_submit(tmp_path, value, ok):
+    write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x", "reference": value}])
+    spec = load_spec(None, base_overrides(tmp_path))
+    if ok:
+        assert "reference" in plan_input(spec.input).columns
+    else:
+        with pytest.raises(InputError, match="column 'reference' has type .*expected string, number"):
+            plan_input(spec.input)
 
 
 def test_jsonl_input(tmp_path):
