@@ -290,11 +290,19 @@ def plan_input(spec: InputSpec) -> InputPlan:
 
 
 def check_ids(spec: InputSpec, plan: InputPlan) -> None:
-    """Refuse null ids and duplicate ids (listing the first few), reading only the id column."""
+    """Refuse null ids and duplicate ids, reading only the id column.
+
+    The message names how many distinct ids repeat, how many extra rows they make, and the first few ids,
+    e.g. ``duplicate ids in input: 7 ids appear more than once (13 extra rows): '0', '1', '2', '3', '4' and
+    2 more``.
+
+    Raises:
+        InputError: a null id, an id that is not valid UTF-8, or duplicate ids.
+    """
     id_col = spec.columns.id
     seen: set = set()
-    dups: list[str] = []
-    n_dups = 0
+    dup_ids: dict[str, None] = {}  # insertion-ordered set of the ids seen more than once
+    extra_rows = 0
     row_idx = 0
     for f, n in zip(plan.files, plan.file_rows):
         if n == 0:
@@ -307,15 +315,18 @@ def check_ids(spec: InputSpec, plan: InputPlan) -> None:
                     raise InputError(f"row {row_idx} ({f}): id is not valid UTF-8 ({v.detail})")
                 key = str(v)
                 if key in seen:
-                    n_dups += 1
-                    if len(dups) < MAX_DUPLICATES_SHOWN:
-                        dups.append(key)
+                    extra_rows += 1
+                    dup_ids[key] = None
                 else:
                     seen.add(key)
                 row_idx += 1
-    if n_dups:
-        more = f" and {n_dups - len(dups)} more" if n_dups > len(dups) else ""
-        raise InputError(f"duplicate ids in input ({n_dups} repeats): {', '.join(map(repr, dups))}{more}")
+    if dup_ids:
+        shown = list(dup_ids)[:MAX_DUPLICATES_SHOWN]
+        more = f" and {len(dup_ids) - len(shown)} more" if len(dup_ids) > len(shown) else ""
+        ids = "id appears" if len(dup_ids) == 1 else "ids appear"
+        rows = "row" if extra_rows == 1 else "rows"
+        raise InputError(f"duplicate ids in input: {len(dup_ids)} {ids} more than once ({extra_rows} extra {rows}): "
+                         f"{', '.join(map(repr, shown))}{more}")
 
 
 def iter_raw_rows(plan: InputPlan, row_start: int, row_stop: int, columns: list[str]) -> Iterator[tuple[int, dict]]:

@@ -62,7 +62,7 @@ def _nothing_queued(cli, redis_url: str, prefix: str) -> None:
                  "column 'prompt' has type binary, expected string", id="prompt-bytes"),
     pytest.param([{"id": "a", "prompt": "x"}, {"id": None, "prompt": "y"}], None, "row 1 ", id="null-id"),
     pytest.param([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}], None,
-                 "duplicate ids in input (1 repeats): 'a'", id="duplicate-id"),
+                 "duplicate ids in input: 1 id appears more than once (1 extra row): 'a'", id="duplicate-id"),
 ])
 def test_bad_columns_refused_at_submit(cli, tmp_path, redis_url, prefix, rows, schema, message):
     write_parquet(tmp_path / "in.parquet", rows, schema)
