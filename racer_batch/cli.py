@@ -6,7 +6,8 @@ Exit codes:
   2  bad usage or invalid input (unknown option, bad value, empty prompt, prompt too long, bad job spec)
   3  the model could not be loaded (unknown name, missing files, unsupported architecture)
   4  a service the command needs is unreachable (Redis, Ray)
-  5  a job finished with failed rows (submit --wait) or was cancelled
+  5  a job ended failed or was cancelled (submit --wait); rows with status=error do not count
+  130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ Exit codes:
   2  bad usage or invalid input (option, value, prompt, job spec)
   3  the model could not be loaded
   4  a service the command needs is unreachable (Redis, Ray)
-  5  a job finished with failed rows, or was cancelled
+  5  a job ended failed or was cancelled (submit --wait)
+  130  interrupted (Ctrl-C)
 """
 
 
@@ -57,9 +59,12 @@ def _capacity(value: str) -> Any:
 @click.version_option(package_name="racer-batch")
 def main(log_level: str) -> None:
     """racer-batch: batch LLM generation with RACER lossless speculative decoding."""
+    from rich.console import Console
     from rich.logging import RichHandler
 
-    logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[RichHandler(show_path=False)])
+    # logs go to stderr: stdout carries only results (a job id, --json), so scripts can capture it
+    handler = RichHandler(show_path=False, console=Console(stderr=True, soft_wrap=True))
+    logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[handler])
     for noisy in ("transformers", "accelerate", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 

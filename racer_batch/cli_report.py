@@ -31,7 +31,7 @@ Exit codes:
   4  Redis unreachable (looking up a job id)
 """
 
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class ReportExit(click.ClickException):

@@ -49,7 +49,7 @@ Exit codes:
   4  Redis or Ray unreachable, or the metrics port cannot be bound
 """
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 out_console = Console()
 
 

@@ -17,11 +17,21 @@ from typing import Iterable, Optional
 from racer_batch.report import charts
 from racer_batch.report.aggregate import OVERALL, aggregate, throughput_timeline
 from racer_batch.report.load import JobData
-from racer_batch.report.shadow import analyze
+from racer_batch.report.shadow import acceptance_rule, analyze
 
 CHART_FILES = {"acceptance": "acceptance_hist.png", "speed_cost": "speed_cost.png", "throughput": "throughput.png"}
 NO_SHADOW = ("No shadow rows: speedup versus a baseline was not measured for this job, and none is estimated "
-             "here. Add a `shadow:` block to the job spec, or run `racer-batch shadow JOB --baseline ar`.")
+             "here. Add a `shadow:` block to the job spec (or raise its `fraction`: the sample may have picked no "
+             "row), or run `racer-batch shadow JOB --baseline ar`.")
+
+
+def relaxed_banner(job: dict) -> Optional[str]:
+    """The header line of a job decoded with relaxed (output-changing) acceptance; None for lossless jobs."""
+    rule = job.get("acceptance")
+    if not rule:
+        return None
+    return (f"Relaxed acceptance ({rule}): this job's outputs differ from what the model alone would produce, "
+            "by design. Read the capability table (shadow rows against lossless decoding) beside any speed gain.")
 
 
 @dataclass
@@ -57,6 +67,9 @@ class Report:
                                  f"{_acc(cap['baseline'])} (baseline)")
         if not self.shadow:
             lines.append("no shadow rows: speedup not measured")
+        banner = relaxed_banner(self.job)
+        if banner:
+            lines.insert(1, banner + ("" if self.shadow else " NO shadow rows: the capability cost was not measured."))
         return lines
 
 
@@ -79,7 +92,8 @@ def build_report(data: JobData, *, by: str = "route", price_per_device_hour: Opt
            "model": m.get("model"), "method": m.get("method"), "config_hash": m.get("config_hash"),
            "spec_hash": m.get("spec_hash"), "rows": len(rows), "output": str(data.out_dir),
            "decoding": spec.get("decoding"), "max_new_tokens": (spec.get("generation") or {}).get("max_new_tokens"),
-           "devices": sorted({str(r.get("device")) for r in rows if r.get("device")})}
+           "devices": sorted({str(r.get("device")) for r in rows if r.get("device")}),
+           "acceptance": acceptance_rule(spec.get("decoding"))}
     rep = Report(title=title or f"Job {job['name'] or ''} {data.job_id}".replace("  ", " ").strip(), job=job, by=by,
                  price_per_device_hour=price_per_device_hour, routes=routes, shadow=shadow,
                  timeline={"t_s": centres, "tokens_per_s": rates})
@@ -232,8 +246,10 @@ def render_md(rep: Report) -> str:
              f"{j['rows']} rows, max_new_tokens {j['max_new_tokens']}, devices {', '.join(j['devices']) or '-'}. "
              f"Output: `{j['output']}`."
              + (f" Price: {rep.price_per_device_hour:g} USD per device-hour." if rep.price_per_device_hour is not None
-                else " No price given: cost shown as device-hours."), "",
-             f"## Per {rep.by}", "", _md_table(*route_table(rep)), "",
+                else " No price given: cost shown as device-hours."), ""]
+    if relaxed_banner(j):
+        parts += [f"**{relaxed_banner(j)}**", ""]
+    parts += [f"## Per {rep.by}", "", _md_table(*route_table(rep)), "",
              f"![acceptance histogram]({CHART_FILES['acceptance']})", "",
              "## Speedup against a baseline (shadow rows)", ""]
     if rep.shadow:
@@ -287,6 +303,7 @@ def render_html(rep: Report) -> str:
 (config {html.escape(str(j['config_hash']))}), state {html.escape(str(j['state']))}, {j['rows']} rows,
 max_new_tokens {j['max_new_tokens']}, devices {html.escape(', '.join(j['devices']) or '-')}. {html.escape(price)}<br>
 <small>output folder {html.escape(j['output'])}; generated {generated}</small></p>
+{f'<p class="note"><b>{html.escape(relaxed_banner(j))}</b></p>' if relaxed_banner(j) else ''}
 <h2>Per {html.escape(rep.by)}</h2>
 {_html_table(*route_table(rep))}
 {_img(rep, 'acceptance', 'acceptance-length histogram per route')}

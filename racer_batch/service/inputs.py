@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -262,7 +262,11 @@ def plan_input(spec: InputSpec) -> InputPlan:
             schema = dset.schema
             n = dset.count_rows()
         except (pa.ArrowInvalid, OSError) as exc:
-            raise InputError(f"cannot read input file {f}: {exc}") from None
+            hint = ""
+            if fmt == "jsonl" and "changed from" in str(exc):
+                hint = ("; in JSONL every row must give a column the same JSON type (for `reference`: a list on "
+                        "every row, e.g. [\"18\"] for a one-turn row, or a string on every row)")
+            raise InputError(f"cannot read input file {f}: {exc}{hint}") from None
         names = set(schema.names)
         if n > 0 and cols["id"] not in names:
             raise InputError(f"{f}: missing id column {cols['id']!r} (columns: {sorted(names)})")
@@ -289,8 +293,11 @@ def plan_input(spec: InputSpec) -> InputPlan:
     )
 
 
-def check_ids(spec: InputSpec, plan: InputPlan) -> None:
+def check_ids(spec: InputSpec, plan: InputPlan, *, select: Optional[Callable[[str], bool]] = None) -> int:
     """Refuse null ids and duplicate ids, reading only the id column.
+
+    Returns the number of rows whose id ``select`` accepts (all rows without ``select``); the submit path uses
+    it to make sure a shadow sample is not empty.
 
     The message names how many distinct ids repeat, how many extra rows they make, and the first few ids,
     e.g. ``duplicate ids in input: 7 ids appear more than once (13 extra rows): '0', '1', '2', '3', '4' and
@@ -304,6 +311,7 @@ def check_ids(spec: InputSpec, plan: InputPlan) -> None:
     dup_ids: dict[str, None] = {}  # insertion-ordered set of the ids seen more than once
     extra_rows = 0
     row_idx = 0
+    selected = 0
     for f, n in zip(plan.files, plan.file_rows):
         if n == 0:
             continue
@@ -319,6 +327,7 @@ def check_ids(spec: InputSpec, plan: InputPlan) -> None:
                     dup_ids[key] = None
                 else:
                     seen.add(key)
+                selected += 1 if select is None or select(key) else 0
                 row_idx += 1
     if dup_ids:
         shown = list(dup_ids)[:MAX_DUPLICATES_SHOWN]
@@ -327,6 +336,7 @@ def check_ids(spec: InputSpec, plan: InputPlan) -> None:
         rows = "row" if extra_rows == 1 else "rows"
         raise InputError(f"duplicate ids in input: {len(dup_ids)} {ids} more than once ({extra_rows} extra {rows}): "
                          f"{', '.join(map(repr, shown))}{more}")
+    return selected
 
 
 def iter_raw_rows(plan: InputPlan, row_start: int, row_stop: int, columns: list[str]) -> Iterator[tuple[int, dict]]:

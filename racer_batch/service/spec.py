@@ -203,7 +203,7 @@ class JobSpec(BaseModel):
         return self.model_dump(mode="json", exclude={"redis_url"})
 
 
-_PATH_KEYS = (("input", "path"), ("output", "path"))
+_PATH_KEYS = (("input", "path"), ("output", "path"), ("decoding", "corpus_path"))
 
 
 def format_validation_error(err: ValidationError, *, where: str) -> str:

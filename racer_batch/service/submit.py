@@ -7,13 +7,15 @@ resumes the earlier job (same job id; committed shards are skipped).
 from __future__ import annotations
 
 import datetime as dt
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from racer_batch.service.inputs import InputPlan, check_ids, plan_input
+from racer_batch.service.inputs import InputError, InputPlan, check_ids, plan_input
 from racer_batch.service.output import OutputError, check_output_folder, read_manifest, write_manifest
 from racer_batch.service.queue import JobQueue
+from racer_batch.service.shadow import shadow_selected
 from racer_batch.service.spec import JobSpec
 
 
@@ -29,9 +31,25 @@ def new_job_id() -> str:
 
 
 def validate_job(spec: JobSpec) -> InputPlan:
-    """Input checks (raises InputError): files, columns and types, ids present and unique."""
+    """Input checks (raises InputError): files, columns and types, ids present and unique; a job with relaxed
+    (output-changing) acceptance must have at least one row in its shadow sample, so that the report can
+    show what the speed gain cost (issue 8)."""
     plan = plan_input(spec.input)
-    check_ids(spec.input, plan)
+    corpus = spec.decoding.corpus_path
+    if corpus and "://" not in corpus and not os.path.isfile(corpus):
+        raise InputError(f"decoding.corpus_path = {corpus!r}: no such file (a relative path is taken from the "
+                         "job file's folder, or from the current folder for a --set override)")
+    relaxed = spec.decoding.acceptance != "lossless" and spec.shadow is not None
+    select = None
+    if relaxed:
+        seed, fraction = spec.shadow.seed, spec.shadow.fraction
+        select = lambda row_id: shadow_selected(seed, row_id, fraction)  # noqa: E731
+    sampled = check_ids(spec.input, plan, select=select)
+    if relaxed and sampled == 0:
+        raise InputError(
+            f"decoding.acceptance = {spec.decoding.acceptance!r} changes outputs, but shadow.fraction = "
+            f"{spec.shadow.fraction:g} (seed {spec.shadow.seed}) selects none of the {plan.num_rows} rows, so "
+            "nothing would be compared against lossless decoding; raise shadow.fraction (1.0 shadows every row)")
     return plan
 
 

@@ -4,6 +4,7 @@ per side, the relaxed-acceptance statement, old shadow files without the referen
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -206,3 +207,12 @@ def test_relaxed_job_report_shows_capability_beside_speed(tmp_path):
     assert [s["capability"] for s in js["shadow"]] == [s["capability"] for s in rep.shadow]
     assert all(s["relaxed"] and "top" in s["acceptance_rule"] for s in js["shadow"])
     assert any("relaxed acceptance" in ln for ln in rep.summary_lines())
+    assert "Relaxed acceptance (" in md.split("## Per", 1)[0] and "Relaxed acceptance (" in html
+
+    # the same job without its shadow rows (an older job whose sample picked none): the header still says
+    # relaxed, and the summary says the capability cost was not measured
+    for f in Path(spec.output.path).glob("shadow-*.parquet"):
+        f.unlink()
+    bare = build_report(load_output(spec.output.path), n_boot=10, with_charts=False)
+    assert not bare.shadow and "Relaxed acceptance (" in render_md(bare).split("## Per", 1)[0]
+    assert any("NO shadow rows: the capability cost was not measured" in ln for ln in bare.summary_lines())
