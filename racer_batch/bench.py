@@ -77,6 +77,8 @@ def parse_method(text: str) -> MethodSpec:
             raise ValueError(f"{text!r}: {item!r} is not key=value")
         if key.strip() not in DecodingConfig.model_fields or key.strip() == "method":
             raise ValueError(f"{text!r}: {key.strip()!r} is not a decoding setting")
+        if any(k == key.strip() for k, _ in pairs):
+            raise ValueError(f"{text!r}: {key.strip()!r} is set twice")
         pairs.append((key.strip(), value.strip()))
     if pairs and method in HF_METHODS:
         raise ValueError(f"{text!r}: {method} takes no settings")
@@ -326,15 +328,59 @@ def write_results(summary: dict, out_dir: Path, *, command: str) -> tuple[Path, 
     jpath.write_text(json.dumps(summary, indent=2))
     lines = [f"# Benchmark {stamp}", "", f"Reproduce: `{command}`", "",
              "Config: " + ", ".join(f"{k}={v}" for k, v in summary["config"].items()), "",
-             "## Overall", "", _md_table(summary["overall"]), ""]
+             *_md_settings(summary), "## Overall", "", _md_table(summary["overall"]), "", *_md_definitions()]
+    multi = {set_of(g) for g in summary["groups"] if "/" in g}
     for s_name, rows in summary.get("sets", {}).items():
-        lines += [f"## {SET_TITLES.get(s_name, s_name)} (groups pooled)", "", _md_table(rows), ""]
+        if s_name in multi:  # a one-group set's pooled table would repeat its group's table below
+            lines += [f"## {SET_TITLES.get(s_name, s_name)} (groups pooled)", "", _md_table(rows), ""]
     for g, rows in summary["groups"].items():
         lines += [f"## {g}", "", _md_table(rows), ""]
     lines += _md_published(summary)
     mpath = out_dir / f"bench-{stamp}.md"
     mpath.write_text("\n".join(lines))
     return jpath, mpath
+
+
+DEFINITIONS = [
+    "rows: answered turns (a two-turn question counts twice); tokens: output tokens over those turns.",
+    "mat: output tokens per target forward (prefill included; HF rows: hf_greedy is 1 by definition, hf_pld "
+    "is not counted).",
+    "ms_per_token: wall time (prefill + decode) per output token; speedup_vs_hf_greedy: HF greedy's ms_per_token "
+    "over the row's (token-weighted, RACER.md section 1).",
+    "exact_match_vs_hf_greedy: turns whose tokens equal HF greedy's; every lossless method must show all of them.",
+    "answer_accuracy: correct / scored turns, over turns whose reference is a number or a short answer "
+    "(racer_batch/capability.py; MGSM-ZH answers and Spec-Bench math_reasoning / short references).",
+    "mean_tokens: output tokens per turn; repeat4: mean repeated 4-gram rate of each turn's output tokens "
+    "(1 - distinct / total 4-grams; loops raise it).",
+    "draft_update_share_of_step: drafting and state-update time over the whole step time (draft + verify + update).",
+]
+
+
+def _md_definitions() -> list[str]:
+    return ["Columns:", "", *[f"- {d}" for d in DEFINITIONS], ""]
+
+
+def _md_settings(summary: dict) -> list[str]:
+    """One line per row run with settings other than the bench defaults (variants); relaxed ones marked."""
+    conf = summary["config"]
+    out = []
+    for label, dumped in summary.get("method_configs", {}).items():
+        if dumped.get("method") in HF_METHODS:
+            continue
+        cfg = DecodingConfig.model_validate(dumped)
+        default = decoding_config(MethodSpec(label, cfg.method), capacity=conf.get("capacity", 16),
+                                  corpus=conf.get("corpus"))
+        diff = {k: v for k, v in cfg.model_dump(mode="json").items() if v != getattr(default, k, None)}
+        if cfg.acceptance == "topk":
+            diff["relaxed_topk"] = cfg.relaxed_topk
+        elif cfg.acceptance == "threshold":
+            diff["relaxed_threshold"] = cfg.relaxed_threshold
+        if not diff and label == cfg.method:
+            continue
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(diff.items())) or "the defaults"
+        mark = " (**relaxed acceptance: outputs may differ from greedy by design**)" if cfg.acceptance != "lossless" else ""
+        out.append(f"- `{label}`: {cfg.method} with {settings}{mark}")
+    return ["Variants (settings other than the bench defaults):", "", *out, ""] if out else []
 
 
 def _md_published(summary: dict) -> list[str]:
@@ -361,9 +407,13 @@ def _md_published(summary: dict) -> list[str]:
             mats.append(cell(r["published_mat"] if r else None, r["mat"] if r else ours.get("mat")))
             speeds.append(cell(r["published_speedup"] if r else None, ours.get("speedup_vs_hf_greedy"), "x"))
         body.append("| " + " | ".join([label, *mats, *speeds]) + " |")
+    turns = {s: summary["sets"][s].get("hf_greedy", {}).get("rows") for s in sets}
     return ["## Beside the published figures", "",
-            f"Paper: {SOURCE}. Ours: {summary['config'].get('model')} on {summary['config'].get('device')}, speedup "
-            "against HF `generate` greedy. Compare MAT first: speedup depends on the hardware (RACER.md section 8). "
+            f"Paper: {SOURCE} (listed in benchmarks/PUBLISHED.md). Ours: {summary['config'].get('model')} on "
+            f"{summary['config'].get('device')}, speedup against HF `generate` greedy, over "
+            + ", ".join(f"{turns[s]} turns of {SET_TITLES[s]}" for s in sets)
+            + f" at {summary['config'].get('max_new_tokens')} new tokens (the paper: full sets, 1024): few "
+            "prompts give noisy figures. Compare MAT first: speedup depends on the hardware (RACER.md section 8). "
             "A dash: no published figure for that method.", "",
             "| " + " | ".join(head) + " |", "|---" * len(head) + "|", *body, ""]
 

@@ -185,13 +185,18 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
             spec = parse_method(v)
             if spec.method not in HF_METHODS:
                 decoding_config(spec, capacity=_capacity(capacity), corpus=corpus)
-        except (ValueError, ValidationError) as exc:
-            msg = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-            raise click.BadParameter(f"{v!r}: {msg}", param_hint="--variant") from None
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            key = str(e["loc"][0]) if e["loc"] else "settings"  # a union field adds its branch: keep the name
+            raise click.BadParameter(f"{v!r}: {key} = {e.get('input')!r}: {e['msg']}", param_hint="--variant") from None
+        except ValueError as exc:  # parse_method's messages already quote the variant
+            raise click.BadParameter(str(exc), param_hint="--variant") from None
         specs.append(spec)
     labels = [s.label for s in specs]
-    if len(set(labels)) != len(labels):
-        raise click.BadParameter(f"labels must be unique, got {labels}", param_hint="--variant")
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise click.BadParameter(f"row labels must be unique; repeated: {dup}",
+                                 param_hint="--variant" if variants else "--methods")
     try:
         bundle = load_model(model)
     except ModelLoadError as exc:

@@ -40,7 +40,7 @@ def test_parse_method_and_errors():
     cfg = bench.decoding_config(s, capacity=16)
     assert (cfg.capacity, cfg.acceptance, cfg.relaxed_topk) == (8, "topk", 3)
     for bad in ("nope", "x=nope", "x=racer:capacity", "x=racer:colour=red", "x=hf_pld:capacity=4", "=racer",
-                "x=racer:method=ar"):
+                "x=racer:method=ar", "x=racer:capacity=8,capacity=16"):
         with pytest.raises(ValueError):
             bench.parse_method(bad)
 
@@ -110,8 +110,25 @@ def test_published_table_and_markdown(result, tmp_path):
 def test_cli_rejects_bad_variants():
     r = CliRunner().invoke(main, ["bench", "--variant", "x=racer:capacity=0"])
     assert r.exit_code == 2 and "--variant" in r.output and "capacity" in r.output
+    r = CliRunner().invoke(main, ["bench", "--variant", "x=racer:capacity=abc"])
+    assert r.exit_code == 2 and "capacity = 'abc'" in r.output and "capacity.int" not in r.output
+    r = CliRunner().invoke(main, ["bench", "--variant", "x=nosuch"])
+    assert r.exit_code == 2 and r.output.count("x=nosuch") == 1
     r = CliRunner().invoke(main, ["bench", "--variant", "racer=pld"])
     assert r.exit_code == 2 and "unique" in r.output
+    r = CliRunner().invoke(main, ["bench", "--methods", "racer,racer"])
+    assert r.exit_code == 2 and "--methods" in r.output and "unique" in r.output
+
+
+def test_markdown_marks_relaxed_variants_and_defines_columns(result, tmp_path):
+    _, mpath = bench.write_results(bench.summarize(result), tmp_path, command="racer-batch bench (test)")
+    md = mpath.read_text()
+    head = md.split("## Overall", 1)[0]
+    assert "- `r4`: racer with capacity=4" in head
+    assert "- `top2`: racer with acceptance=topk, relaxed_topk=2 (**relaxed acceptance" in head
+    assert "- `racer`" not in head and "- `ar`" not in head  # plain rows are not variants
+    assert "repeat4: mean repeated 4-gram rate" in md and "- answer_accuracy: " in md
+    assert "## Spec-Bench (groups pooled)" in md and "## HumanEval (groups pooled)" not in md
 
 
 def _script(name: str):
