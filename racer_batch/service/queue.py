@@ -389,7 +389,9 @@ class JobQueue:
         prio = int(self.r.hget(key, "priority") or 5)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(key, mapping={"state": "queued", "message": message})
-        pipe.hdel(key, "owner")
+        # the next lease starts a new run: its start time, resume base and in-flight rows are its own
+        pipe.hdel(key, "owner", "started_at", "base_rows", "base_tokens")
+        pipe.delete(self.k_job(lease.job_id, "inflight"))
         pipe.xack(lease.stream, GROUP, lease.entry_id)
         pipe.xdel(lease.stream, lease.entry_id)
         pipe.xadd(self.k_queue(prio), {"job_id": lease.job_id})

@@ -226,8 +226,14 @@ def test_sigterm_hands_the_job_back(queue, redis_url, tmp_path):
             proc.kill()
     fields = queue.job_fields(sub.job_id)
     assert fields["state"] == "queued" and "released by polite" in fields["message"]
+    # the next run is measured from its own start: no start time, resume base or in-flight rows carried over
+    assert not {"started_at", "base_rows", "base_tokens"} & set(fields)
+    assert queue.r.exists(queue.k_job(sub.job_id, "inflight")) == 0
     lease = queue.claim(consumer="next", lease_ms=600_000, block_ms=0)  # no lease wait: taken at once
     assert lease is not None and lease.job_id == sub.job_id and not lease.reclaimed
+    queue.mark_run_base(sub.job_id)
+    st = queue.status(sub.job_id)
+    assert st.base_rows == st.rows_done >= 2 and st.started_at is not None
 
 
 def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_path):
