@@ -76,7 +76,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job-output", type=Path, default=None,
                     help="output folder of a finished Spec-Bench job (its answers become documents)")
-    ap.add_argument("--out", type=Path, default=ROOT / "out" / "corpus" / "rest.jsonl")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "corpus" / "rest.jsonl",
+                    help="corpus file to write (default: out/corpus/rest.jsonl)")
     ap.add_argument("--data", type=Path, default=None, help="the shared data folder (default: benchdata.data_root())")
     args = ap.parse_args()
     root = args.data or data_root()
@@ -90,6 +91,10 @@ def main() -> int:
             for d in docs:
                 fh.write(json.dumps({"text": d}, ensure_ascii=False) + "\n")
     print(f"wrote {args.out}: " + ", ".join(f"{k} {len(v)} documents" for k, v in parts.items()))
+    if args.job_output is not None and not parts["spec_bench"]:
+        print(f"warning: {args.job_output} gave no Spec-Bench answers (not a Spec-Bench job's output, or only "
+              "smoke questions); the corpus has no earlier outputs of the route", file=sys.stderr)
+        return 1
     return 0
 
 
