@@ -125,6 +125,11 @@ def summary_lines(st: q.JobStatus) -> list[str]:
     return lines
 
 
+def _n(count: int, noun: str) -> str:
+    """``_n(1, "shard")`` -> "1 shard", ``_n(3, "shard")`` -> "3 shards"."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[info]}"), console=err_console)
@@ -255,7 +260,7 @@ def submit(spec_file: str, local: bool, wait: bool, job_id: Optional[str], input
             raise ServiceExit(f"nothing queued: {exc}", EXIT_INPUT) from None
         click.echo(outcome.job_id)
         err_console.print(f"{outcome.action}: {outcome.plan.num_rows} rows in "
-                          f"{outcome.plan.num_shards(spec.output.shard_rows)} shards -> {spec.output.path}")
+                          f"{_n(outcome.plan.num_shards(spec.output.shard_rows), 'shard')} -> {spec.output.path}")
         if not (local or wait):
             return
         if local:

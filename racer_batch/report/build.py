@@ -272,6 +272,12 @@ text-align:right}th{background:#f2f2f2}td:first-child,th:first-child{text-align:
 margin:8px 0}.note{background:#fff6e0;border-left:4px solid #e0a000;padding:8px 12px}small{color:#666}"""
 
 
+def _html_text(text: str) -> str:
+    """Escape text for HTML and show Markdown `code` spans as <code>."""
+    parts = html.escape(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts)) if len(parts) % 2 else html.escape(text)
+
+
 def _html_table(head: list[str], body: list[list[str]]) -> str:
     h = "".join(f"<th>{html.escape(c)}</th>" for c in head)
     rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body)
@@ -293,7 +299,7 @@ def render_html(rep: Report) -> str:
                    + "<h3>Capability beside speed</h3>"
                    + "".join(f'<p class="note">{html.escape(s)}</p>' for s in relaxed_lines(rep))
                    + _html_table(*capability_table(rep))
-                   + "".join(f"<p>{html.escape(s)}</p>" for s in capability_notes(rep))
+                   + "".join(f"<p>{_html_text(s)}</p>" for s in capability_notes(rep))
                    if rep.shadow else f'<p class="note">{html.escape(NO_SHADOW)}</p>')
     generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(rep.title)}</title>
@@ -312,7 +318,7 @@ max_new_tokens {j['max_new_tokens']}, devices {html.escape(', '.join(j['devices'
 {_img(rep, 'speed_cost', 'speedup and cost per route')}
 <h2>Throughput over time</h2>
 {_img(rep, 'throughput', 'output tokens per second over the job time')}
-<h2>Definitions</h2><ul>{''.join(f'<li>{html.escape(d)}</li>' for d in DEFINITIONS)}</ul>
+<h2>Definitions</h2><ul>{''.join(f'<li>{_html_text(d)}</li>' for d in DEFINITIONS)}</ul>
 </body></html>
 """
 
