@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from helpers import tiny_bundle
-from report_fixtures import base_overrides, write_parquet
+from report_fixtures import finished_job
 
 from racer_batch.capability import answer_correct, repeated_ngram_rate, text_units
 from racer_batch.cli_report import standalone
@@ -20,11 +20,8 @@ from racer_batch.report.build import build_report, render_html, render_md, write
 from racer_batch.report.load import load_output
 from racer_batch.report.shadow import acceptance_rule, analyze
 from racer_batch.report.shadow_run import run_posthoc_shadow
-from racer_batch.service.inputs import plan_input
-from racer_batch.service.output import write_manifest
-from racer_batch.service.runner import RowRunner, ShardTask
+from racer_batch.service.runner import RowRunner
 from racer_batch.service.shadow import SHADOW_SCHEMA, read_shadow, shadow_path, write_shadow
-from racer_batch.service.spec import load_spec
 
 TOPK2 = {"method": "racer", "acceptance": "topk", "relaxed_topk": 2}
 
@@ -125,19 +122,8 @@ def test_old_shadow_file_without_reference_column_loads(tmp_path):
 
 
 # ---- through the service: references reach the shadow records (stand-in engine)
-def _finished_job(tmp_path, rows, *, runner=None, **over):
-    write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, base_overrides(tmp_path, **{"output.shard_rows": 4, **over}))
-    plan = plan_input(spec.input)
-    runner = runner or RowRunner(worker_name="t")
-    for shard in range(plan.num_shards(4)):
-        lo, hi = plan.shard_range(shard, 4)
-        runner.run_shard(ShardTask(job_id="job-c", shard=shard, row_start=lo, row_stop=hi, spec=spec.stored(),
-                                   plan=plan.to_dict(), spec_hash=spec.spec_hash(), owner="t").to_dict())
-    write_manifest(spec.output.path, {"job_id": "job-c", "name": "c", "state": "done", "spec": spec.stored(),
-                                      "spec_hash": spec.spec_hash(), "input": plan.to_dict(),
-                                      "model": spec.model.name, "method": spec.decoding.method})
-    return spec
+def _finished_job(tmp_path, rows, **kw):
+    return finished_job(tmp_path, rows, job_id="job-c", **kw)
 
 
 def test_reference_column_reaches_in_job_and_posthoc_shadow_records(tmp_path):

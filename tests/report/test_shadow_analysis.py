@@ -5,18 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from report_fixtures import base_overrides, write_parquet
+from report_fixtures import finished_job
 
 from racer_batch.report.aggregate import OVERALL
 from racer_batch.report.build import build_report, render_md
 from racer_batch.report.load import load_output
 from racer_batch.report.shadow import Pair, analyze, bootstrap_ci, first_divergence, speed_ratio
 from racer_batch.report.shadow_run import run_posthoc_shadow
-from racer_batch.service.inputs import plan_input
-from racer_batch.service.output import write_manifest
-from racer_batch.service.runner import RowRunner, ShardTask
 from racer_batch.service.shadow import baseline_first, read_shadow, shadow_selected
-from racer_batch.service.spec import load_spec
 
 
 # ---- sampling
@@ -106,19 +102,8 @@ def test_analyze_per_route_match_divergence_mat():
 
 
 # ---- post-hoc shadow on a finished (stand-in) job, then the report
-def _finished_job(tmp_path, rows, **over):
-    write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, base_overrides(tmp_path, **{"output.shard_rows": 4, **over}))
-    plan = plan_input(spec.input)
-    runner = RowRunner(worker_name="t")
-    for shard in range(plan.num_shards(4)):
-        lo, hi = plan.shard_range(shard, 4)
-        runner.run_shard(ShardTask(job_id="job-p", shard=shard, row_start=lo, row_stop=hi, spec=spec.stored(),
-                                   plan=plan.to_dict(), spec_hash=spec.spec_hash(), owner="t").to_dict())
-    write_manifest(spec.output.path, {"job_id": "job-p", "name": "p", "state": "done", "spec": spec.stored(),
-                                      "spec_hash": spec.spec_hash(), "input": plan.to_dict(),
-                                      "model": spec.model.name, "method": spec.decoding.method})
-    return spec
+def _finished_job(tmp_path, rows, **kw):
+    return finished_job(tmp_path, rows, job_id="job-p", **kw)
 
 
 def test_posthoc_shadow_and_report(tmp_path):
