@@ -19,7 +19,6 @@ under out/ (it derives from the shared data; never commit it).
 from __future__ import annotations
 
 import argparse
-import csv
 import gzip
 import json
 import sys
@@ -67,9 +66,7 @@ def human_eval_docs(root: Path) -> list[str]:
 
 def mgsm_docs(root: Path) -> list[str]:
     skip = smoke_ids("mgsm_zh", root)
-    with open(root / "mgsm_zh" / "mgsm_zh.tsv", encoding="utf-8", newline="") as fh:
-        rows = list(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
-    return [f"{q}\n{a}" for i, (q, a) in enumerate(rows) if str(i) not in skip]
+    return [f"{it.turns[0]}\n{it.references[0][0]}" for it in load_set("mgsm_zh", root) if it.item_id not in skip]
 
 
 def main() -> int:
