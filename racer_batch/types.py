@@ -19,6 +19,8 @@ FinishReason = Literal["eos", "stop", "length", "context", "cancelled"]
 Method = Literal["ar", "pld", "logits", "retrieval", "racer", "tr", "logitspec", "rest", "sam", "graft"]
 Scope = Literal["job", "request", "global"]
 Acceptance = Literal["lossless", "topk", "threshold"]
+RunnerKind = Literal["auto", "eager", "static"]
+CompileMode = Literal["auto", "on", "off"]
 
 METHODS: tuple[str, ...] = ("ar", "pld", "logits", "retrieval", "racer", "tr", "logitspec", "rest", "sam", "graft")
 
@@ -132,6 +134,18 @@ class DecodingConfig(BaseModel):
         0.1, gt=0.0, le=1.0, description="acceptance=threshold: accept a draft whose target probability >= this"
     )
 
+    # ---- verify runner (issue 12); output-neutral, so omitted from dumps and hashes at their defaults ----
+    runner: RunnerKind = Field(
+        "auto",
+        description="verify forward: static (our decoder, static KV cache, padded tree shapes), eager (the stock "
+        "transformers forward) or auto (static where the architecture allows it, else eager)",
+    )
+    compile: CompileMode = Field(
+        "auto",
+        description="static runner: compile one verify step per tree size (CUDA graphs on CUDA, torch.compile on "
+        "the CPU); auto = CUDA graphs on CUDA, off on the CPU (docs/architecture.md, 'Verify runner')",
+    )
+
     @model_serializer(mode="wrap")
     def _drop_new_defaults(self, handler: Any) -> dict:
         """Leave fields added after the first release out of dumps while they hold their defaults, so the
@@ -166,6 +180,7 @@ _OPTIONAL_FIELDS = (
     "corpus_path", "corpus_max_tokens", "rest_learn_outputs", "rest_max_query", "rest_min_query",
     "rest_max_occurrences", "rest_depth", "sam_min_match", "sam_num_tokens", "logitspec_ngram",
     "logitspec_branch_tokens", "graft_threshold", "acceptance", "relaxed_topk", "relaxed_threshold",
+    "runner", "compile",
 )
 
 

@@ -12,42 +12,49 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
-from .runner import ModelRunner
+from ..drafters.base import Draft
+from .tree import flatten_tree
 
 log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def measure_cost_curve(runner: ModelRunner, capacities: list[int], *, context_tokens: int = 256, repeats: int = 5) -> dict[int, float]:
-    """Median milliseconds of one verify forward over T tokens after ``context_tokens`` cached ones.
+def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Median milliseconds of one verify forward over T tree tokens after ``context_tokens`` cached ones, on
+    the runner the engine actually uses (eager or static, padding and compiled steps included), up to and
+    including the argmax copied back to the CPU.
 
     Returns {T: ms} for T in ``capacities`` and T = 1.
     """
     vocab = runner.bundle.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (context_tokens,), generator=gen).tolist()
-    cache = runner.new_cache()
-    runner.prefill(prompt, cache=cache, topk=0)
-    out: dict[int, float] = {}
-    for t in sorted(set([1, *capacities])):
-        ids = torch.randint(0, vocab, (1, t), generator=gen).to(runner.device)
-        pos = (torch.arange(t) + context_tokens).view(1, t).to(runner.device)
-        mask = torch.zeros((1, 1, t, context_tokens + t), dtype=runner.dtype)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        mask[0, 0, :, context_tokens:].masked_fill_(~causal, torch.finfo(runner.dtype).min)
-        mask = mask.to(runner.device)
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            logits = runner.verify(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache)
-            logits.argmax(-1).cpu()
-            times.append((time.perf_counter() - t0) * 1000.0)
-            ModelRunner.keep_rows(cache, committed_len=context_tokens, nodes=[])
-        out[t] = statistics.median(times[1:])
+    sizes = sorted(set([1, *capacities]))
+    cache = runner.new_cache(context_tokens + sizes[-1])
+    try:
+        runner.prefill(prompt, cache=cache, topk=0)
+        out: dict[int, float] = {}
+        for t in sizes:
+            chain = Draft(token_ids=torch.randint(0, vocab, (t,), generator=gen).tolist(),
+                          parents=list(range(-1, t - 1)), sources=[0] * t)
+            tree = flatten_tree(chain, committed_len=context_tokens, device=runner.device, dtype=runner.dtype)
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                logits = runner.verify_tree(tree, cache=cache)
+                logits.argmax(-1).cpu()
+                times.append((time.perf_counter() - t0) * 1000.0)
+                runner.keep_rows(cache, committed_len=context_tokens, nodes=[])
+            out[t] = statistics.median(times[1:])
+    finally:
+        release = getattr(cache, "release", None)
+        if release is not None:
+            release()
     return out
 
 

@@ -29,7 +29,7 @@ from ..types import (
     StepRecord,
 )
 from .capacity import CapacityTuner, measure_cost_curve
-from .runner import ModelRunner
+from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker
 from .tree import accept_greedy, accept_relaxed, accept_sampling, flatten_tree
@@ -105,11 +105,22 @@ class Engine:
         self.bundle = bundle
         self.config = config or DecodingConfig()
         self.drafter_factory = drafter_factory or make_drafter
-        self.runner = ModelRunner(bundle)
+        self.runner = make_runner(bundle, kind=self.config.runner, compile=self.config.compile)
         self._global_state: DraftState | None = None
         self.tuner: CapacityTuner | None = None
+        if self.config.method == "ar":
+            sizes = [1]
+        elif self.config.capacity == "auto":
+            sizes = sorted(set(self.config.auto_capacities))
+        else:
+            sizes = [int(self.config.capacity)]
+        self.warmup_s = 0.0
+        if hasattr(self.runner, "warmup"):  # static runner: pack weights / compile every tree size it will use
+            t0 = time.perf_counter()
+            self.runner.warmup(sizes)
+            self.warmup_s = time.perf_counter() - t0
         if self.config.capacity == "auto" and self.config.method != "ar":
-            cands = sorted(set(self.config.auto_capacities))
+            cands = sizes
             cost = measure_cost_curve(self.runner, cands)
             log.info("verify cost curve t(T)/t(1): %s", {t: round(ms / cost[1], 2) for t, ms in cost.items()})
             self.tuner = CapacityTuner(cost, cands)
@@ -206,10 +217,21 @@ class Engine:
             prompt_tokens=len(prompt_ids),
             context_length=bundle.context_length,
         )
-        gen = make_generator(params.seed)
         stats = RowStats(keep_steps=keep_steps)
-        cache = runner.new_cache()
+        cache = runner.new_cache(min(len(prompt_ids) + params.max_new_tokens, bundle.context_length))
+        try:
+            return self._decode(prompt_ids, params, drafter=drafter, cache=cache, stops=stops, stats=stats, k=k,
+                                want_probs=want_probs, should_cancel=should_cancel)
+        finally:
+            release = getattr(cache, "release", None)
+            if release is not None:
+                release()
 
+    def _decode(self, prompt_ids: list[int], params: GenerationParams, *, drafter: Any, cache: Any,
+                stops: StopChecker, stats: RowStats, k: int, want_probs: bool,
+                should_cancel: Callable[[], bool] | None) -> GenerationResult:
+        runner, cfg = self.runner, self.config
+        gen = make_generator(params.seed)
         t0 = time.perf_counter()
         last_logits, prompt_topk = runner.prefill(prompt_ids, cache=cache, topk=k)
         first = int(last_logits.argmax()) if params.greedy else draw(processed_probs(last_logits, params), gen)
@@ -231,9 +253,7 @@ class Engine:
             draft = drafter.propose(root, capacity=capacity, max_depth=stops.remaining - 1)
             tree = flatten_tree(draft, committed_len=committed_len, device=runner.device, dtype=runner.dtype)
             t_b = time.perf_counter()
-            logits = runner.verify(
-                input_ids=tree.input_ids, position_ids=tree.position_ids, attention_mask=tree.attention_mask, cache=cache
-            )  # [T, V]
+            logits = runner.verify_tree(tree, cache=cache)  # [T, V]
             if cfg.acceptance != "lossless":
                 path, bonus = accept_relaxed(tree, logits, config=cfg, params=params, generator=gen)
             elif params.greedy:

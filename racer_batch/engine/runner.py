@@ -8,16 +8,22 @@ logits at once (RACER.md 9.9): it computes the copy-logit top-k in chunks.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import DynamicCache
 
 from ..models import ModelBundle
 
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Runs the target model for one row at a time (batch size 1)."""
+    """Runs the target model for one row at a time (batch size 1) on the stock transformers forward
+    (``decoding.runner: eager``; the automatic fallback for architectures the static runner does not cover)."""
+
+    kind = "eager"
 
     def __init__(self, bundle: ModelBundle) -> None:
         self.bundle = bundle
@@ -27,7 +33,8 @@ class ModelRunner:
         self.device = torch.device(bundle.device)
         self.dtype = next(bundle.model.parameters()).dtype
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, needed_len: int = 0) -> DynamicCache:
+        """A fresh cache for one row (``needed_len`` is a hint the growing ``DynamicCache`` does not need)."""
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
@@ -61,6 +68,11 @@ class ModelRunner:
         ).last_hidden_state[0]
         return self.lm_head(hidden)
 
+    def verify_tree(self, tree, *, cache: DynamicCache) -> torch.Tensor:
+        """One forward over a flattened draft tree (``tree.TreeInputs``); returns logits ``[T, V]``."""
+        return self.verify(input_ids=tree.input_ids, position_ids=tree.position_ids,
+                           attention_mask=tree.attention_mask, cache=cache)
+
     @staticmethod
     def keep_rows(cache: DynamicCache, *, committed_len: int, nodes: list[int]) -> None:
         """Keep the committed prefix plus the KV rows of the accepted tree ``nodes`` (flattened indices).
@@ -81,3 +93,31 @@ class ModelRunner:
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(2, idx)
             layer.values = layer.values.index_select(2, idx)
+
+
+def make_runner(bundle: ModelBundle, *, kind: str = "auto", compile: str = "auto"):
+    """The verify runner for ``decoding.runner`` (``auto`` | ``eager`` | ``static``).
+
+    ``auto`` takes the static runner (engine/static_runner.py) when ``describe_unsupported`` finds nothing
+    against the model, else the eager ``ModelRunner``, and logs why. ``compile``: ``on`` compiles the static
+    verify step per tree size (CUDA graphs on CUDA, ``torch.compile`` on the CPU), ``off`` never, ``auto``
+    only on CUDA (on the CPU the compiled step is not worth its warm-up: docs/architecture.md).
+
+    Raises:
+        ValueError: ``static`` for a model the static runner cannot run, or an unknown kind.
+    """
+    from .static_runner import StaticRunner, describe_unsupported
+
+    if kind not in ("auto", "eager", "static"):
+        raise ValueError(f"decoding.runner must be auto, eager or static, got {kind!r}")
+    if kind == "eager":
+        return ModelRunner(bundle)
+    why = describe_unsupported(bundle.model)
+    if why is not None:
+        if kind == "static":
+            raise ValueError(f"decoding.runner 'static' cannot run {bundle.name}: {why}; use 'eager' or 'auto'")
+        log.info("static runner unavailable for %s (%s): using the eager runner", bundle.name, why)
+        return ModelRunner(bundle)
+    on_cuda = str(bundle.device).startswith("cuda")
+    want_compile = compile == "on" or (compile == "auto" and on_cuda)
+    return StaticRunner(bundle, compile=want_compile)

@@ -17,6 +17,7 @@ the accepted path is [0, 1, 3] (accepted length 2) and the bonus token is 4.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -41,11 +42,11 @@ class TreeInputs:
         tokens: ``[T]`` the token ids as a numpy array (same as input_ids).
         sources: ``[T]`` source flags per node.
         children: per node, dict token -> child node (flattened indices).
+        visible: ``[T, T]`` bool, node i attends to node j (ancestors and itself); the tree block of the mask.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor
     parents: np.ndarray
     depths: np.ndarray
     paths: np.ndarray
@@ -53,10 +54,26 @@ class TreeInputs:
     tokens: np.ndarray
     sources: np.ndarray
     children: list[dict[int, int]]
+    visible: np.ndarray
+    committed_len: int = 0
+    mask_dtype: torch.dtype = torch.float32
+    _mask: Optional[torch.Tensor] = None
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``[1, 1, T, L + T]`` additive float mask over the committed prefix and the tree (0 visible,
+        dtype-min hidden), built on first use: only the eager runner needs it; the static runner writes the
+        ``visible`` block into its own preallocated mask."""
+        if self._mask is None:
+            n, lc = self.size, self.committed_len
+            mask = torch.zeros((1, 1, n, lc + n), dtype=self.mask_dtype)
+            mask[0, 0, :, lc:].masked_fill_(~torch.from_numpy(self.visible), torch.finfo(self.mask_dtype).min)
+            self._mask = mask.to(self.input_ids.device)
+        return self._mask
 
 
 def flatten_tree(draft: Draft, *, committed_len: int, device: torch.device | str, dtype: torch.dtype) -> TreeInputs:
@@ -94,14 +111,9 @@ def flatten_tree(draft: Draft, *, committed_len: int, device: torch.device | str
             paths[r, depths[node]] = node
             node = int(parents[node])
 
-    neg = torch.finfo(dtype).min
-    tree_mask = torch.from_numpy(visible)
-    mask = torch.zeros((1, 1, n, committed_len + n), dtype=dtype)
-    mask[0, 0, :, committed_len:].masked_fill_(~tree_mask, neg)
     return TreeInputs(
         input_ids=torch.from_numpy(tokens).view(1, n).to(device),
         position_ids=(torch.from_numpy(depths) + committed_len).view(1, n).to(device),
-        attention_mask=mask.to(device),
         parents=parents,
         depths=depths,
         paths=paths,
@@ -109,6 +121,9 @@ def flatten_tree(draft: Draft, *, committed_len: int, device: torch.device | str
         tokens=tokens,
         sources=sources,
         children=children,
+        visible=visible,
+        committed_len=committed_len,
+        mask_dtype=dtype,
     )
 
 

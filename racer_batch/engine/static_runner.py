@@ -1,0 +1,480 @@
+"""The static verify path: our own lean decoder over the HF weights, a preallocated KV cache with a slot
+dimension, draft trees padded to a few fixed sizes, and (optionally) a compiled or CUDA-graph step per size.
+
+Why our own decoder: the stock transformers forward re-concatenates a ``DynamicCache`` every step, runs
+separate q/k/v and gate/up matmuls through plain MKL sgemm and pays Python dispatch for every module; on a
+small model that overhead is larger than the arithmetic (measurements: docs/architecture.md, "Verify
+runner"). The decoder here is the Llama family's computation written out once (RMSNorm, rotary positions,
+grouped-query attention, SwiGLU MLP), which covers Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k
+RMSNorm) and SmolLM checkpoints. The rotary tables come from the HF model's own ``rotary_emb`` module, so
+every rope scaling that does not depend on the sequence length (default, linear, llama3, yarn) is exact.
+``describe_unsupported`` names what this decoder cannot run; the engine then falls back to the eager
+``ModelRunner`` (``decoding.runner: auto``). The transformers forward stays the test oracle
+(tests/engine/test_static_runner.py).
+
+KV cache layout: one tensor ``kv`` of shape ``[layers, 2, slots, kv_heads, max_len, head_dim]`` (2 = keys,
+values). A row owns one slot; its committed prefix lives in positions ``[0, L)``; a verify writes the tree's
+keys/values at ``[L, L + T_pad)`` and ``keep_rows`` moves the accepted path's rows down to ``[L, L + n)``
+in place, one copy per moved node across all layers at once. Nothing is allocated per step on this path
+except the small activations of the forward itself.
+
+Fixed shapes: a tree of T nodes is padded to the smallest bucket >= T (``DEFAULT_BUCKETS``). Padding
+nodes attend only to themselves, no real node attends to them, and their logits are dropped, so they can
+never be accepted. On the CPU the padding is what makes prepacked weights per bucket and a compiled step
+per bucket possible; on CUDA it is what makes one CUDA graph per bucket possible.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..models import ModelBundle
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds the [chunk, S] attention scores)
+PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
+MATMUL_PATHS = ("auto", "torch", "mkl_packed", "onednn_packed")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SMALL_ROWS = 2  # row counts up to this use plain sgemm: prepacking does not pay for one or two rows
+
+
+def describe_unsupported(model: Any) -> Optional[str]:
+    """Why the lean decoder cannot run ``model`` exactly, or None when it can.
+
+    Checks the module structure (a Llama-style decoder: ``model.layers[i].self_attn.{q,k,v,o}_proj``,
+    ``mlp.{gate,up,down}_proj``, RMSNorms, SiLU), the rope type and the sliding window.
+    """
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in ("llama", "qwen2", "qwen3", "mistral"):
+        return f"architecture {getattr(cfg, 'model_type', None)!r} has no static decoder"
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        return f"hidden_act {act!r} is not SiLU"
+    rope = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        return f"rope type {rope_type!r} depends on the sequence length"
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True) and int(window) < int(cfg.max_position_embeddings):
+        return f"sliding-window attention ({window} < context {cfg.max_position_embeddings})"
+    try:
+        dec = model.get_decoder()
+        layer = dec.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(attn, name).weight
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mlp, name).weight
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight, dec.norm.weight
+        dec.rotary_emb
+    except AttributeError as exc:
+        return f"module layout differs from the Llama family ({exc})"
+    return None
+
+
+def pick_bucket(t: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= ``t``; ``t`` itself past the largest bucket.
+
+    >>> pick_bucket(5, (1, 2, 4, 8)), pick_bucket(8, (1, 2, 4, 8)), pick_bucket(9, (1, 2, 4, 8))
+    (8, 8, 9)
+    """
+    for b in buckets:
+        if b >= t:
+            return b
+    return t
+
+
+def default_matmul_path(device: torch.device) -> str:
+    """The matmul path ``auto`` picks: plain ``torch`` (cuBLAS) on CUDA; on the CPU MKL packed sgemm per
+    bucket when this torch has MKL (measured fastest for 4-64 rows on both CPUs we ran; docs/architecture.md),
+    else oneDNN prepacked weights, else plain sgemm. ``RACER_MATMUL`` overrides it (benchmarks)."""
+    env = os.environ.get("RACER_MATMUL")
+    if env:
+        if env not in MATMUL_PATHS[1:]:
+            raise ValueError(f"RACER_MATMUL={env!r} is not one of {MATMUL_PATHS[1:]}")
+        return env
+    if device.type != "cpu":
+        return "torch"
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        return "mkl_packed"
+    if torch.backends.mkldnn.is_available():
+        return "onednn_packed"
+    return "torch"
+
+
+class FastLinear:
+    """``y = x @ W.T + b`` with the fastest matmul this torch offers for the row count.
+
+    Args:
+        weight: ``[N, K]`` (N output features); kept as given for small row counts and as the oracle.
+        bias: ``[N]`` or None.
+        path: ``torch`` (F.linear: MKL sgemm on the CPU, cuBLAS on CUDA), ``mkl_packed`` (MKL
+            ``cblas_sgemm_pack`` weights, one packed copy per row bucket, made on first use; float32 only) or
+            ``onednn_packed`` (one oneDNN prepacked copy, any row count).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, path: str) -> None:
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        if path == "mkl_packed" and self.weight.dtype != torch.float32:
+            path = "onednn_packed" if torch.backends.mkldnn.is_available() else "torch"
+        self.path = path
+        self._packed: dict[int, torch.Tensor] = {}
+        self._onednn: Optional[torch.Tensor] = None
+        if path == "onednn_packed":
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes held in packed copies beside the plain weight."""
+        n = sum(p.numel() * p.element_size() for p in self._packed.values())
+        if self._onednn is not None:
+            n += self.weight.numel() * self.weight.element_size()
+        return n
+
+    def prepare(self, rows: int) -> None:
+        """Pack the weight for ``rows`` rows now (warm-up), not at the first call."""
+        if self.path == "mkl_packed" and rows > SMALL_ROWS and rows not in self._packed:
+            self._packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
+        m = x.shape[0]
+        if m <= SMALL_ROWS or self.path == "torch":
+            return F.linear(x, self.weight, self.bias)
+        if self.path == "mkl_packed":
+            packed = self._packed.get(m)
+            if packed is None:
+                if len(self._packed) >= 8:  # odd row counts (prefill tails) are not worth a packed copy
+                    return F.linear(x, self.weight, self.bias)
+                self.prepare(m)
+                packed = self._packed[m]
+            return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, m)
+        return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+
+
+@dataclass
+class _Layer:
+    qkv: FastLinear  # [T, H] -> [T, (heads + 2 kv_heads) * head_dim]
+    o: FastLinear
+    gate_up: FastLinear  # [T, H] -> [T, 2 * intermediate]
+    down: FastLinear
+    ln_in: torch.Tensor  # [H]
+    ln_post: torch.Tensor  # [H]
+    q_norm: Optional[torch.Tensor]  # [head_dim] (Qwen3) or None
+    k_norm: Optional[torch.Tensor]
+
+
+class SlotCache:
+    """A row's handle on one slot of the static KV cache: ``length`` committed rows in ``[0, length)``."""
+
+    def __init__(self, runner: "StaticRunner", slot: int) -> None:
+        self.runner = runner
+        self.slot = slot
+        self.length = 0
+
+    def release(self) -> None:
+        self.runner._free_slots.append(self.slot)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the Llama family computes it: in float32, scaled by ``weight`` in the input dtype."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on ``x [T, heads, D]`` with ``cos, sin [T, 1, D]`` (halves layout, as HF's rotate_half)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class StaticRunner:
+    """Runs the target model with a static KV cache and fixed verify shapes (batch size 1 per slot).
+
+    The same three calls as the eager ``ModelRunner`` (``new_cache``, ``prefill``, ``verify_tree``,
+    ``keep_rows``), so the engine's step loop does not know which one runs.
+
+    Args:
+        bundle: the loaded target model (a Llama-family checkpoint; see ``describe_unsupported``).
+        slots: streams the KV cache holds (a later issue verifies several slots in one forward).
+        max_len: KV positions per slot; grows on demand up to the context (plus one bucket of tree padding).
+        buckets: the padded tree sizes.
+        matmul: ``auto`` | ``torch`` | ``mkl_packed`` | ``onednn_packed`` (``default_matmul_path``).
+        compile: compile the verify step per bucket: CUDA graphs on CUDA, ``torch.compile`` on the CPU.
+
+    Raises:
+        ValueError: the model is not one the lean decoder can run (``describe_unsupported``), or a bad setting.
+    """
+
+    kind = "static"
+
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        *,
+        slots: int = 1,
+        max_len: int = 0,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        matmul: str = "auto",
+        compile: bool = False,
+    ) -> None:
+        why = describe_unsupported(bundle.model)
+        if why is not None:
+            raise ValueError(f"static runner cannot run {bundle.name}: {why}; use decoding.runner 'eager'")
+        if matmul not in MATMUL_PATHS:
+            raise ValueError(f"matmul path {matmul!r} is not one of {MATMUL_PATHS}")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.bundle = bundle
+        model = bundle.model
+        cfg = model.config
+        self.device = torch.device(bundle.device)
+        self.dtype = next(model.parameters()).dtype
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.matmul = default_matmul_path(self.device) if matmul == "auto" else matmul
+        self.context_length = int(bundle.context_length)
+        dec = model.get_decoder()
+        self.n_layers = len(dec.layers)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self._rotary = dec.rotary_emb
+        self.embed = dec.embed_tokens.weight.detach()  # [V, H]
+        self.final_norm = dec.norm.weight.detach()
+        self.layers: list[_Layer] = []
+        for layer in dec.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dim=0)
+            qkv_b = None
+            if a.q_proj.bias is not None:
+                qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], dim=0)
+            gu_b = None
+            if m.gate_proj.bias is not None:
+                gu_b = torch.cat([m.gate_proj.bias, m.up_proj.bias], dim=0)
+            self.layers.append(_Layer(
+                qkv=FastLinear(qkv_w, qkv_b, path=self.matmul),
+                o=FastLinear(a.o_proj.weight, a.o_proj.bias, path=self.matmul),
+                gate_up=FastLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight], dim=0), gu_b, path=self.matmul),
+                down=FastLinear(m.down_proj.weight, m.down_proj.bias, path=self.matmul),
+                ln_in=layer.input_layernorm.weight.detach(),
+                ln_post=layer.post_attention_layernorm.weight.detach(),
+                q_norm=a.q_norm.weight.detach() if getattr(a, "q_norm", None) is not None else None,
+                k_norm=a.k_norm.weight.detach() if getattr(a, "k_norm", None) is not None else None,
+            ))
+        head = model.get_output_embeddings()
+        self.lm_head = FastLinear(head.weight, getattr(head, "bias", None), path=self.matmul)
+        self.slots = slots
+        self._free_slots = list(range(slots))[::-1]
+        self.max_len = 0
+        self.kv: torch.Tensor = torch.empty(0)
+        self._cos = self._sin = torch.empty(0)
+        self.compiled = False
+        self.compile_requested = bool(compile)
+        self._graphs: dict[int, Any] = {}
+        self._compiled_fn: Any = None
+        self.warmup_s: dict[int, float] = {}
+        # the additive mask [max bucket, max_len] is kept 0 outside the tree block of the current step
+        self.mask = torch.empty(0)
+        self._grow(max(int(max_len), self.buckets[-1] + 1))
+
+    # ---- memory ----
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one position of one slot takes: layers x 2 x kv_heads x head_dim x dtype bytes."""
+        return self.n_layers * 2 * self.n_kv * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        return self.kv_bytes_per_token * self.max_len
+
+    @torch.inference_mode()
+    def _grow(self, need: int) -> None:
+        """Make every slot hold at least ``need`` positions (copying what is cached), bounded by the context
+        plus one bucket of padding."""
+        need = min(int(need), self.context_length + self.buckets[-1])
+        if need <= self.max_len:
+            return
+        new_len = max(need, min(2 * self.max_len, self.context_length + self.buckets[-1]))
+        kv = torch.zeros((self.n_layers, 2, self.slots, self.n_kv, new_len, self.head_dim), dtype=self.dtype,
+                         device=self.device)
+        if self.max_len:
+            kv[:, :, :, :, : self.max_len].copy_(self.kv)
+        self.kv = kv
+        positions = torch.arange(new_len, device=self.device).clamp_(max=self.context_length - 1).view(1, -1)
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = self._rotary(probe, positions)  # [1, new_len, D]
+        self._cos = cos[0].to(self.dtype).unsqueeze(1).contiguous()  # [new_len, 1, D]
+        self._sin = sin[0].to(self.dtype).unsqueeze(1).contiguous()
+        self.mask = torch.zeros((self.buckets[-1], new_len), dtype=self.dtype, device=self.device)
+        self.max_len = new_len
+        self._graphs.clear()  # captured graphs point at the old buffers
+        log.debug("static KV cache: %d slots x %d positions (%.1f MB per slot)", self.slots, new_len,
+                  self.kv_bytes_per_slot / 1e6)
+
+    def new_cache(self, needed_len: int = 0) -> SlotCache:
+        """Take a free slot for one row that will hold up to ``needed_len`` positions (prompt + new tokens).
+
+        Raises:
+            RuntimeError: every slot is taken (a row that never released its slot).
+        """
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.slots} KV-cache slots are in use")
+        self._grow(needed_len + self.buckets[-1])
+        return SlotCache(self, self._free_slots.pop())
+
+    # ---- the decoder ----
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slot: int, start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Hidden states ``[T, H]`` for ``ids [T]`` at ``pos [T]``; writes their KV at ``[start, start + T)``
+        of ``slot`` and attends over ``[0, start + T)`` with the additive ``mask [T, start + T]`` (None:
+        causal, for the prefill)."""
+        t = ids.shape[0]
+        end = start + t
+        x = F.embedding(ids, self.embed)  # [T, H]
+        cos, sin = self._cos[pos], self._sin[pos]  # [T, 1, D]
+        nq, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        kv = self.kv
+        is_causal = False
+        if mask is None and t > 1:  # prefill: causal over the chunk, everything before it visible
+            if start == 0:
+                is_causal = True
+            else:
+                mask = torch.ones(t, end, dtype=torch.bool, device=ids.device).tril_(diagonal=start)
+        elif t == 1:
+            mask = None  # one token sees the whole prefix
+        gqa = nkv != nq
+        for li, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.ln_in, self.eps)
+            qkv = layer.qkv(h)  # [T, (nq + 2 nkv) d]
+            q = qkv[:, : nq * d].view(t, nq, d)
+            k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
+            v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
+            if layer.q_norm is not None:
+                q = _rms_norm(q, layer.q_norm, self.eps)
+                k = _rms_norm(k, layer.k_norm, self.eps)
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
+            kv[li, 0, slot, :, start:end].copy_(k.transpose(0, 1))
+            kv[li, 1, slot, :, start:end].copy_(v.transpose(0, 1))
+            keys = kv[li, 0, slot, :, :end].unsqueeze(0)  # [1, nkv, S, d]
+            vals = kv[li, 1, slot, :, :end].unsqueeze(0)
+            att = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask, is_causal=is_causal,
+                scale=self.scale, enable_gqa=gqa,
+            )  # [1, nq, T, d]
+            x = x + layer.o(att[0].transpose(0, 1).reshape(t, nq * d))
+            h = _rms_norm(x, layer.ln_post, self.eps)
+            gu = layer.gate_up(h)
+            inter = gu.shape[-1] // 2
+            x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        return _rms_norm(x, self.final_norm, self.eps)
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], *, cache: SlotCache, topk: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Forward the prompt straight into the row's slot, in chunks of ``PREFILL_CHUNK`` tokens.
+
+        Returns:
+            (last-position logits ``[V]`` float32, top-``topk`` next-token ids at every prompt position
+            ``[P, topk]`` on the CPU, or None when topk == 0).
+        """
+        n = len(prompt_ids)
+        self._grow(n + self.buckets[-1])
+        ids_all = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        tops, last = [], None
+        for start in range(0, n, PREFILL_CHUNK):
+            ids = ids_all[start : start + PREFILL_CHUNK]
+            pos = torch.arange(start, start + ids.shape[0], device=self.device)
+            hidden = self._forward(ids, pos, cache.slot, start, None)  # [c, H]
+            last = hidden[-1:]
+            if topk > 0:
+                for s in range(0, hidden.shape[0], PREFILL_TOPK_CHUNK):
+                    logits = self.lm_head(hidden[s : s + PREFILL_TOPK_CHUNK])  # [c', V]
+                    tops.append(torch.topk(logits, topk, dim=-1).indices.cpu())
+        cache.length = n
+        last_logits = self.lm_head(last).float()[0]  # [V]
+        return last_logits, (torch.cat(tops, dim=0) if topk > 0 else None)
+
+    def _write_tree(self, tree: Any, committed_len: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids / positions ``[t_pad]`` and the tree block of the preallocated mask for one padded tree."""
+        t = tree.size
+        ids = np.zeros(t_pad, dtype=np.int64)
+        ids[:t] = tree.tokens
+        pos = np.full(t_pad, committed_len, dtype=np.int64)
+        pos[:t] += tree.depths
+        visible = np.eye(t_pad, dtype=bool)
+        visible[:t, :t] = tree.visible
+        block = torch.from_numpy(np.where(visible, 0.0, np.float32(torch.finfo(self.dtype).min)))
+        self.mask[:t_pad, committed_len : committed_len + t_pad].copy_(block)
+        return torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device)
+
+    @torch.inference_mode()
+    def verify_tree(self, tree: Any, *, cache: SlotCache) -> torch.Tensor:
+        """One forward over a flattened draft tree (``tree.TreeInputs``) padded to its bucket.
+
+        Returns:
+            logits ``[T, V]`` of the real nodes (model dtype); padding rows are dropped.
+        """
+        t = tree.size
+        t_pad = pick_bucket(t, self.buckets)
+        committed = cache.length
+        if committed + t_pad > self.max_len:
+            self._grow(committed + t_pad)
+        ids, pos = self._write_tree(tree, committed, t_pad)
+        end = committed + t_pad
+        try:
+            hidden = self._forward(ids, pos, cache.slot, committed, self.mask[:t_pad, :end])
+            return self.lm_head(hidden[:t] if t < t_pad else hidden)
+        finally:
+            self.mask[:t_pad, committed:end].zero_()
+
+    @staticmethod
+    @torch.inference_mode()
+    def keep_rows(cache: SlotCache, *, committed_len: int, nodes: list[int]) -> None:
+        """Keep the accepted tree ``nodes`` (flattened indices, root first): row ``committed_len + nodes[i]``
+        moves to ``committed_len + i`` in place (nodes ascend, so no source is overwritten before it is read).
+        """
+        runner = cache.runner
+        kv = runner.kv
+        for i, node in enumerate(nodes):
+            if node != i:
+                kv[:, :, cache.slot, :, committed_len + i].copy_(kv[:, :, cache.slot, :, committed_len + node])
+        cache.length = committed_len + len(nodes)
+
+    # ---- warm-up ----
+    def warmup(self, capacities: Sequence[int] = ()) -> dict[int, float]:
+        """Pack weights for, and run once, every bucket up to the largest of ``capacities`` (all buckets when
+        empty); returns {bucket: seconds} and logs the total."""
+        top = pick_bucket(max(capacities), self.buckets) if capacities else self.buckets[-1]
+        t0 = time.perf_counter()
+        for b in self.buckets:
+            if b > top:
+                break
+            tb = time.perf_counter()
+            for layer in self.layers:
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                    lin.prepare(b)
+            self.lm_head.prepare(b)
+            self.warmup_s[b] = time.perf_counter() - tb
+        log.info("static runner warm-up (%s matmuls, buckets up to %d): %.2f s", self.matmul, top,
+                 time.perf_counter() - t0)
+        return dict(self.warmup_s)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes held in prepacked weight copies."""
+        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(lin.extra_bytes for lin in lins + [self.lm_head])
