@@ -147,9 +147,10 @@ class FastLinear:
         if self.path == "mkl_packed" and rows > SMALL_ROWS and rows not in self._packed:
             self._packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
+    def __call__(self, x: torch.Tensor, plain: bool = False) -> torch.Tensor:  # x: [M, K] -> [M, N]
+        """``plain``: F.linear on the plain weight (inside a compiled graph, which lowers matmuls itself)."""
         m = x.shape[0]
-        if m <= SMALL_ROWS or self.path == "torch":
+        if plain or m <= SMALL_ROWS or self.path == "torch":
             return F.linear(x, self.weight, self.bias)
         if self.path == "mkl_packed":
             packed = self._packed.get(m)
@@ -323,6 +324,8 @@ class StaticRunner:
         self.mask = torch.zeros((self.buckets[-1], new_len), dtype=self.dtype, device=self.device)
         self.max_len = new_len
         self._graphs.clear()  # captured graphs point at the old buffers
+        if self.compiled:
+            self._enable_compile()  # static buffers of the new width (a compiled step recompiles for it)
         log.debug("static KV cache: %d slots x %d positions (%.1f MB per slot)", self.slots, new_len,
                   self.kv_bytes_per_slot / 1e6)
 
@@ -338,12 +341,18 @@ class StaticRunner:
         return SlotCache(self, self._free_slots.pop())
 
     # ---- the decoder ----
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slot: int, start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """Hidden states ``[T, H]`` for ``ids [T]`` at ``pos [T]``; writes their KV at ``[start, start + T)``
-        of ``slot`` and attends over ``[0, start + T)`` with the additive ``mask [T, start + T]`` (None:
-        causal, for the prefill)."""
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slot: int, start: int, mask: Optional[torch.Tensor],
+                 write_idx: Optional[torch.Tensor] = None, plain: bool = False) -> torch.Tensor:
+        """Hidden states ``[T, H]`` for ``ids [T]`` at ``pos [T]``.
+
+        Eager shapes (``write_idx`` None): writes the KV at ``[start, start + T)`` of ``slot`` and attends over
+        ``[0, start + T)`` with the additive ``mask [T, start + T]`` (None: causal, for the prefill).
+        Static shapes (the compiled / CUDA-graph step): writes the KV at the positions ``write_idx [T]`` and
+        attends over the whole buffer ``[0, max_len)`` with ``mask [T, max_len]``, so no shape depends on the
+        committed length. ``plain``: plain F.linear matmuls (for ``torch.compile``, which lowers them itself).
+        """
         t = ids.shape[0]
-        end = start + t
+        end = self.max_len if write_idx is not None else start + t
         x = F.embedding(ids, self.embed)  # [T, H]
         cos, sin = self._cos[pos], self._sin[pos]  # [T, 1, D]
         nq, nkv, d = self.n_heads, self.n_kv, self.head_dim
@@ -359,7 +368,7 @@ class StaticRunner:
         gqa = nkv != nq
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.ln_in, self.eps)
-            qkv = layer.qkv(h)  # [T, (nq + 2 nkv) d]
+            qkv = layer.qkv(h, plain)  # [T, (nq + 2 nkv) d]
             q = qkv[:, : nq * d].view(t, nq, d)
             k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
             v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
@@ -368,19 +377,23 @@ class StaticRunner:
                 k = _rms_norm(k, layer.k_norm, self.eps)
             q = _rotate(q, cos, sin)
             k = _rotate(k, cos, sin)
-            kv[li, 0, slot, :, start:end].copy_(k.transpose(0, 1))
-            kv[li, 1, slot, :, start:end].copy_(v.transpose(0, 1))
+            if write_idx is None:
+                kv[li, 0, slot, :, start:end].copy_(k.transpose(0, 1))
+                kv[li, 1, slot, :, start:end].copy_(v.transpose(0, 1))
+            else:
+                kv[li, 0, slot].index_copy_(1, write_idx, k.transpose(0, 1))
+                kv[li, 1, slot].index_copy_(1, write_idx, v.transpose(0, 1))
             keys = kv[li, 0, slot, :, :end].unsqueeze(0)  # [1, nkv, S, d]
             vals = kv[li, 1, slot, :, :end].unsqueeze(0)
             att = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask, is_causal=is_causal,
                 scale=self.scale, enable_gqa=gqa,
             )  # [1, nq, T, d]
-            x = x + layer.o(att[0].transpose(0, 1).reshape(t, nq * d))
+            x = x + layer.o(att[0].transpose(0, 1).reshape(t, nq * d), plain)
             h = _rms_norm(x, layer.ln_post, self.eps)
-            gu = layer.gate_up(h)
+            gu = layer.gate_up(h, plain)
             inter = gu.shape[-1] // 2
-            x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:], plain)
         return _rms_norm(x, self.final_norm, self.eps)
 
     @torch.inference_mode()
@@ -433,6 +446,8 @@ class StaticRunner:
         committed = cache.length
         if committed + t_pad > self.max_len:
             self._grow(committed + t_pad)
+        if self.compiled:
+            return self._verify_compiled(tree, cache.slot, committed, t_pad)
         ids, pos = self._write_tree(tree, committed, t_pad)
         end = committed + t_pad
         try:
@@ -440,6 +455,86 @@ class StaticRunner:
             return self.lm_head(hidden[:t] if t < t_pad else hidden)
         finally:
             self.mask[:t_pad, committed:end].zero_()
+
+    # ---- the compiled step: static input buffers, one CUDA graph or compiled graph per (slot, bucket) ----
+    def _static_step(self, slot: int, t_pad: int) -> torch.Tensor:
+        """Logits ``[t_pad, V]`` from the static buffers ``_ids``, ``_pos``, ``_write`` and ``_gmask``."""
+        plain = self.device.type != "cuda"
+        hidden = self._forward(self._ids[:t_pad], self._pos[:t_pad], slot, 0, self._gmask[:t_pad],
+                               write_idx=self._write[:t_pad], plain=plain)
+        return self.lm_head(hidden, plain)
+
+    def _fill_static(self, tree: Any, committed_len: int, t_pad: int) -> None:
+        """Write one padded tree into the static buffers (ids, positions, KV write positions, full-span mask)."""
+        t = tree.size
+        ids = np.zeros(t_pad, dtype=np.int64)
+        ids[:t] = tree.tokens
+        pos = np.full(t_pad, committed_len, dtype=np.int64)
+        pos[:t] += tree.depths
+        visible = np.eye(t_pad, dtype=bool)
+        visible[:t, :t] = tree.visible
+        neg = torch.finfo(self.dtype).min
+        block = torch.from_numpy(np.where(visible, 0.0, np.float32(neg)))
+        self._ids[:t_pad].copy_(torch.from_numpy(ids))
+        self._pos[:t_pad].copy_(torch.from_numpy(pos))
+        self._write[:t_pad].copy_(torch.arange(committed_len, committed_len + t_pad))
+        gm = self._gmask[:t_pad]
+        gm[:, :committed_len].zero_()
+        gm[:, committed_len:].fill_(neg)
+        gm[:, committed_len : committed_len + t_pad].copy_(block)
+
+    def _verify_compiled(self, tree: Any, slot: int, committed: int, t_pad: int) -> torch.Tensor:
+        self._fill_static(tree, committed, t_pad)
+        if self.device.type == "cuda":
+            graph = self._graphs.get((slot, t_pad))
+            if graph is None:
+                graph = self._capture(slot, t_pad)
+            graph[0].replay()
+            logits = graph[1]
+        else:
+            logits = self._compiled_fn(slot, t_pad)
+        return logits[: tree.size]
+
+    def _capture(self, slot: int, t_pad: int) -> tuple[Any, torch.Tensor]:
+        """Capture one CUDA graph of the static step for ``(slot, t_pad)`` over the current static buffers
+        (two warm-up runs on a side stream first, as CUDA graph capture requires)."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._static_step(slot, t_pad)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._static_step(slot, t_pad)
+        self._graph_pool = graph.pool()
+        self._graphs[(slot, t_pad)] = (graph, out)
+        self.warmup_s[t_pad] = self.warmup_s.get(t_pad, 0.0) + time.perf_counter() - t0
+        return graph, out
+
+    def _enable_compile(self) -> None:
+        """Switch verification to the static-shape step: CUDA graphs on CUDA, ``torch.compile`` on the CPU.
+
+        Compiled artifacts are reused across processes through inductor's on-disk caches under
+        ``$RACER_BATCH_CACHE/inductor`` (``TORCHINDUCTOR_CACHE_DIR``), so actors and test runs after the first
+        skip code generation; CUDA graphs are captured per process (milliseconds per graph).
+        """
+        t = self.buckets[-1]
+        self._ids = torch.zeros(t, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(t, dtype=torch.long, device=self.device)
+        self._write = torch.zeros(t, dtype=torch.long, device=self.device)
+        self._gmask = torch.zeros((t, self.max_len), dtype=self.dtype, device=self.device)
+        self._graph_pool = None
+        if self.device.type != "cuda" and self._compiled_fn is None:
+            from ..models import cache_root
+
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+            import torch._dynamo as dynamo
+
+            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+            self._compiled_fn = torch.compile(self._static_step, dynamic=False)
+        self.compiled = True
 
     @staticmethod
     @torch.inference_mode()
@@ -468,10 +563,25 @@ class StaticRunner:
                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                     lin.prepare(b)
             self.lm_head.prepare(b)
+            if self.compile_requested:
+                self._warm_compiled(b)
             self.warmup_s[b] = time.perf_counter() - tb
         log.info("static runner warm-up (%s matmuls, buckets up to %d): %.2f s", self.matmul, top,
                  time.perf_counter() - t0)
         return dict(self.warmup_s)
+
+    @torch.inference_mode()
+    def _warm_compiled(self, t_pad: int) -> None:
+        """Compile (CPU) or capture (CUDA) the step of bucket ``t_pad`` on a scratch slot state: a chain of
+        ``t_pad`` tokens after position 0 of slot 0 (nothing is committed there between rows)."""
+        if not self.compiled:
+            self._enable_compile()
+        from ..drafters.base import Draft
+        from .tree import flatten_tree
+
+        chain = Draft(token_ids=[0] * t_pad, parents=list(range(-1, t_pad - 1)), sources=[0] * t_pad)
+        tree = flatten_tree(chain, committed_len=0, device=self.device, dtype=self.dtype)
+        self._verify_compiled(tree, 0, 0, t_pad)
 
     @property
     def packed_bytes(self) -> int:
