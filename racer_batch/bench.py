@@ -157,6 +157,17 @@ class BenchResult:
         return t
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` knows: benchmark files say what ran them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _hf_runner(bundle: ModelBundle, max_new: int, *, lookup: int | None) -> Callable:
     def run(ids: list[int]):
         x = torch.tensor([ids], device=bundle.device)
@@ -195,11 +206,13 @@ def run_bench(
     per_set: int = 8,
     items: list[BenchPrompt] | None = None,
     corpus: str | None = None,
+    on_item: Callable[[BenchResult], None] | None = None,
 ) -> BenchResult:
     """Run every method on every prompt (all turns), interleaved; returns per-group totals.
 
     ``methods``: names or ``parse_method`` strings / MethodSpecs; HF greedy (the baseline) always runs first.
     ``corpus``: static corpus file for the ``rest`` rows (CORPUS_METHODS), as ``DecodingConfig.corpus_path``.
+    ``on_item``: called with the results so far after every item (the CLI writes partial files with it).
 
     Raises:
         ValueError: a bad method string or two rows with the same label.
@@ -213,22 +226,29 @@ def run_bench(
         raise ValueError(f"method labels must be unique; repeated: {dup}")
     runners: dict[str, Callable] = {"hf_greedy": _hf_runner(bundle, max_new_tokens, lookup=None)}
     configs: dict[str, dict] = {"hf_greedy": {"method": "hf_greedy"}}
+    kinds: dict[str, str] = {"hf_greedy": "hf"}
+    warmups: dict[str, float] = {}
     for spec in specs:
         if spec.label == "hf_greedy" and spec.method == "hf_greedy":
             continue
         if spec.method in HF_METHODS:
             runners[spec.label] = _hf_runner(bundle, max_new_tokens, lookup=10 if spec.method == "hf_pld" else None)
             configs[spec.label] = {"method": spec.method}
+            kinds[spec.label] = "hf"
         else:
             cfg = decoding_config(spec, capacity=capacity, corpus=corpus)
-            runners[spec.label] = _engine_runner(Engine(bundle, cfg), max_new_tokens)
+            engine = Engine(bundle, cfg)
+            runners[spec.label] = _engine_runner(engine, max_new_tokens)
             configs[spec.label] = cfg.model_dump(mode="json")
+            kinds[spec.label] = engine.runner.kind
+            warmups[spec.label] = round(engine.warmup_s, 2)
     tok = bundle.tokenizer
     enc = Engine(bundle, DecodingConfig(method="ar"))
     res = BenchResult(config=dict(model=bundle.name, capacity=capacity, max_new_tokens=max_new_tokens,
                                   methods=list(runners), items=len(items), device=bundle.device, dtype=bundle.dtype,
                                   torch_threads=torch.get_num_threads(), machine=platform.machine(),
-                                  processor=platform.processor() or platform.machine(), corpus=corpus),
+                                  processor=cpu_name(), corpus=corpus,
+                                  runners=kinds, warmup_s=warmups),
                       method_configs=configs)
     # warm-up so the first measured row does not pay one-time costs
     for run in runners.values():
@@ -259,6 +279,9 @@ def run_bench(
                 answers[m].append(tok.decode(content, skip_special_tokens=True))
                 tot.observe_answer(content, answers[m][-1], item.turn_references(turn))
         log.info("bench: %d/%d items done", n + 1, len(items))
+        res.config["items_done"] = n + 1
+        if on_item is not None:
+            on_item(res)
     return res
 
 
@@ -319,10 +342,11 @@ def published_table(summary: dict) -> list[dict]:
     return rows
 
 
-def write_results(summary: dict, out_dir: Path, *, command: str) -> tuple[Path, Path]:
-    """Write JSON and Markdown; returns their paths."""
+def write_results(summary: dict, out_dir: Path, *, command: str, stamp: str | None = None) -> tuple[Path, Path]:
+    """Write JSON and Markdown (``bench-<stamp>``; a given stamp overwrites that run's partial files); returns
+    their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     summary = dict(summary, command=command, written_at=stamp)
     jpath = out_dir / f"bench-{stamp}.json"
     jpath.write_text(json.dumps(summary, indent=2))

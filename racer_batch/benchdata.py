@@ -119,6 +119,49 @@ def smoke_prompts(per_set: int = 8, root: Path | None = None) -> list[BenchPromp
     return out
 
 
+def sample_prompts(counts: dict[str, int], root: Path | None = None) -> list[BenchPrompt]:
+    """Items evenly spaced in file order: ``counts[set]`` per Spec-Bench category (``multi_turn``,
+    ``translation``, ...) and per whole set for HumanEval and MGSM-ZH (positions floor(k*n/count)).
+
+    >>> len(sample_prompts({"spec_bench": 10, "human_eval": 20, "mgsm_zh": 20}))
+    100
+
+    Raises:
+        ValueError: an unknown set name or a count below 1.
+    """
+    out = []
+    for name, count in counts.items():
+        if name not in SETS:
+            raise ValueError(f"unknown prompt set {name!r}; expected one of {SETS}")
+        if count < 1:
+            raise ValueError(f"{name}: count must be >= 1, got {count}")
+        items = load_set(name, root)
+        groups: dict[str, list[BenchPrompt]] = {}
+        for it in items:
+            groups.setdefault(it.group, []).append(it)
+        for members in groups.values():
+            n = len(members)
+            out.extend(members[(k * n) // count] for k in range(min(count, n)))
+    return out
+
+
+def parse_sample(text: str) -> dict[str, int]:
+    """``"spec_bench=10,human_eval=20"`` -> ``{"spec_bench": 10, "human_eval": 20}``.
+
+    Raises:
+        ValueError: a part that is not ``SET=COUNT`` with a known set and a positive count.
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, num = part.partition("=")
+        if not eq or not num.strip().isdigit() or int(num) < 1 or name.strip() not in SETS:
+            raise ValueError(f"{part!r}: expected SET=COUNT with SET one of {SETS} and COUNT >= 1")
+        out[name.strip()] = int(num)
+    if not out:
+        raise ValueError("empty sample: expected SET=COUNT[,SET=COUNT...]")
+    return out
+
+
 def conversation(turns: list[str], answers: list[str]) -> list[dict]:
     """Chat messages for the next turn: system prompt, then the turns so far with the model's answers."""
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from typing import Any
 
 import click
@@ -76,6 +77,15 @@ def _decoding_options(f):
                      help="Draft tree nodes per step incl. the root (paper: 64; CPU: 8-16), or 'auto'.")(f)
     f = click.option("--scope", type=click.Choice(["job", "request", "global"]), default="job", show_default=True,
                      help="Draft state scope.")(f)
+    f = click.option("--runner", type=click.Choice(["auto", "eager", "static"]), default="auto", show_default=True,
+                     help="Verify forward: static (own decoder, static KV cache), eager (stock transformers), "
+                     "auto (static where the architecture allows).")(f)
+    f = click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto",
+                     show_default=True, help="Compiled verify step per tree size (CUDA graphs; torch.compile on "
+                     "CPU); auto = on CUDA only.")(f)
+    f = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                     help="Weights' precision (default float32 on CPU, bfloat16 on CUDA). Reduced precision is "
+                     "lossless against greedy decoding of the same reduced model.")(f)
     return f
 
 
@@ -97,7 +107,8 @@ def _decoding_options(f):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
               help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
-def generate(prompt: str, model: str, method: str, capacity: str, scope: str, max_new_tokens: int,
+def generate(prompt: str, model: str, method: str, capacity: str, scope: str, runner: str, compile_mode: str,
+             dtype: str | None, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int, stop: tuple[str, ...], system_prompt: str,
              raw: bool, trust_remote_code: bool, as_json: bool, torch_threads: int) -> None:
     """Generate an answer to PROMPT and print it with its decoding statistics."""
@@ -112,13 +123,14 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ma
 
         torch.set_num_threads(torch_threads)
     try:
-        cfg = DecodingConfig(method=method, capacity=_capacity(capacity), scope=scope)
+        cfg = DecodingConfig(method=method, capacity=_capacity(capacity), scope=scope, runner=runner,
+                             compile=compile_mode)
         params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, stop=list(stop))
     except ValidationError as exc:
         raise click.UsageError(_pydantic_message(exc)) from None
     try:
-        bundle = load_model(model, trust_remote_code=trust_remote_code)
+        bundle = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     except ModelLoadError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_MODEL)
@@ -132,12 +144,13 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ma
     s = res.stats
     if as_json:
         out = res.to_dict()
-        out.update(model=bundle.name, method=method, config_hash=cfg.config_hash())
+        out.update(model=bundle.name, method=method, config_hash=cfg.config_hash(), dtype=bundle.dtype,
+                   runner=engine.runner.kind)
         click.echo(json.dumps(out))
         return
     click.echo(res.text)
     click.echo(
-        f"\n[{bundle.name} | {method} cap={s.capacity}] {res.output_tokens} tokens, finish={res.finish_reason}, "
+        f"\n[{bundle.name} {bundle.dtype} | {method} cap={s.capacity} | {engine.runner.kind} runner] {res.output_tokens} tokens, finish={res.finish_reason}, "
         f"steps={s.steps}, MAT={s.mat:.2f}, prefill={res.prefill_ms:.0f} ms, decode={res.decode_ms:.0f} ms, "
         f"{res.tokens_per_s:.1f} tokens/s",
         err=True,
@@ -152,17 +165,22 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ma
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--per-set", type=click.IntRange(1, 8), default=8, show_default=True,
               help="Prompts per set (Spec-Bench, HumanEval, MGSM-ZH) from the smoke subset.")
+@click.option("--sample", default=None, metavar="SET=COUNT,...",
+              help="Instead of the smoke subset: COUNT items per Spec-Bench category and per HumanEval / MGSM-ZH "
+              "set, evenly spaced in file order, e.g. 'spec_bench=10,human_eval=20,mgsm_zh=20'.")
 @click.option("--variant", "variants", multiple=True, metavar="LABEL=METHOD:key=value,...",
               help="Also run METHOD with other decoding settings under its own LABEL (repeatable), e.g. "
               "'racer-c32=racer:capacity=32' or 'racer-top2=racer:acceptance=topk,relaxed_topk=2'.")
 @click.option("--corpus", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Static corpus for the rest rows (JSONL with 'text' or 'token_ids', or plain text); "
               "scripts/build_rest_corpus.py writes one without the benchmark's own prompts.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Weights' precision for every row, HF baselines included (default float32 on CPU).")
 @click.option("--out", "out_dir", default="benchmarks", show_default=True, type=click.Path(file_okay=False))
 @click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
               help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
-def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, variants: tuple[str, ...],
-          corpus: str | None, out_dir: str, torch_threads: int) -> None:
+def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, sample: str | None,
+          variants: tuple[str, ...], corpus: str | None, dtype: str | None, out_dir: str, torch_threads: int) -> None:
     """Run the decoding methods side by side on the smoke prompts and write JSON + Markdown results."""
     from pathlib import Path
 
@@ -170,6 +188,7 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
 
     from . import ModelLoadError, load_model
     from .bench import HF_METHODS, decoding_config, parse_method, run_bench, summarize, write_results
+    from .benchdata import parse_sample, sample_prompts
 
     if torch_threads:
         import torch
@@ -198,19 +217,31 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
         raise click.BadParameter(f"row labels must be unique; repeated: {dup}",
                                  param_hint="--variant" if variants else "--methods")
     try:
-        bundle = load_model(model)
+        bundle = load_model(model, dtype=dtype)
     except ModelLoadError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_MODEL)
+    counts = None
+    if sample:
+        try:
+            counts = parse_sample(sample)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--sample") from None
+    command = "racer-batch " + " ".join(sys.argv[1:])
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def partial(res) -> None:  # a long run leaves its results so far on disk after every item
+        write_results(summarize(res), Path(out_dir), command=command, stamp=stamp)
+
     try:
+        items = sample_prompts(counts) if counts else None
         res = run_bench(bundle, methods=specs, capacity=_capacity(capacity), max_new_tokens=max_new_tokens,
-                        per_set=per_set, corpus=corpus)
+                        per_set=per_set, corpus=corpus, items=items, on_item=partial)
     except FileNotFoundError as exc:
         click.echo(f"error: benchmark data not found ({exc}); set RACER_BATCH_DATA to the shared/data folder", err=True)
         sys.exit(EXIT_INPUT)
     summary = summarize(res)
-    command = "racer-batch " + " ".join(sys.argv[1:])
-    jpath, mpath = write_results(summary, Path(out_dir), command=command)
+    jpath, mpath = write_results(summary, Path(out_dir), command=command, stamp=stamp)
     click.echo(mpath.read_text())
     click.echo(f"wrote {jpath} and {mpath}", err=True)
 

@@ -45,6 +45,7 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds the [chunk, S] 
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 MATMUL_PATHS = ("auto", "torch", "mkl_packed", "onednn_packed")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SDPA_MIN_ROWS = 128  # fewer query rows: our own attention (SDPA's CPU kernels cost ~0.2-8 ms at T=1)
 SMALL_ROWS = 2  # row counts up to this use plain sgemm: prepacking does not pay for one or two rows
 
 
@@ -95,9 +96,11 @@ def pick_bucket(t: int, buckets: Sequence[int]) -> int:
 
 
 def default_matmul_path(device: torch.device) -> str:
-    """The matmul path ``auto`` picks: plain ``torch`` (cuBLAS) on CUDA; on the CPU MKL packed sgemm per
-    bucket when this torch has MKL (measured fastest for 4-64 rows on both CPUs we ran; docs/architecture.md),
-    else oneDNN prepacked weights, else plain sgemm. ``RACER_MATMUL`` overrides it (benchmarks)."""
+    """The matmul path ``auto`` picks: plain ``torch`` (cuBLAS) on CUDA; on the CPU oneDNN prepacked weights
+    when this torch has oneDNN (one extra copy of the weights, any row count), else plain sgemm. MKL packed
+    sgemm (``mkl_packed``) is as fast or faster at some row counts but holds ~3x the weight bytes *per bucket*
+    (measured: docs/architecture.md), so it is only taken when asked for. ``RACER_MATMUL`` overrides the
+    choice (benchmarks)."""
     env = os.environ.get("RACER_MATMUL")
     if env:
         if env not in MATMUL_PATHS[1:]:
@@ -105,8 +108,6 @@ def default_matmul_path(device: torch.device) -> str:
         return env
     if device.type != "cpu":
         return "torch"
-    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
-        return "mkl_packed"
     if torch.backends.mkldnn.is_available():
         return "onednn_packed"
     return "torch"
@@ -119,8 +120,9 @@ class FastLinear:
         weight: ``[N, K]`` (N output features); kept as given for small row counts and as the oracle.
         bias: ``[N]`` or None.
         path: ``torch`` (F.linear: MKL sgemm on the CPU, cuBLAS on CUDA), ``mkl_packed`` (MKL
-            ``cblas_sgemm_pack`` weights, one packed copy per row bucket, made on first use; float32 only) or
-            ``onednn_packed`` (one oneDNN prepacked copy, any row count).
+            ``cblas_sgemm_pack`` weights, one packed copy per row bucket, made on first use, ~3x the weight
+            bytes each; float32 only) or ``onednn_packed`` (one oneDNN prepacked copy, any row count). Up to
+            ``SMALL_ROWS`` rows in float32 always take plain sgemm (a GEMV, where packing does not pay).
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, path: str) -> None:
@@ -133,6 +135,8 @@ class FastLinear:
         self._onednn: Optional[torch.Tensor] = None
         if path == "onednn_packed":
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
+        # reduced precision has no fast plain GEMV on the CPU: oneDNN takes every row count there
+        self._small_plain = self.weight.dtype == torch.float32 or path != "onednn_packed"
 
     @property
     def extra_bytes(self) -> int:
@@ -150,7 +154,7 @@ class FastLinear:
     def __call__(self, x: torch.Tensor, plain: bool = False) -> torch.Tensor:  # x: [M, K] -> [M, N]
         """``plain``: F.linear on the plain weight (inside a compiled graph, which lowers matmuls itself)."""
         m = x.shape[0]
-        if plain or m <= SMALL_ROWS or self.path == "torch":
+        if plain or self.path == "torch" or (m <= SMALL_ROWS and self._small_plain):
             return F.linear(x, self.weight, self.bias)
         if self.path == "mkl_packed":
             packed = self._packed.get(m)
@@ -187,12 +191,57 @@ class SlotCache:
         self.runner._free_slots.append(self.slot)
 
 
+@torch.no_grad()
+def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate parameters ``[n_i, K]`` along dim 0 and re-point each at its rows of the result, so the
+    fused weight (one matmul for q/k/v, one for gate/up) costs no memory beside the model's own weights, and
+    the transformers forward (the oracle, the eager runner) keeps running on the very same numbers. Params
+    that are already consecutive rows of one storage (a second runner over the same model) are reused."""
+    first = params[0]
+    offset = first.storage_offset()
+    consecutive = all(p.is_contiguous() for p in params)
+    for p in params:
+        consecutive = consecutive and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() \
+            and p.storage_offset() == offset
+        offset += p.numel()
+    total = sum(p.shape[0] for p in params)
+    if consecutive:
+        return first.detach().as_strided((total, *first.shape[1:]), first.stride())
+    fused = torch.cat([p.detach() for p in params], dim=0).contiguous()
+    row = 0
+    for p in params:
+        p.data = fused[row : row + p.shape[0]]
+        row += p.shape[0]
+    return fused
+
+
+def _tree_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: Optional[torch.Tensor],
+                    scale: float) -> torch.Tensor:
+    """Grouped-query attention of a few query rows: ``q [T, nq, d]`` over ``keys, vals [nkv, S, d]`` with the
+    additive ``mask [T, S]`` (None: all visible); returns ``[T, nq, d]``.
+
+    The ``nq / nkv`` query heads that share a KV head are folded into the row dimension (query head
+    ``j * rep + r`` reads KV head ``j``, as transformers' ``repeat_kv`` lays them out), so no KV is repeated;
+    written out as two batched matmuls and a softmax because the fused CPU kernels are slow for few rows.
+    """
+    t, nq, d = q.shape
+    nkv, s = keys.shape[0], keys.shape[1]
+    rep = nq // nkv
+    qf = q.transpose(0, 1).reshape(nkv, rep * t, d)  # [nkv, rep*T, d]
+    scores = torch.matmul(qf, keys.transpose(1, 2)).mul_(scale).view(nkv, rep, t, s)  # [nkv, rep, T, S]
+    if mask is not None:
+        scores.add_(mask)
+    probs = torch.softmax(scores, dim=-1).view(nkv, rep * t, s)
+    return torch.matmul(probs, vals).view(nq, t, d).transpose(0, 1)  # [T, nq, d]
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as the Llama family computes it: in float32, scaled by ``weight`` in the input dtype."""
-    dtype = x.dtype
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel, same arithmetic
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return weight * xf.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -260,17 +309,14 @@ class StaticRunner:
         self.layers: list[_Layer] = []
         for layer in dec.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dim=0)
-            qkv_b = None
-            if a.q_proj.bias is not None:
-                qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], dim=0)
-            gu_b = None
-            if m.gate_proj.bias is not None:
-                gu_b = torch.cat([m.gate_proj.bias, m.up_proj.bias], dim=0)
+            qkv_w = _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            gu_w = _fuse([m.gate_proj.weight, m.up_proj.weight])
+            gu_b = _fuse([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
             self.layers.append(_Layer(
                 qkv=FastLinear(qkv_w, qkv_b, path=self.matmul),
                 o=FastLinear(a.o_proj.weight, a.o_proj.bias, path=self.matmul),
-                gate_up=FastLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight], dim=0), gu_b, path=self.matmul),
+                gate_up=FastLinear(gu_w, gu_b, path=self.matmul),
                 down=FastLinear(m.down_proj.weight, m.down_proj.bias, path=self.matmul),
                 ln_in=layer.input_layernorm.weight.detach(),
                 ln_post=layer.post_attention_layernorm.weight.detach(),
@@ -362,21 +408,23 @@ class StaticRunner:
             if start == 0:
                 is_causal = True
             else:
-                mask = torch.ones(t, end, dtype=torch.bool, device=ids.device).tril_(diagonal=start)
-        elif t == 1:
+                seen = torch.ones(t, end, dtype=torch.bool, device=ids.device).tril_(diagonal=start)
+                mask = torch.zeros(t, end, dtype=self.dtype, device=ids.device).masked_fill_(
+                    ~seen, torch.finfo(self.dtype).min)
+        elif t == 1 and write_idx is None:
             mask = None  # one token sees the whole prefix
         gqa = nkv != nq
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.ln_in, self.eps)
             qkv = layer.qkv(h, plain)  # [T, (nq + 2 nkv) d]
-            q = qkv[:, : nq * d].view(t, nq, d)
-            k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
             v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
-            if layer.q_norm is not None:
-                q = _rms_norm(q, layer.q_norm, self.eps)
-                k = _rms_norm(k, layer.k_norm, self.eps)
-            q = _rotate(q, cos, sin)
-            k = _rotate(k, cos, sin)
+            if layer.q_norm is None:  # rotate q and k heads in one go
+                qk = _rotate(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
+                q, k = qk[:, :nq], qk[:, nq:]
+            else:  # Qwen3: per-head RMSNorm of q and k before the rotation
+                q = _rotate(_rms_norm(qkv[:, : nq * d].view(t, nq, d), layer.q_norm, self.eps), cos, sin)
+                k = _rotate(_rms_norm(qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d), layer.k_norm, self.eps),
+                            cos, sin)
             if write_idx is None:
                 kv[li, 0, slot, :, start:end].copy_(k.transpose(0, 1))
                 kv[li, 1, slot, :, start:end].copy_(v.transpose(0, 1))
@@ -385,11 +433,14 @@ class StaticRunner:
                 kv[li, 1, slot].index_copy_(1, write_idx, v.transpose(0, 1))
             keys = kv[li, 0, slot, :, :end].unsqueeze(0)  # [1, nkv, S, d]
             vals = kv[li, 1, slot, :, :end].unsqueeze(0)
-            att = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask, is_causal=is_causal,
-                scale=self.scale, enable_gqa=gqa,
-            )  # [1, nq, T, d]
-            x = x + layer.o(att[0].transpose(0, 1).reshape(t, nq * d), plain)
+            if t >= SDPA_MIN_ROWS or is_causal:
+                att = F.scaled_dot_product_attention(
+                    q.transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask, is_causal=is_causal,
+                    scale=self.scale, enable_gqa=gqa,
+                )[0].transpose(0, 1)  # [T, nq, d]
+            else:
+                att = _tree_attention(q, keys[0], vals[0], mask, self.scale)
+            x = x + layer.o(att.reshape(t, nq * d), plain)
             h = _rms_norm(x, layer.ln_post, self.eps)
             gu = layer.gate_up(h, plain)
             inter = gu.shape[-1] // 2

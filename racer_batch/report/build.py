@@ -89,7 +89,7 @@ def build_report(data: JobData, *, by: str = "route", price_per_device_hour: Opt
     centres, rates = throughput_timeline(rows, by=by, side_rows=in_job_baseline, side_label=label)
     m = data.manifest
     job = {"job_id": data.job_id, "name": m.get("name") or spec.get("name"), "state": m.get("state"),
-           "model": m.get("model"), "method": m.get("method"), "config_hash": m.get("config_hash"),
+           "model": m.get("model"), "dtype": m.get("dtype") or "default", "method": m.get("method"), "config_hash": m.get("config_hash"),
            "spec_hash": m.get("spec_hash"), "rows": len(rows), "output": str(data.out_dir),
            "decoding": spec.get("decoding"), "max_new_tokens": (spec.get("generation") or {}).get("max_new_tokens"),
            "devices": sorted({str(r.get("device")) for r in rows if r.get("device")}),
@@ -242,7 +242,7 @@ def _md_table(head: list[str], body: list[list[str]]) -> str:
 def render_md(rep: Report) -> str:
     j = rep.job
     parts = [f"# {rep.title}", "",
-             f"Model `{j['model']}`, method `{j['method']}` (config {j['config_hash']}), state {j['state']}, "
+             f"Model `{j['model']}` ({j.get('dtype', 'default')} weights), method `{j['method']}` (config {j['config_hash']}), state {j['state']}, "
              f"{j['rows']} rows, max_new_tokens {j['max_new_tokens']}, devices {', '.join(j['devices']) or '-'}. "
              f"Output: `{j['output']}`."
              + (f" Price: {rep.price_per_device_hour:g} USD per device-hour." if rep.price_per_device_hour is not None
@@ -305,7 +305,7 @@ def render_html(rep: Report) -> str:
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(rep.title)}</title>
 <style>{_CSS}</style></head><body>
 <h1>{html.escape(rep.title)}</h1>
-<p>Model <code>{html.escape(str(j['model']))}</code>, method <code>{html.escape(str(j['method']))}</code>
+<p>Model <code>{html.escape(str(j['model']))}</code> ({html.escape(str(j.get('dtype', 'default')))} weights), method <code>{html.escape(str(j['method']))}</code>
 (config {html.escape(str(j['config_hash']))}), state {html.escape(str(j['state']))}, {j['rows']} rows,
 max_new_tokens {j['max_new_tokens']}, devices {html.escape(', '.join(j['devices']) or '-')}. {html.escape(price)}<br>
 <small>output folder {html.escape(j['output'])}; generated {generated}</small></p>

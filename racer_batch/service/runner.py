@@ -80,7 +80,7 @@ def default_loader(model: ModelSpec, *, allow_remote_code: bool, device: Optiona
         )
     from racer_batch.models import load_model  # heavy import (torch, transformers) only when needed
 
-    return load_model(model.name, device=device, trust_remote_code=model.trust_remote_code)
+    return load_model(model.name, device=device, dtype=model.dtype, trust_remote_code=model.trust_remote_code)
 
 
 def default_engine(bundle: Any, decoding: DecodingConfig) -> Any:
@@ -118,7 +118,7 @@ class RowRunner:
 
     # ---- model, engines and per-job state
     def _engine_for(self, spec: JobSpec) -> Any:
-        key = (spec.model.name, spec.model.trust_remote_code)
+        key = (spec.model.name, spec.model.trust_remote_code, spec.model.dtype)
         if key != self._model_key:
             for job_id in list(self._states):
                 self.end_job(job_id)

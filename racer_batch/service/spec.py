@@ -77,6 +77,9 @@ class ModelSpec(BaseModel):
 
     name: str = Field("smollm2-135m", min_length=1, description="model name or local folder (see load_model)")
     trust_remote_code: bool = Field(False, description="allow model code from the model folder (worker must allow)")
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
+        None, description="weights' precision; None = float32 on the CPU, bfloat16 on CUDA. Reduced precision is "
+        "lossless against plain greedy decoding of the same reduced model, not of the float32 one")
 
 
 class GenerationDefaults(BaseModel):
@@ -184,6 +187,8 @@ class JobSpec(BaseModel):
         # Left out at their defaults, so the hash of a spec written before these keys existed is unchanged.
         exclude |= {k for k, default in (("n_samples", 1), ("shadow", None)) if getattr(self, k) == default}
         d = self.model_dump(mode="json", exclude=exclude)
+        if d["model"].get("dtype") is None:
+            d["model"].pop("dtype", None)
         # The reference column only feeds the shadow analysis, never the output rows: always left out.
         del d["input"]["columns"]["reference"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

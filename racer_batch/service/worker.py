@@ -347,7 +347,7 @@ class Worker:
         write_manifest(spec.output.path, {
             "job_id": job_id, "name": spec.name, "state": state, "spec": spec.stored(),
             "spec_hash": spec.spec_hash(), "config_hash": spec.decoding.config_hash(), "model": spec.model.name,
-            "method": spec.decoding.method, "input": plan.to_dict(), "num_rows": plan.num_rows,
+            "dtype": spec.model.dtype or "default (float32 on CPU, bfloat16 on CUDA)", "method": spec.decoding.method, "input": plan.to_dict(), "num_rows": plan.num_rows,
             "shard_rows": spec.output.shard_rows, "num_shards": plan.num_shards(spec.output.shard_rows),
             "shards": {f"{s:05d}": _meta(m) for s, m in sorted(done.items())},
             "totals": dict(totals.to_dict(),

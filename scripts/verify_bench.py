@@ -1,0 +1,171 @@
+"""Verify-forward cost curve: the eager runner, the static runner (per matmul path, optionally compiled and
+in bfloat16) and a weight-streaming probe, in one interleaved run (issue 12, "Cost curve").
+
+For each T in ``--sizes``, one verify forward over a chain of T tree tokens after ``--context`` cached
+tokens, up to the argmax copied back (``engine/capacity.py::measure_cost_curve`` does the same). Rounds go
+over every (runner, T) pair in turn, ``--repeats`` times, so that machine drift hits all contenders alike;
+the figure is the median per pair. The probe is the time to read every weight once (a ``sum`` over each
+parameter), the floor of a memory-bound forward. Writes ``<out>/verify-<stamp>.json`` and ``.md``.
+
+    python scripts/verify_bench.py                       # eager vs static matmul paths, float32
+    python scripts/verify_bench.py --compile --bf16      # also the compiled step and a bfloat16 copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from racer_batch.bench import cpu_name  # noqa: E402
+from racer_batch.drafters.base import Draft  # noqa: E402
+from racer_batch.engine.runner import ModelRunner  # noqa: E402
+from racer_batch.engine.static_runner import StaticRunner  # noqa: E402
+from racer_batch.engine.tree import flatten_tree  # noqa: E402
+from racer_batch.models import load_model  # noqa: E402
+
+log = logging.getLogger("verify_bench")
+
+
+@torch.inference_mode()
+def weight_probe_ms(model: torch.nn.Module, repeats: int) -> float:
+    """Median ms to read every parameter once (tied weights counted once)."""
+    params = list({p.data_ptr(): p for p in model.parameters()}.values())
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for p in params:
+            p.sum()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times[1:])
+
+
+class Contender:
+    """One runner with a warm KV cache of ``context`` random tokens, timed per tree size."""
+
+    def __init__(self, label: str, runner, *, context: int, sizes: list[int], vocab: int) -> None:
+        self.label, self.runner, self.context = label, runner, context
+        gen = torch.Generator().manual_seed(0)
+        self.cache = runner.new_cache(context + max(sizes))
+        runner.prefill(torch.randint(0, vocab, (context,), generator=gen).tolist(), cache=self.cache, topk=0)
+        self.trees = {}
+        for t in sizes:
+            chain = Draft(token_ids=torch.randint(0, vocab, (t,), generator=gen).tolist(),
+                          parents=list(range(-1, t - 1)), sources=[0] * t)
+            self.trees[t] = flatten_tree(chain, committed_len=context, device=runner.device, dtype=runner.dtype)
+        self.times: dict[int, list[float]] = {t: [] for t in sizes}
+
+    @torch.inference_mode()
+    def once(self, t: int) -> None:
+        t0 = time.perf_counter()
+        logits = self.runner.verify_tree(self.trees[t], cache=self.cache)
+        logits.argmax(-1).cpu()
+        self.times[t].append((time.perf_counter() - t0) * 1000.0)
+        self.runner.keep_rows(self.cache, committed_len=self.context, nodes=[])
+
+    def medians(self) -> dict[int, float]:
+        return {t: statistics.median(v[1:] if len(v) > 2 else v) for t, v in self.times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--context", type=int, default=300, help="cached tokens before the tree")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--paths", default="mkl_packed,onednn_packed,torch", help="static-runner matmul paths")
+    ap.add_argument("--compile", action="store_true", help="also the compiled static step (torch.compile on CPU)")
+    ap.add_argument("--bf16", action="store_true", help="also the static runner on a bfloat16 copy of the model")
+    ap.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks"))
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    sizes = sorted({int(x) for x in args.sizes.split(",")})
+    bundle = load_model(args.model, dtype="float32")
+    vocab = bundle.vocab_size
+    contenders: list[Contender] = []
+    setup_s: dict[str, float] = {}
+
+    def add(label: str, make) -> None:
+        t0 = time.perf_counter()
+        runner = make()
+        if hasattr(runner, "warmup"):
+            runner.warmup(sizes)
+        setup_s[label] = round(time.perf_counter() - t0, 2)
+        contenders.append(Contender(label, runner, context=args.context, sizes=sizes, vocab=vocab))
+        log.info("%s ready in %.1f s", label, setup_s[label])
+
+    add("eager", lambda: ModelRunner(bundle))
+    for path in [p for p in args.paths.split(",") if p]:
+        add(f"static-{path}", lambda path=path: StaticRunner(bundle, matmul=path))
+    if args.compile:
+        add("static-compiled", lambda: StaticRunner(bundle, compile=True))
+    if args.bf16:
+        b16 = load_model(args.model, dtype="bfloat16")
+        add("static-bf16", lambda: StaticRunner(b16))
+    probe = []
+    for rnd in range(args.repeats + 1):
+        probe.append(weight_probe_ms(bundle.model, 1))
+        for t in sizes:
+            for c in contenders:
+                c.once(t)
+        log.info("round %d/%d", rnd + 1, args.repeats + 1)
+    probe_ms = statistics.median(probe[1:])
+    curves = {c.label: c.medians() for c in contenders}
+    rows = []
+    for label, curve in curves.items():
+        rows.append({"runner": label, "ms": {str(t): round(v, 2) for t, v in curve.items()},
+                     "ratio": {str(t): round(v / curve[1], 3) for t, v in curve.items()},
+                     "t1_over_probe": round(curve[1] / probe_ms, 3),
+                     "t16_over_t1": round(curve[16] / curve[1], 3) if 16 in curve else None})
+    static_runners = [c.runner for c in contenders if isinstance(c.runner, StaticRunner)]
+    summary = {
+        "command": "python scripts/verify_bench.py " + " ".join(sys.argv[1:]),
+        "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": bundle.name, "context_tokens": args.context, "repeats": args.repeats, "sizes": sizes,
+        "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in bundle.model.parameters()}.values()),
+        "probe_ms": round(probe_ms, 2), "setup_s": setup_s, "rows": rows,
+        "kv_bytes_per_token": static_runners[0].kv_bytes_per_token if static_runners else None,
+        "packed_bytes": {c.label: c.runner.packed_bytes for c in contenders if isinstance(c.runner, StaticRunner)},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"verify-{stamp}.json").write_text(json.dumps(summary, indent=2))
+    head = "| runner | " + " | ".join(f"t({t}) ms" for t in sizes) + " | t(1)/probe | " + \
+        " | ".join(f"t({t})/t(1)" for t in sizes if t > 1) + " |"
+    lines = [f"# Verify cost curve {stamp}", "", f"Reproduce: `{summary['command']}`", "",
+             f"Model {bundle.name} ({summary['weight_bytes'] / 1e6:.0f} MB of weights), {args.context} cached tokens, "
+             f"CPU: {summary['cpu']} ({summary['cores']} cores, {summary['torch_threads']} torch threads), torch "
+             f"{torch.__version__}; medians of {args.repeats} interleaved rounds.", "",
+             f"Weight-streaming probe (read every weight once): **{probe_ms:.1f} ms**.", "",
+             head, "|---" * (1 + 2 * len(sizes)) + "|"]
+    for r in rows:
+        ms = " | ".join(f"{r['ms'][str(t)]:.1f}" for t in sizes)
+        ratio = " | ".join(f"{r['ratio'][str(t)]:.2f}" for t in sizes if t > 1)
+        lines.append(f"| {r['runner']} | {ms} | {r['t1_over_probe']:.2f} | {ratio} |")
+    lines += ["", "Set-up seconds (load, pack, warm-up / compile): "
+              + ", ".join(f"{k} {v}" for k, v in setup_s.items()), "",
+              "Extra bytes of prepacked weights: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in summary["packed_bytes"].items()),
+              "", f"Static KV cache: {summary['kv_bytes_per_token']} bytes per position per stream.", ""]
+    (out / f"verify-{stamp}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
