@@ -33,9 +33,11 @@ def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: in
     """
     vocab = runner.bundle.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (context_tokens,), generator=gen).tolist()
     sizes = sorted(set([1, *capacities]))
+    # a short-context model: keep prefix + the largest tree inside the context
+    context_tokens = max(1, min(context_tokens, runner.bundle.context_length - sizes[-1] - 1))
     cache = runner.new_cache(context_tokens + sizes[-1])
+    prompt = torch.randint(0, vocab, (context_tokens,), generator=gen).tolist()
     try:
         runner.prefill(prompt, cache=cache, topk=0)
         out: dict[int, float] = {}

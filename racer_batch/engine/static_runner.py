@@ -186,9 +186,13 @@ class SlotCache:
         self.runner = runner
         self.slot = slot
         self.length = 0
+        self.released = False
 
     def release(self) -> None:
-        self.runner._free_slots.append(self.slot)
+        """Give the slot back (idempotent: a second call does nothing)."""
+        if not self.released:
+            self.released = True
+            self.runner._free_slots.append(self.slot)
 
 
 @torch.no_grad()
@@ -493,6 +497,8 @@ class StaticRunner:
             logits ``[T, V]`` of the real nodes (model dtype); padding rows are dropped.
         """
         t = tree.size
+        if t > self.buckets[-1]:
+            self.add_bucket(t)
         t_pad = pick_bucket(t, self.buckets)
         committed = cache.length
         if committed + t_pad > self.max_len:
@@ -600,10 +606,26 @@ class StaticRunner:
                 kv[:, :, cache.slot, :, committed_len + i].copy_(kv[:, :, cache.slot, :, committed_len + node])
         cache.length = committed_len + len(nodes)
 
+    @torch.inference_mode()
+    def add_bucket(self, size: int) -> None:
+        """Add the power-of-two bucket >= ``size`` (a capacity above the largest bucket): the mask, the tree
+        padding allowance of the KV cache and the static buffers grow to it."""
+        b = 1 << (int(size) - 1).bit_length()
+        if b in self.buckets:
+            return
+        self.buckets = tuple(sorted((*self.buckets, b)))
+        if b == self.buckets[-1]:
+            self.mask = torch.zeros((b, self.max_len), dtype=self.dtype, device=self.device)
+            if self.compiled:
+                self._enable_compile()
+        log.info("static runner: tree size %d above the buckets; added bucket %d", size, b)
+
     # ---- warm-up ----
     def warmup(self, capacities: Sequence[int] = ()) -> dict[int, float]:
         """Pack weights for, and run once, every bucket up to the largest of ``capacities`` (all buckets when
         empty); returns {bucket: seconds} and logs the total."""
+        if capacities and max(capacities) > self.buckets[-1]:
+            self.add_bucket(max(capacities))
         top = pick_bucket(max(capacities), self.buckets) if capacities else self.buckets[-1]
         t0 = time.perf_counter()
         for b in self.buckets:
