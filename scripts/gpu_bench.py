@@ -1,30 +1,43 @@
-"""GPU cost model for RACER (RACER.md section 8): t(T)/t(1), the engine's per-step CPU overhead, and the
-speedup projected from the MAT measured on CPU with the real model.
+"""GPU cost model for RACER (RACER.md section 8): t(T)/t(1) per verify runner, the engine's per-step CPU
+overhead, and the speedup projected from the MAT measured on CPU with the real model.
 
 Prepared for a CUDA machine with no network: the target is a Llama with the shape of an 8B model (Llama 3
 8B: hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocabulary 128256) and random bfloat16
 weights built from its config on the GPU, so nothing is downloaded. Steps:
 
 1. t(T): median ms of one verify forward over T tree tokens after ``--context`` cached tokens, for T in
-   ``--capacities`` (the engine's own ``measure_cost_curve``, synchronised by copying the argmax back).
-2. Per-step CPU overhead: the engine decodes (``ar`` and ``racer``) on the same model; for each step the
-   time outside the forward = step time - t(tree size). Drafting (propose + flatten) and update
-   (top-k copy + drafter update) are reported on their own.
-3. Greedy equality in the model's dtype: AR reference vs RACER on the same prompt, compared by common prefix
-   with the target's logit gap where they part (``racer_batch.engine.numerics``).
-4. Projection: speedup(T) ~= MAT * (t(1) + o_ar) / (t(T) + o_racer), with MAT from the newest
-   ``benchmarks/bench-*.json`` (method racer, real model on CPU) or ``--mat``; and, per T, the MAT needed to
-   break even. MAT depends on the capacity: only the row at the benchmark's capacity is a projection,
-   the others show the cost side.
+   ``--capacities``, for three verify runners measured **interleaved** (every repeat visits every (T,
+   runner) pair once, the runner order rotating per repeat; one untimed round first), each synchronised by
+   copying the argmax back: ``eager`` (the stock transformers forward, ``ModelRunner``), ``static`` (our
+   decoder over a static KV cache, trees padded to buckets; ``StaticRunner(compile=False)``) and
+   ``cuda-graph`` (the same with one CUDA graph per bucket, captured by ``warmup``; on the CPU with
+   ``--compile-cpu`` it is the ``torch.compile``d step and is named ``compiled``). The static runners pad
+   to the buckets the engine's would have for these capacities (the defaults, plus the power of two
+   ``add_bucket`` adds above them). The warm-up (weight packing, graph capture or compilation) is timed per
+   runner.
+2. Per-step CPU overhead: the engine decodes (``ar`` and ``racer``) on the runner it picks by default on
+   this device (cuda-graph on CUDA, static on the CPU), and ``ar`` on every other runner; for each step the
+   time outside the forward = step time - t(padded tree size) from that runner's curve (the prefill step is
+   left out). Drafting (propose + flatten) and update (top-k copy + drafter update) are reported on their own.
+3. Greedy equality in the model's dtype: AR reference vs RACER on the default runner, same prompt, compared
+   by common prefix with the target's logit gap where they part (``racer_batch.engine.numerics``).
+4. Projection, on the default runner's curve and overheads: speedup(T) ~= MAT * (t(1) + o_ar) / (t(T) +
+   o_racer), with MAT from the newest ``benchmarks/bench-*.json`` (method racer, real model on CPU) or
+   ``--mat``; and, per T, the MAT needed to break even. MAT depends on the capacity: only the row at the
+   benchmark's capacity is a projection, the others show the cost side.
 
-``--tiny`` runs the same steps on a tiny Llama on the CPU (float32) in seconds: the smoke test the suite
-runs. Results: ``<out>/gpu_bench-<tag>.json`` and ``.md`` (a few KB: fits any upload limit).
+``--tiny`` runs the same steps on a tiny Llama on the CPU (float32) in seconds, with the eager and static
+runners only (``--compile-cpu`` adds the compiled one: minutes of compilation): the smoke test the suite
+runs. A runner that fails (construction, warm-up, a timed forward, a decode) is dropped and its error
+recorded under ``errors`` (exit status 4 after the results are written), so one failure does not cost the
+other measurements. Results: ``<out>/gpu_bench-<tag>.json`` and ``.md`` (a few KB: fits any upload limit).
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import gc
 import glob
 import json
 import logging
@@ -41,11 +54,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from racer_batch.drafters.base import Draft  # noqa: E402
 from racer_batch.engine import Engine  # noqa: E402
-from racer_batch.engine.capacity import measure_cost_curve  # noqa: E402
 from racer_batch.engine.numerics import compare_greedy  # noqa: E402
 from racer_batch.engine.reference import generate_reference  # noqa: E402
 from racer_batch.engine.runner import ModelRunner  # noqa: E402
+from racer_batch.engine.static_runner import (  # noqa: E402
+    DEFAULT_BUCKETS, StaticRunner, describe_unsupported, pick_bucket)
+from racer_batch.engine.tree import flatten_tree  # noqa: E402
 from racer_batch.models import ModelBundle  # noqa: E402
 from racer_batch.types import DecodingConfig, GenerationParams  # noqa: E402
 
@@ -108,27 +124,152 @@ def interp(curve: dict[int, float], t: int) -> float:
     return curve[x0] + (curve[x1] - curve[x0]) * (t - x0) / (x1 - x0)
 
 
+def forward_ms(curve: dict[int, float], t: int, buckets: Optional[tuple[int, ...]]) -> float:
+    """Forward ms of a tree of ``t`` nodes: the curve at the padded size on a static runner (its cost is a step
+    function of T), linear between measured sizes on the eager one."""
+    return interp(curve, pick_bucket(t, buckets) if buckets else t)
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
+def release_memory(device: str) -> None:
+    """Drop what finished runners held (KV caches, CUDA graph pools) before the next ones allocate."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---- the runners ----
+def runner_specs(device: str, *, compile_cpu: bool) -> dict[str, dict[str, str]]:
+    """{runner name: DecodingConfig runner/compile settings} measured on ``device``."""
+    specs = {"eager": {"runner": "eager", "compile": "off"}, "static": {"runner": "static", "compile": "off"}}
+    if device.startswith("cuda"):
+        specs["cuda-graph"] = {"runner": "static", "compile": "on"}
+    elif compile_cpu:
+        specs["compiled"] = {"runner": "static", "compile": "on"}
+    return specs
+
+
+def default_runner_name(bundle: ModelBundle) -> str:
+    """The runner ``DecodingConfig(runner='auto', compile='auto')`` gives on this device (make_runner)."""
+    if describe_unsupported(bundle.model) is not None:
+        return "eager"
+    return "cuda-graph" if str(bundle.device).startswith("cuda") else "static"
+
+
+def bench_buckets(capacities: list[int]) -> tuple[int, ...]:
+    """The buckets the engine's static runner ends up with for these capacities: its defaults plus, for a
+    capacity above them, the one power of two ``StaticRunner.add_bucket`` adds. Known before the runner is
+    built, so its KV cache can be sized once (``build_runner``)."""
+    top = max(capacities)
+    if top <= DEFAULT_BUCKETS[-1]:
+        return tuple(DEFAULT_BUCKETS)
+    return (*DEFAULT_BUCKETS, 1 << (int(top) - 1).bit_length())
+
+
+def build_runner(bundle: ModelBundle, spec: dict[str, str], *, buckets: tuple[int, ...], max_len: int) -> Any:
+    """``max_len``: KV positions per slot from the start, so ``new_cache`` never grows the buffers (which would
+    drop the graphs captured by ``warmup``)."""
+    if spec["runner"] == "eager":
+        return ModelRunner(bundle)
+    return StaticRunner(bundle, compile=spec["compile"] == "on", buckets=buckets, max_len=max_len)
+
+
+def warm_runner(runner: Any, capacities: list[int], device: str) -> tuple[float, dict[str, float]]:
+    """(wall seconds of ``runner.warmup(capacities)`` including the device work, {bucket: s} it reports)."""
+    if not hasattr(runner, "warmup"):
+        return 0.0, {}
+    sync(device)
+    t0 = time.perf_counter()
+    per_bucket = runner.warmup(capacities)
+    sync(device)
+    return time.perf_counter() - t0, {str(b): round(s, 4) for b, s in sorted(per_bucket.items())}
+
+
+@torch.inference_mode()
+def measure_interleaved(runners: dict[str, Any], capacities: list[int], *, bundle: ModelBundle, context_tokens: int,
+                        repeats: int, errors: dict[str, str]) -> dict[str, dict[int, float]]:
+    """Median ms of one verify forward over T tree tokens (a chain) after ``context_tokens`` cached ones, up to
+    and including the argmax copied back to the CPU, for every runner, interleaved: each of the ``repeats``
+    rounds (after one untimed round) visits every (T, runner) pair once, the runner order rotating per round,
+    so drifts (clocks, temperature, other load) fall on all runners alike. A runner that raises is dropped
+    (``errors``). Returns {runner: {T: ms}} for T in ``capacities`` and T = 1."""
+    device = str(bundle.device)
+    vocab = bundle.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (context_tokens,), generator=gen).tolist()
+    sizes = sorted(set([1, *capacities]))
+    any_runner = next(iter(runners.values()))
+    trees = {}
+    for t in sizes:
+        chain = Draft(token_ids=torch.randint(0, vocab, (t,), generator=gen).tolist(),
+                      parents=list(range(-1, t - 1)), sources=[0] * t)
+        trees[t] = flatten_tree(chain, committed_len=context_tokens, device=any_runner.device, dtype=any_runner.dtype)
+    live = dict(runners)
+    caches: dict[str, Any] = {}
+
+    def drop(name: str, exc: BaseException) -> None:
+        log.exception("runner %s failed; dropped from the curves", name)
+        errors[name] = f"cost curve: {type(exc).__name__}: {exc}"
+        live.pop(name, None)
+        cache = caches.pop(name, None)
+        if getattr(cache, "release", None) is not None:
+            cache.release()
+
+    for name, runner in list(live.items()):
+        try:
+            caches[name] = runner.new_cache(context_tokens + sizes[-1])
+            runner.prefill(prompt, cache=caches[name], topk=0)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other runners go on
+            drop(name, exc)
+    times: dict[str, dict[int, list[float]]] = {name: {t: [] for t in sizes} for name in live}
+    for rnd in range(repeats + 1):
+        for t in sizes:
+            names = list(live)
+            for name in names[rnd % len(names):] + names[: rnd % len(names)] if names else []:
+                runner, cache = live[name], caches[name]
+                try:
+                    sync(device)
+                    t0 = time.perf_counter()
+                    logits = runner.verify_tree(trees[t], cache=cache)
+                    logits.argmax(-1).cpu()
+                    ms = (time.perf_counter() - t0) * 1000.0
+                    runner.keep_rows(cache, committed_len=context_tokens, nodes=[])
+                except Exception as exc:  # noqa: BLE001
+                    drop(name, exc)
+                    continue
+                if rnd:
+                    times[name][t].append(ms)
+    for name, cache in caches.items():
+        if getattr(cache, "release", None) is not None:
+            cache.release()
+    return {name: {t: statistics.median(times[name][t]) for t in sizes} for name in live}
+
+
+# ---- the engine's per-step overhead ----
 def step_overhead(bundle: ModelBundle, curve: dict[int, float], *, method: str, capacity: int, prompt: list[int],
-                  max_new_tokens: int) -> tuple[dict, Any]:
-    """Decode once (after one warm-up) and split each step into forward time t(T) and everything else."""
-    engine = Engine(bundle, DecodingConfig(method=method, capacity=capacity) if method != "ar" else
-                    DecodingConfig(method="ar"))
+                  max_new_tokens: int, runner_name: str, spec: dict[str, str]) -> tuple[dict, Any]:
+    """Decode once (after one warm-up) on the runner ``spec`` and split each step into forward time t(T), read
+    from ``curve`` (that runner's), and everything else. The prefill record (step 0) is left out."""
+    cfg = dict(runner=spec["runner"], compile=spec["compile"])
+    engine = Engine(bundle, DecodingConfig(method=method, capacity=capacity, **cfg) if method != "ar" else
+                    DecodingConfig(method="ar", **cfg))
+    buckets = getattr(engine.runner, "buckets", None)
     params = GenerationParams(max_new_tokens=max_new_tokens)
-    engine.generate(prompt, params)  # warm-up: allocator, kernels, drafter code paths
+    engine.generate(prompt, params)  # warm-up: allocator, kernels, graphs of the grown cache, drafter code paths
     sync(bundle.device)
     res = engine.generate(prompt, params, keep_steps=True)
-    recs = res.stats.step_records
-    assert recs, f"{method}: no decoding steps recorded"
+    recs = res.stats.step_records[1:]  # [0] is the prefill (tree_size 1, no step times)
+    assert recs, f"{method} on {runner_name}: no decoding steps recorded"
     total = [r.draft_ms + r.verify_ms + r.update_ms for r in recs]
-    fwd = [interp(curve, r.tree_size) for r in recs]
+    fwd = [forward_ms(curve, r.tree_size, buckets) for r in recs]
     over = [t - f for t, f in zip(total, fwd)]
     out = {
-        "method": method, "capacity": capacity if method != "ar" else 1, "steps": len(recs),
+        "method": method, "runner": runner_name, "capacity": capacity if method != "ar" else 1, "steps": len(recs),
         "mean_tree_tokens": round(statistics.mean(r.tree_size for r in recs), 2),
         "mat": round(res.stats.mat, 3),
         "step_ms": round(statistics.mean(total), 3),
@@ -136,8 +277,12 @@ def step_overhead(bundle: ModelBundle, curve: dict[int, float], *, method: str, 
         "overhead_ms": round(statistics.mean(over), 3),
         "overhead_ms_median": round(statistics.median(over), 3),
         "draft_ms": round(statistics.mean(r.draft_ms for r in recs), 3),
+        "verify_ms": round(statistics.mean(r.verify_ms for r in recs), 3),
         "update_ms": round(statistics.mean(r.update_ms for r in recs), 3),
+        "engine_warmup_s": round(engine.warmup_s, 3),
     }
+    del engine
+    release_memory(str(bundle.device))
     return out, res
 
 
@@ -168,12 +313,34 @@ def project(curve: dict[int, float], *, mat: Optional[float], o_ar: float, o_rac
 
 def write_md(d: dict, path: Path) -> None:
     m, c = d["machine"], d["config"]
+    default = d["default_runner"]
+    names = list(d["cost_curves_ms"])
     lines = [f"# GPU cost model ({d['tag']})", "", f"Reproduce: `{d['command']}`", "",
              f"Device: {m['device_name']} ({m['device']}), torch {m['torch']}, CUDA {m['cuda']}; model: random "
              f"{c['shape_name']} Llama in {c['dtype']}, context {c['context_tokens']} cached tokens.", ""]
     if d["tag"].startswith("tiny"):
         lines += ["**Tiny CPU smoke run: these numbers test the script, they say nothing about a GPU.**", ""]
-    lines += ["## Forward cost and projection", "",
+    lines += ["## Verify forward cost per runner", "",
+              f"t(T) ms, median of {c['repeats']} interleaved repeats (t(T)/t(1) in brackets). Static runners pad "
+              f"T to the buckets {tuple(c['static_buckets'])}. Default runner on this device (the engine's "
+              f"`runner: auto, compile: auto`): **{default}**.", "",
+              "| T | " + " | ".join(f"{n} ms" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+    for t in d["cost_curve_ms"]:
+        cells = []
+        for n in names:
+            ms, r = d["cost_curves_ms"][n].get(t), d["t_ratio"][n].get(t)
+            cells.append("" if ms is None else f"{ms} ({r:.2f}x)")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    warm = ", ".join(f"{n} {d['warmup_s'][n]} s" for n in names)
+    lines += ["", f"Warm-up per runner (weight packing; graph capture or compilation of every bucket up to "
+                  f"{max(int(t) for t in d['cost_curve_ms'])}): {warm}.", ""]
+    per = [f"{n} {o['ar']['overhead_ms']} ms of a {o['ar']['step_ms']} ms step"
+           for n, o in d["overhead_by_runner"].items() if "ar" in o]
+    lines += [f"Per-step overhead outside the forward (ar, one token per step): {'; '.join(per)}. "
+              f"RACER on {default}: {d['overhead']['racer']['overhead_ms']} ms of a "
+              f"{d['overhead']['racer']['step_ms']} ms step (mean tree {d['overhead']['racer']['mean_tree_tokens']} "
+              "tokens).", ""]
+    lines += [f"## Projection on the default runner ({default})", "",
               f"MAT: {d['mat']['value']} ({d['mat']['source']}). speedup ~= MAT * (t(1) + o_ar) / (t(T) + o_racer), "
               f"o_ar = {d['overhead']['ar']['overhead_ms']} ms, o_racer = {d['overhead']['racer']['overhead_ms']} ms "
               "(per step, outside the forward).", "",
@@ -183,25 +350,31 @@ def write_md(d: dict, path: Path) -> None:
         lines.append(f"| {r['T']}{mark} | {d['cost_curve_ms'][str(r['T'])]} | {r['t_ratio']} | {r['break_even_mat']} | "
                      f"{'' if r['projected_speedup'] is None else r['projected_speedup']} |")
     lines += ["", "## Per-step CPU overhead of the engine", "",
-              "| method | capacity | steps | mean tree tokens | step ms | forward ms (curve) | overhead ms | draft ms | update ms |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for o in d["overhead"].values():
-        lines.append(f"| {o['method']} | {o['capacity']} | {o['steps']} | {o['mean_tree_tokens']} | {o['step_ms']} | "
-                     f"{o['forward_ms_from_curve']} | {o['overhead_ms']} | {o['draft_ms']} | {o['update_ms']} |")
+              "| runner | method | capacity | steps | mean tree tokens | step ms | forward ms (curve) | overhead ms | "
+              "draft ms | verify ms | update ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for o in (o for per_runner in d["overhead_by_runner"].values() for o in per_runner.values()):
+        lines.append(f"| {o['runner']} | {o['method']} | {o['capacity']} | {o['steps']} | {o['mean_tree_tokens']} | "
+                     f"{o['step_ms']} | {o['forward_ms_from_curve']} | {o['overhead_ms']} | {o['draft_ms']} | "
+                     f"{o['verify_ms']} | {o['update_ms']} |")
     g = d["greedy_equality"]
-    lines += ["", "## Greedy equality in the model's dtype", "", f"AR reference vs RACER: {g['describe']}", ""]
+    lines += ["", f"## Greedy equality in the model's dtype ({default})", "",
+              f"AR reference vs RACER: {g['describe']}", ""]
+    if d["errors"]:
+        lines += ["## Errors", ""] + [f"- {k}: {v}" for k, v in d["errors"].items()] + [""]
     path.write_text("\n".join(lines))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny Llama on the CPU in float32 (smoke test)")
+    p.add_argument("--compile-cpu", action="store_true",
+                   help="on the CPU also time the torch.compile'd static step (slow: minutes of compilation)")
     p.add_argument("--device", default=None, help="default: cuda when available (required without --tiny)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on CUDA, float32 with --tiny")
     p.add_argument("--capacities", default=DEFAULT_CAPACITIES)
     p.add_argument("--context", type=int, default=None, help="cached tokens before the tree (default 512; tiny 64)")
-    p.add_argument("--repeats", type=int, default=None, help="timed forwards per T (default 10; tiny 3)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds per (T, runner) (default 10; tiny 3)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per overhead run (default 128; tiny 32)")
     p.add_argument("--racer-capacity", type=int, default=None,
                    help="capacity of the racer overhead run (default: the bench file's, else 64; tiny 16)")
@@ -239,17 +412,85 @@ def main(argv: Optional[list[str]] = None) -> int:
     bundle = build_model(shape, device=device, dtype=dtype)
     build_s = time.perf_counter() - t0
     log.info("built %s model on %s in %.1f s", "tiny" if args.tiny else "8B-shaped", device, build_s)
-    runner = ModelRunner(bundle)
-    curve = measure_cost_curve(runner, caps, context_tokens=context, repeats=repeats)
-    log.info("t(T) ms: %s", {t: round(ms, 2) for t, ms in curve.items()})
 
-    # A prompt that repeats itself, so the retrieval drafter has something to propose.
+    # 1. t(T) per runner, interleaved.
+    specs = runner_specs(device, compile_cpu=args.compile_cpu)
+    preferred = default_runner_name(bundle)
+    buckets = bench_buckets([1, *caps])
+    max_len = context + max(caps) + buckets[-1]  # new_cache(context + max T) reserves one largest bucket more
+    errors: dict[str, str] = {}
+    runners: dict[str, Any] = {}
+    warmup_s: dict[str, float] = {}
+    warmup_buckets: dict[str, dict[str, float]] = {}
+    described: dict[str, dict] = {}
+    for name, spec in specs.items():
+        try:
+            runner = build_runner(bundle, spec, buckets=buckets, max_len=max_len)
+            s, per_bucket = warm_runner(runner, caps, device)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other runners go on
+            log.exception("runner %s failed to build or warm up; dropped", name)
+            errors[name] = f"build/warm-up: {type(exc).__name__}: {exc}"
+            continue
+        runners[name], warmup_s[name], warmup_buckets[name] = runner, round(s, 3), per_bucket
+        described[name] = {"class": type(runner).__name__, **spec, "matmul": getattr(runner, "matmul", None),
+                           "compiled": bool(getattr(runner, "compiled", False))}
+        log.info("runner %s ready (warm-up %.2f s)", name, s)
+    runner = None  # only `runners` holds them now: freed after the curves
+    if not runners:
+        print(f"no runner could be built: {errors}", file=sys.stderr)
+        return 4
+    curves = measure_interleaved(runners, caps, bundle=bundle, context_tokens=context, repeats=repeats,
+                                 errors=errors)
+    for name, curve in curves.items():
+        log.info("t(T) ms %s: %s", name, {t: round(ms, 2) for t, ms in curve.items()})
+    runners.clear()
+    release_memory(device)
+    if not curves:
+        print(f"no runner could be timed: {errors}", file=sys.stderr)
+        return 4
+
+    # 2. Per-step overhead: ar and racer on the default runner (falling back when it fails), ar on the others.
     gen = torch.Generator().manual_seed(1)
     motif = torch.randint(3, shape["vocab_size"], (24,), generator=gen).tolist()
-    prompt = (motif * (context // len(motif) + 1))[:context]
-    o_ar, _ = step_overhead(bundle, curve, method="ar", capacity=1, prompt=prompt, max_new_tokens=max_new)
-    o_racer, racer_res = step_overhead(bundle, curve, method="racer", capacity=racer_cap, prompt=prompt,
-                                       max_new_tokens=max_new)
+    prompt = (motif * (context // len(motif) + 1))[:context]  # repeats itself: the retrieval drafter has material
+    overhead_by_runner: dict[str, dict[str, dict]] = {}
+    default, racer_res = None, None
+    for name in dict.fromkeys([preferred, "static", "eager", *curves]):
+        if name not in curves:
+            continue
+        try:
+            o_ar, _ = step_overhead(bundle, curves[name], method="ar", capacity=1, prompt=prompt,
+                                    max_new_tokens=max_new, runner_name=name, spec=specs[name])
+            o_racer, racer_res = step_overhead(bundle, curves[name], method="racer", capacity=racer_cap, prompt=prompt,
+                                               max_new_tokens=max_new, runner_name=name, spec=specs[name])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("decoding on runner %s failed", name)
+            errors[f"{name} decode"] = f"{type(exc).__name__}: {exc}"
+            release_memory(device)
+            continue
+        default = name
+        overhead_by_runner[name] = {"ar": o_ar, "racer": o_racer}
+        break
+    if default is None:
+        print(f"no runner could decode: {errors}", file=sys.stderr)
+        return 4
+    if default != preferred:
+        errors["default runner"] = f"{preferred} unavailable: projection and greedy check on {default}"
+    for name in curves:
+        if name in overhead_by_runner or f"{name} decode" in errors:
+            continue
+        try:
+            o, _ = step_overhead(bundle, curves[name], method="ar", capacity=1, prompt=prompt, max_new_tokens=max_new,
+                                 runner_name=name, spec=specs[name])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("ar on runner %s failed", name)
+            errors[f"{name} decode"] = f"{type(exc).__name__}: {exc}"
+            release_memory(device)
+            continue
+        overhead_by_runner[name] = {"ar": o}
+    overhead_by_runner = {n: overhead_by_runner[n] for n in curves if n in overhead_by_runner}
+
+    # 3. Greedy equality: AR reference (the transformers forward) vs RACER on the default runner.
     ref = generate_reference(bundle, prompt, GenerationParams(max_new_tokens=max_new))
     div = compare_greedy(bundle, prompt, ref.token_ids, racer_res.token_ids)
 
@@ -259,6 +500,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         dev_name, mem = platform.processor() or platform.machine(), None
     tag = args.tag or ("tiny-" + device.split(":")[0] if args.tiny else dev_name.replace(" ", "-").lower())
+    curve = curves[default]
+    o_ar, o_racer = overhead_by_runner[default]["ar"], overhead_by_runner[default]["racer"]
     d = {
         "tag": tag,
         "command": "python scripts/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -267,15 +510,27 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "peak_gpu_memory_gib": mem, "python": platform.python_version()},
         "config": {"shape_name": "tiny" if args.tiny else "llama-8b", "shape": shape, "dtype": dtype_name,
                    "context_tokens": context, "repeats": repeats, "max_new_tokens": max_new,
-                   "racer_capacity": racer_cap, "build_s": round(build_s, 1)},
+                   "racer_capacity": racer_cap, "build_s": round(build_s, 1),
+                   "static_buckets": list(buckets),
+                   "static_max_len": max_len, "engine_buckets": list(DEFAULT_BUCKETS)},
+        "runners": described,
+        "default_runner": default,
+        # the default runner's curve: what the projection uses
         "cost_curve_ms": {str(t): round(ms, 3) for t, ms in sorted(curve.items())},
+        "cost_curves_ms": {n: {str(t): round(ms, 3) for t, ms in sorted(c.items())} for n, c in curves.items()},
+        "t_ratio": {n: {str(t): round(ms / c[1], 3) for t, ms in sorted(c.items())} for n, c in curves.items()},
+        "warmup_s": {n: warmup_s[n] for n in curves},
+        "warmup_s_per_bucket": {n: warmup_buckets[n] for n in curves},
+        # per-step overhead on the default runner (ar, racer); overhead_by_runner adds ar on every runner
         "overhead": {"ar": o_ar, "racer": o_racer},
-        "greedy_equality": {"identical": div.identical, "common_prefix": div.common_prefix, "len_ref": div.len_a,
-                            "len_racer": div.len_b, "logit_gap": div.logit_gap, "is_tie": div.is_tie,
-                            "describe": div.describe()},
+        "overhead_by_runner": overhead_by_runner,
+        "greedy_equality": {"runner": default, "identical": div.identical, "common_prefix": div.common_prefix,
+                            "len_ref": div.len_a, "len_racer": div.len_b, "logit_gap": div.logit_gap,
+                            "is_tie": div.is_tie, "describe": div.describe()},
         "mat": {"value": mat, "source": source, "bench_capacity": bench_cap},
         "projection": project(curve, mat=mat, o_ar=o_ar["overhead_ms"], o_racer=o_racer["overhead_ms"],
                               bench_capacity=bench_cap),
+        "errors": errors,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -284,6 +539,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     write_md(d, mpath)
     print(mpath.read_text())
     print(f"wrote {jpath} and {mpath}")
+    if errors:
+        print(f"some runners failed (see 'errors' in {jpath}): {errors}", file=sys.stderr)
+        return 4
     return 0
 
 

@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The GPU cost-model benchmark (scripts/gpu_bench.py) for a CUDA machine with no network.
+# The GPU cost-model benchmark (scripts/gpu_bench.py) for a CUDA machine with no network: t(T) of the verify
+# forward for the eager, static and cuda-graph runners (interleaved), their warm-up (capture) seconds, the
+# engine's per-step overhead per runner, greedy equality and the projected speedup on the default runner.
 #
-#   bash scripts/gpu_bench.sh                 # 8B-shaped random bf16 Llama on cuda:0 (~17 GB GPU memory, ~3 min)
-#   bash scripts/gpu_bench.sh --tiny          # tiny Llama on the CPU: checks the script anywhere, in seconds
+#   bash scripts/gpu_bench.sh                 # 8B-shaped random bf16 Llama on cuda:0 (~17 GB GPU memory, ~3-5 min)
+#   bash scripts/gpu_bench.sh --tiny          # tiny Llama on the CPU, eager + static runners: checks the script
+#                                             # anywhere, in seconds
+#   bash scripts/gpu_bench.sh --tiny --compile-cpu   # ... plus the torch.compile'd static step (minutes)
 #   bash scripts/gpu_bench.sh --mat 2.4       # project with this MAT instead of the newest benchmarks/bench-*.json
+#   bash scripts/gpu_bench.sh --repeats 5     # fewer timed rounds per (T, runner) (default 10)
+#
+# Exit status: 0; 3 without CUDA and without --tiny; 4 when a runner failed (the others' results are still
+# written, the failure is under "errors" in the JSON).
 #
 # Needs python with torch (a CUDA build for the real run), transformers, numpy and pydantic; nothing is
 # downloaded (weights are random, built from the config). Uses .venv/bin/python when present, else $PYTHON,

@@ -41,6 +41,7 @@ from ..models import ModelBundle
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+INITIAL_POSITIONS = 2048  # KV positions per slot allocated at start (grows on demand up to the context)
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds the [chunk, S] attention scores)
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 MATMUL_PATHS = ("auto", "torch", "mkl_packed", "onednn_packed")
@@ -264,7 +265,9 @@ class StaticRunner:
     Args:
         bundle: the loaded target model (a Llama-family checkpoint; see ``describe_unsupported``).
         slots: streams the KV cache holds (a later issue verifies several slots in one forward).
-        max_len: KV positions per slot; grows on demand up to the context (plus one bucket of tree padding).
+        max_len: KV positions per slot at start (at least one bucket + 1; 0: the context or
+            ``INITIAL_POSITIONS``, whichever is smaller, plus one bucket of tree padding); grows on demand up to the context (growing drops the
+            captured CUDA graphs, which are captured again lazily, and recompiles a compiled CPU step).
         buckets: the padded tree sizes.
         matmul: ``auto`` | ``torch`` | ``mkl_packed`` | ``onednn_packed`` (``default_matmul_path``).
         compile: compile the verify step per bucket: CUDA graphs on CUDA, ``torch.compile`` on the CPU.
@@ -341,7 +344,9 @@ class StaticRunner:
         self.warmup_s: dict[int, float] = {}
         # the additive mask [max bucket, max_len] is kept 0 outside the tree block of the current step
         self.mask = torch.empty(0)
-        self._grow(max(int(max_len), self.buckets[-1] + 1))
+        # sized for a typical row up front, so warm-up graphs / compiled steps survive the first rows
+        start = int(max_len) if max_len > 0 else min(self.context_length, INITIAL_POSITIONS) + self.buckets[-1]
+        self._grow(max(start, self.buckets[-1] + 1))
 
     # ---- memory ----
     @property
@@ -494,7 +499,8 @@ class StaticRunner:
         """One forward over a flattened draft tree (``tree.TreeInputs``) padded to its bucket.
 
         Returns:
-            logits ``[T, V]`` of the real nodes (model dtype); padding rows are dropped.
+            logits ``[T, V]`` of the real nodes (model dtype); padding rows are dropped. On the CUDA-graph path
+            they live in the graphs' shared output pool: valid until the next ``verify_tree`` call.
         """
         t = tree.size
         if t > self.buckets[-1]:
@@ -503,6 +509,8 @@ class StaticRunner:
         committed = cache.length
         if committed + t_pad > self.max_len:
             self._grow(committed + t_pad)
+        if self.compile_requested and not self.compiled:
+            self._enable_compile()
         if self.compiled:
             return self._verify_compiled(tree, cache.slot, committed, t_pad)
         ids, pos = self._write_tree(tree, committed, t_pad)
@@ -582,6 +590,7 @@ class StaticRunner:
         self._pos = torch.zeros(t, dtype=torch.long, device=self.device)
         self._write = torch.zeros(t, dtype=torch.long, device=self.device)
         self._gmask = torch.zeros((t, self.max_len), dtype=self.dtype, device=self.device)
+        self._graphs.clear()  # captured graphs read the buffers they were captured with
         self._graph_pool = None
         if self.device.type != "cuda" and self._compiled_fn is None:
             from ..models import cache_root
@@ -638,6 +647,8 @@ class StaticRunner:
             self.lm_head.prepare(b)
             if self.compile_requested:
                 self._warm_compiled(b)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             self.warmup_s[b] = time.perf_counter() - tb
         log.info("static runner warm-up (%s matmuls, buckets up to %d): %.2f s", self.matmul, top,
                  time.perf_counter() - t0)

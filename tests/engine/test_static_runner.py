@@ -388,10 +388,11 @@ def test_compiled_cpu_step_matches_eager_static_and_oracle():
 def test_kv_buffer_grows_preserving_values_and_stays_bounded():
     ctx = 48
     model = make_model("qwen2", seed=31, max_position_embeddings=ctx)
-    runner = StaticRunner(bundle_of(model, context_length=ctx), buckets=BUCKETS, slots=2, max_len=0)
+    runner = StaticRunner(bundle_of(model, context_length=ctx), buckets=BUCKETS, slots=2, max_len=1)
     assert runner.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv_heads x head_dim x float32
     start_len = runner.max_len
-    assert start_len == BUCKETS[-1] + 1
+    assert start_len == BUCKETS[-1] + 1  # the smallest start: one bucket of padding + 1
+    assert StaticRunner(bundle_of(model, context_length=ctx), buckets=BUCKETS).max_len == ctx + BUCKETS[-1]
     gen = torch.Generator().manual_seed(31)
 
     # another row in slot A holds a prefix while slot B's growth reallocates the shared buffer

@@ -80,13 +80,31 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
     assert rc == 0
     d = json.loads((tmp_path / "out" / "gpu_bench-tiny-cpu.json").read_text())
     assert set(d["cost_curve_ms"]) == {"1", "4", "16"}
+    # eager and static on the CPU (no compile without --compile-cpu), timed over the same sizes; the default
+    # runner's curve is the one the projection uses
+    assert d["default_runner"] == "static" and not d["errors"]
+    assert set(d["cost_curves_ms"]) == {"eager", "static"}
+    assert all(set(c) == {"1", "4", "16"} for c in d["cost_curves_ms"].values())
+    assert d["cost_curve_ms"] == d["cost_curves_ms"]["static"]
+    assert all(d["t_ratio"][n]["1"] == 1.0 for n in ("eager", "static"))
+    assert set(d["warmup_s"]) == {"eager", "static"} and d["warmup_s"]["eager"] == 0.0
+    assert all(v >= 0 for v in d["warmup_s"].values())
+    assert not d["runners"]["static"]["compiled"]
     assert d["mat"]["value"] == 2.5 and d["mat"]["bench_capacity"] == 16
     row16 = next(r for r in d["projection"] if r["T"] == 16)
     assert row16["at_bench_capacity"] and row16["projected_speedup"] == pytest.approx(
         2.5 / row16["break_even_mat"], rel=0.01)
-    assert d["overhead"]["ar"]["steps"] == 16 and d["overhead"]["racer"]["steps"] >= 1
+    # 16 new tokens: the prefill's and 15 decoding steps (the prefill record is not a step)
+    assert d["overhead"]["ar"]["steps"] == 15 and d["overhead"]["racer"]["steps"] >= 1
+    assert d["overhead"]["ar"]["runner"] == d["overhead"]["racer"]["runner"] == "static"
+    by = d["overhead_by_runner"]
+    assert set(by) == {"eager", "static"} and set(by["static"]) == {"ar", "racer"} and set(by["eager"]) == {"ar"}
+    assert by["static"]["ar"] == d["overhead"]["ar"] and by["eager"]["ar"]["runner"] == "eager"
+    assert all(o["ar"]["steps"] == 15 for o in by.values())
     assert d["greedy_equality"]["identical"] or d["greedy_equality"]["is_tie"]
-    assert "say nothing about a GPU" in (tmp_path / "out" / "gpu_bench-tiny-cpu.md").read_text()
+    md = (tmp_path / "out" / "gpu_bench-tiny-cpu.md").read_text()
+    assert "say nothing about a GPU" in md
+    assert "| T | eager ms | static ms |" in md and "Per-step overhead outside the forward" in md
 
 
 def test_gpu_bench_refuses_the_full_run_without_cuda(gpu_bench, tmp_path, capsys):
