@@ -195,3 +195,21 @@ def test_iter_shards_one_pass_with_skips(tmp_path):
                                                                        skip=frozenset({1}))]
     assert got == [(0, [0, 1, 2, 3]), (2, [8, 9])]
     assert [s for s, _ in iter_shards(plan, columns=["id"], shard_rows=3)] == [0, 1, 2, 3]
+
+
+def test_model_dtype_is_hashed_only_when_set_and_reaches_load_model(tmp_path, monkeypatch):
+    write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
+    plain = load_spec(None, base_overrides(tmp_path))
+    assert plain.model.dtype is None
+    bf16 = load_spec(None, base_overrides(tmp_path, **{"model.dtype": "bfloat16"}))
+    assert bf16.model.dtype == "bfloat16" and bf16.spec_hash() != plain.spec_hash()
+    with pytest.raises(SpecError, match="model.dtype"):
+        load_spec(None, base_overrides(tmp_path, **{"model.dtype": "int3"}))
+    seen = {}
+    import racer_batch.models as models
+    from racer_batch.service.runner import default_loader
+
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: seen.update(kw, name=name) or "bundle")
+    real = bf16.model.model_copy(update={"name": "smollm2-135m"})  # base_overrides uses the stand-in model
+    assert default_loader(real, allow_remote_code=False, device="cpu") == "bundle"
+    assert seen["dtype"] == "bfloat16" and seen["name"] == "smollm2-135m"
