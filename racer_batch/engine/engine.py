@@ -105,6 +105,7 @@ class Engine:
         self.bundle = bundle
         self.config = config or DecodingConfig()
         self.drafter_factory = drafter_factory or make_drafter
+        t_setup = time.perf_counter()
         self.runner = make_runner(bundle, kind=self.config.runner, compile=self.config.compile)
         self._global_state: DraftState | None = None
         self.tuner: CapacityTuner | None = None
@@ -114,11 +115,9 @@ class Engine:
             sizes = sorted(set(self.config.auto_capacities))
         else:
             sizes = [int(self.config.capacity)]
-        self.warmup_s = 0.0
         if hasattr(self.runner, "warmup"):  # static runner: pack weights / compile every tree size it will use
-            t0 = time.perf_counter()
             self.runner.warmup(sizes)
-            self.warmup_s = time.perf_counter() - t0
+        self.warmup_s = time.perf_counter() - t_setup  # runner set-up (weight packing) + warm-up, seconds
         if self.config.capacity == "auto" and self.config.method != "ar":
             cands = sizes
             cost = measure_cost_curve(self.runner, cands)

@@ -259,7 +259,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class StaticRunner:
     """Runs the target model with a static KV cache and fixed verify shapes (batch size 1 per slot).
 
-    The same three calls as the eager ``ModelRunner`` (``new_cache``, ``prefill``, ``verify_tree``,
+    The same calls as the eager ``ModelRunner`` (``new_cache``, ``prefill``, ``verify_tree``,
     ``keep_rows``), so the engine's step loop does not know which one runs.
 
     Args:
@@ -339,7 +339,7 @@ class StaticRunner:
         self._cos = self._sin = torch.empty(0)
         self.compiled = False
         self.compile_requested = bool(compile)
-        self._graphs: dict[int, Any] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}  # (slot, bucket) -> (CUDA graph, its logits)
         self._compiled_fn: Any = None
         self.warmup_s: dict[int, float] = {}
         # the additive mask [max bucket, max_len] is kept 0 outside the tree block of the current step

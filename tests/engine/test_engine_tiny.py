@@ -209,6 +209,18 @@ def test_capacity_tuner_prefers_cheap_trees_when_acceptance_is_shallow():
     assert tuner2.choose() == 64  # deep acceptance from late nodes pays for the big tree
 
 
+def test_capacity_tuner_explores_one_size_up_not_the_largest():
+    tuner = CapacityTuner({4: 10.0, 16: 20.0, 64: 40.0}, [4, 16, 64], warmup_steps=4, explore_every=4)
+    used = []
+    for _ in range(24):
+        cap = tuner.capacity()
+        used.append(cap)
+        tuner.observe(used_capacity=cap, accepted_creation_idx=[1, 2], overhead_ms=0.0)
+    assert used[:4] == [64] * 4  # warm-up at the largest: every capacity gets observations
+    assert tuner.current == 4 and set(used[4:]) == {4, 16}  # exploration costs t(16), never t(64)
+    assert used[4:].count(16) == 5
+
+
 def test_auto_capacity_runs_and_stays_lossless(tiny):
     engine = Engine(tiny, DecodingConfig(method="racer", capacity="auto", auto_capacities=[4, 8, 16]))
     assert set(engine.cost_curve_ms) == {1, 4, 8, 16}
