@@ -78,6 +78,43 @@ class Contender:
         return {t: statistics.median(v[1:] if len(v) > 2 else v) for t, v in self.times.items()}
 
 
+class HFStaticContender(Contender):
+    """transformers' own static-cache path: a ``StaticCache`` sized up front, explicit positions and a 4D
+    additive mask over the whole cache, the stock (uncompiled) forward: the other way issue 12 names. The
+    cache's write offset is set back after each timed call, so every call writes the same rows."""
+
+    def __init__(self, label: str, bundle, *, context: int, sizes: list[int], vocab: int) -> None:
+        from transformers import StaticCache
+
+        self.label, self.context, self.bundle, self.runner = label, context, bundle, None
+        self.max_len = context + max(sizes)
+        self.cache = StaticCache(config=bundle.model.config, max_cache_len=self.max_len)
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab, (1, context), generator=gen)
+        with torch.inference_mode():
+            bundle.model(input_ids=prompt, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.inputs = {}
+        neg = torch.finfo(torch.float32).min
+        for t in sizes:
+            ids = torch.randint(0, vocab, (1, t), generator=gen)
+            mask = torch.full((1, 1, t, self.max_len), neg)
+            mask[0, 0, :, :context] = 0.0
+            mask[0, 0, :, context : context + t].masked_fill_(torch.ones(t, t, dtype=torch.bool).tril(), 0.0)
+            self.inputs[t] = (ids, mask, torch.arange(context, context + t))
+        self.times = {t: [] for t in sizes}
+
+    @torch.inference_mode()
+    def once(self, t: int) -> None:
+        ids, mask, pos = self.inputs[t]
+        t0 = time.perf_counter()
+        out = self.bundle.model(input_ids=ids, attention_mask=mask, position_ids=pos.view(1, -1),
+                                cache=self.cache, use_cache=True)
+        out.logits.argmax(-1)
+        self.times[t].append((time.perf_counter() - t0) * 1000.0)
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self.context)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -87,6 +124,7 @@ def main() -> int:
     ap.add_argument("--paths", default="mkl_packed,onednn_packed,torch", help="static-runner matmul paths")
     ap.add_argument("--compile", action="store_true", help="also the compiled static step (torch.compile on CPU)")
     ap.add_argument("--bf16", action="store_true", help="also the static runner on a bfloat16 copy of the model")
+    ap.add_argument("--hf-static", action="store_true", help="also transformers' own StaticCache path (uncompiled)")
     ap.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     args = ap.parse_args()
@@ -111,6 +149,9 @@ def main() -> int:
     add("eager", lambda: ModelRunner(bundle))
     for path in [p for p in args.paths.split(",") if p]:
         add(f"static-{path}", lambda path=path: StaticRunner(bundle, matmul=path))
+    if args.hf_static:
+        contenders.append(HFStaticContender("hf-staticcache", bundle, context=args.context, sizes=sizes, vocab=vocab))
+        setup_s["hf-staticcache"] = 0.0
     if args.compile:
         add("static-compiled", lambda: StaticRunner(bundle, compile=True))
     if args.bf16:

@@ -101,7 +101,8 @@ def make_runner(bundle: ModelBundle, *, kind: str = "auto", compile: str = "auto
     ``auto`` takes the static runner (engine/static_runner.py) when ``describe_unsupported`` finds nothing
     against the model, else the eager ``ModelRunner``, and logs why. ``compile``: ``on`` compiles the static
     verify step per tree size (CUDA graphs on CUDA, ``torch.compile`` on the CPU), ``off`` never, ``auto``
-    only on CUDA (on the CPU the compiled step is not worth its warm-up: docs/architecture.md).
+    only on CUDA (on the CPU inductor copies the whole KV cache per layer for the in-place KV write, which made the
+    compiled step ~30x slower: benchmarks/README.md).
 
     Raises:
         ValueError: ``static`` for a model the static runner cannot run, or an unknown kind.
