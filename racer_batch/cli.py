@@ -84,8 +84,8 @@ def _decoding_options(f):
                      show_default=True, help="Compiled verify step per tree size (CUDA graphs; torch.compile on "
                      "CPU); auto = on CUDA only.")(f)
     f = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-                     help="Weights' precision (default float32 on CPU, bfloat16 on CUDA). Reduced precision is "
-                     "lossless against greedy decoding of the same reduced model.")(f)
+                     help="Weights' precision (default float32 on CPU, bfloat16 on CUDA). Reduced precision changes "
+                     "outputs and equals greedy decoding of the same reduced model only up to numerical ties.")(f)
     return f
 
 

@@ -171,8 +171,13 @@ class DecodingConfig(BaseModel):
         return self
 
     def config_hash(self) -> str:
-        """Short stable hash of the configuration, stamped on every output row."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        """Short stable hash of the configuration, stamped on every output row. ``runner`` and ``compile`` are
+        left out: they choose how the same forward is computed, not what is decoded (both runners are tested
+        equal to the transformers forward), so rows from either carry the same hash."""
+        d = self.model_dump(mode="json")
+        for name in _OUTPUT_NEUTRAL_FIELDS:
+            d.pop(name, None)
+        blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -182,6 +187,7 @@ _OPTIONAL_FIELDS = (
     "logitspec_branch_tokens", "graft_threshold", "acceptance", "relaxed_topk", "relaxed_threshold",
     "runner", "compile",
 )
+_OUTPUT_NEUTRAL_FIELDS = ("runner", "compile")
 
 
 def _shadow_decoding(shadow: Any) -> DecodingConfig | None:

@@ -163,7 +163,7 @@ def main() -> int:
         for t in sizes:
             for c in contenders:
                 c.once(t)
-        log.info("round %d/%d", rnd + 1, args.repeats + 1)
+        log.info("round %d/%d (the first is an untimed warm-up)", rnd + 1, args.repeats + 1)
     probe_ms = statistics.median(probe[1:])
     curves = {c.label: c.medians() for c in contenders}
     rows = []

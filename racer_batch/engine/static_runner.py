@@ -581,9 +581,9 @@ class StaticRunner:
     def _enable_compile(self) -> None:
         """Switch verification to the static-shape step: CUDA graphs on CUDA, ``torch.compile`` on the CPU.
 
-        Compiled artifacts are reused across processes through inductor's on-disk caches under
-        ``$RACER_BATCH_CACHE/inductor`` (``TORCHINDUCTOR_CACHE_DIR``), so actors and test runs after the first
-        skip code generation; CUDA graphs are captured per process (milliseconds per graph).
+        Compiled CPU artifacts are reused across processes through inductor's own on-disk caches
+        (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``), so later processes skip code
+        generation; CUDA graphs are captured per process (milliseconds per graph).
         """
         t = self.buckets[-1]
         self._ids = torch.zeros(t, dtype=torch.long, device=self.device)
@@ -593,9 +593,8 @@ class StaticRunner:
         self._graphs.clear()  # captured graphs read the buffers they were captured with
         self._graph_pool = None
         if self.device.type != "cuda" and self._compiled_fn is None:
-            from ..models import cache_root
-
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+            log.warning("compile on the CPU: torch.compile of the verify step is ~30x slower per step than the "
+                        "uncompiled static runner on the CPUs measured (benchmarks/README.md); use compile 'off'")
             import torch._dynamo as dynamo
 
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)

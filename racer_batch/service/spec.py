@@ -78,8 +78,8 @@ class ModelSpec(BaseModel):
     name: str = Field("smollm2-135m", min_length=1, description="model name or local folder (see load_model)")
     trust_remote_code: bool = Field(False, description="allow model code from the model folder (worker must allow)")
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
-        None, description="weights' precision; None = float32 on the CPU, bfloat16 on CUDA. Reduced precision is "
-        "lossless against plain greedy decoding of the same reduced model, not of the float32 one")
+        None, description="weights' precision; None = float32 on the CPU, bfloat16 on CUDA. Reduced precision changes "
+        "outputs: equal to greedy decoding of the same reduced model only up to numerical ties")
 
 
 class GenerationDefaults(BaseModel):
