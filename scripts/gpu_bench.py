@@ -181,8 +181,6 @@ def build_runner(bundle: ModelBundle, spec: dict[str, str], *, buckets: tuple[in
 
 def warm_runner(runner: Any, capacities: list[int], device: str) -> tuple[float, dict[str, float]]:
     """(wall seconds of ``runner.warmup(capacities)`` including the device work, {bucket: s} it reports)."""
-    if not hasattr(runner, "warmup"):
-        return 0.0, {}
     sync(device)
     t0 = time.perf_counter()
     per_bucket = runner.warmup(capacities)
@@ -206,8 +204,7 @@ def measure_interleaved(runners: dict[str, Any], capacities: list[int], *, bundl
     any_runner = next(iter(runners.values()))
     trees = {}
     for t in sizes:
-        chain = Draft(token_ids=torch.randint(0, vocab, (t,), generator=gen).tolist(),
-                      parents=list(range(-1, t - 1)), sources=[0] * t)
+        chain = Draft.chain(torch.randint(0, vocab, (t,), generator=gen).tolist())
         trees[t] = flatten_tree(chain, committed_len=context_tokens, device=any_runner.device, dtype=any_runner.dtype)
     live = dict(runners)
     caches: dict[str, Any] = {}
@@ -217,8 +214,8 @@ def measure_interleaved(runners: dict[str, Any], capacities: list[int], *, bundl
         errors[name] = f"cost curve: {type(exc).__name__}: {exc}"
         live.pop(name, None)
         cache = caches.pop(name, None)
-        if getattr(cache, "release", None) is not None:
-            cache.release()
+        if cache is not None:
+            runners[name].release(cache)
 
     for name, runner in list(live.items()):
         try:
@@ -245,8 +242,7 @@ def measure_interleaved(runners: dict[str, Any], capacities: list[int], *, bundl
                 if rnd:
                     times[name][t].append(ms)
     for name, cache in caches.items():
-        if getattr(cache, "release", None) is not None:
-            cache.release()
+        runners[name].release(cache)
     return {name: {t: statistics.median(times[name][t]) for t in sizes} for name in live}
 
 

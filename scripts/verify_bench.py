@@ -61,8 +61,7 @@ class Contender:
         runner.prefill(torch.randint(0, vocab, (context,), generator=gen).tolist(), cache=self.cache, topk=0)
         self.trees = {}
         for t in sizes:
-            chain = Draft(token_ids=torch.randint(0, vocab, (t,), generator=gen).tolist(),
-                          parents=list(range(-1, t - 1)), sources=[0] * t)
+            chain = Draft.chain(torch.randint(0, vocab, (t,), generator=gen).tolist())
             self.trees[t] = flatten_tree(chain, committed_len=context, device=runner.device, dtype=runner.dtype)
         self.times: dict[int, list[float]] = {t: [] for t in sizes}
 
@@ -140,8 +139,7 @@ def main() -> int:
     def add(label: str, make) -> None:
         t0 = time.perf_counter()
         runner = make()
-        if hasattr(runner, "warmup"):
-            runner.warmup(sizes)
+        runner.warmup(sizes)
         setup_s[label] = round(time.perf_counter() - t0, 2)
         contenders.append(Contender(label, runner, context=args.context, sizes=sizes, vocab=vocab))
         log.info("%s ready in %.1f s", label, setup_s[label])

@@ -40,6 +40,12 @@ class Draft:
         """The empty draft: just the root (one-token step, as in autoregressive decoding)."""
         return Draft([root], [-1], [0])
 
+    @staticmethod
+    def chain(token_ids: Sequence[int]) -> "Draft":
+        """A chain: each token the child of the one before (cost curves, warm-up of fixed tree sizes)."""
+        n = len(token_ids)
+        return Draft([int(t) for t in token_ids], list(range(-1, n - 1)), [0] * n)
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

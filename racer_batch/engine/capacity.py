@@ -42,8 +42,7 @@ def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: in
         runner.prefill(prompt, cache=cache, topk=0)
         out: dict[int, float] = {}
         for t in sizes:
-            chain = Draft(token_ids=torch.randint(0, vocab, (t,), generator=gen).tolist(),
-                          parents=list(range(-1, t - 1)), sources=[0] * t)
+            chain = Draft.chain(torch.randint(0, vocab, (t,), generator=gen).tolist())
             tree = flatten_tree(chain, committed_len=context_tokens, device=runner.device, dtype=runner.dtype)
             times = []
             for _ in range(repeats + 1):
@@ -54,9 +53,7 @@ def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: in
                 runner.keep_rows(cache, committed_len=context_tokens, nodes=[])
             out[t] = statistics.median(times[1:])
     finally:
-        release = getattr(cache, "release", None)
-        if release is not None:
-            release()
+        runner.release(cache)
     return out
 
 

@@ -115,8 +115,7 @@ class Engine:
             sizes = sorted(set(self.config.auto_capacities))
         else:
             sizes = [int(self.config.capacity)]
-        if hasattr(self.runner, "warmup"):  # static runner: pack weights / compile every tree size it will use
-            self.runner.warmup(sizes)
+        self.runner.warmup(sizes)  # static runner: pack weights / compile every tree size it will use
         self.warmup_s = time.perf_counter() - t_setup  # runner set-up (weight packing) + warm-up, seconds
         if self.config.capacity == "auto" and self.config.method != "ar":
             cands = sizes
@@ -222,9 +221,7 @@ class Engine:
             return self._decode(prompt_ids, params, drafter=drafter, cache=cache, stops=stops, stats=stats, k=k,
                                 want_probs=want_probs, should_cancel=should_cancel)
         finally:
-            release = getattr(cache, "release", None)
-            if release is not None:
-                release()
+            runner.release(cache)
 
     def _decode(self, prompt_ids: list[int], params: GenerationParams, *, drafter: Any, cache: Any,
                 stops: StopChecker, stats: RowStats, k: int, want_probs: bool,

@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from ..models import ModelBundle
+from .static_runner import StaticRunner, describe_unsupported
 
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 log = logging.getLogger(__name__)
@@ -68,6 +69,13 @@ class ModelRunner:
         ).last_hidden_state[0]
         return self.lm_head(hidden)
 
+    def warmup(self, capacities=()) -> dict[int, float]:
+        """Nothing to prepare on the eager path (the static runner packs weights / compiles here)."""
+        return {}
+
+    def release(self, cache: DynamicCache) -> None:
+        """Nothing to give back: a ``DynamicCache`` is freed with the row."""
+
     def verify_tree(self, tree, *, cache: DynamicCache) -> torch.Tensor:
         """One forward over a flattened draft tree (``tree.TreeInputs``); returns logits ``[T, V]``."""
         return self.verify(input_ids=tree.input_ids, position_ids=tree.position_ids,
@@ -107,8 +115,6 @@ def make_runner(bundle: ModelBundle, *, kind: str = "auto", compile: str = "auto
     Raises:
         ValueError: ``static`` for a model the static runner cannot run, or an unknown kind.
     """
-    from .static_runner import StaticRunner, describe_unsupported
-
     if kind not in ("auto", "eager", "static"):
         raise ValueError(f"decoding.runner must be auto, eager or static, got {kind!r}")
     if kind == "eager":

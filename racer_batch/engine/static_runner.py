@@ -36,7 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..drafters.base import Draft
 from ..models import ModelBundle
+from .tree import flatten_tree
 
 log = logging.getLogger(__name__)
 
@@ -481,8 +483,9 @@ class StaticRunner:
         last_logits = self.lm_head(last).float()[0]  # [V]
         return last_logits, (torch.cat(tops, dim=0) if topk > 0 else None)
 
-    def _write_tree(self, tree: Any, committed_len: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ids / positions ``[t_pad]`` and the tree block of the preallocated mask for one padded tree."""
+    def _padded(self, tree: Any, committed_len: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One tree padded to ``t_pad`` nodes on the CPU: ids ``[t_pad]``, positions ``[t_pad]`` and the additive
+        tree block ``[t_pad, t_pad]`` of the mask (padding nodes see only themselves, nobody sees them)."""
         t = tree.size
         ids = np.zeros(t_pad, dtype=np.int64)
         ids[:t] = tree.tokens
@@ -491,8 +494,13 @@ class StaticRunner:
         visible = np.eye(t_pad, dtype=bool)
         visible[:t, :t] = tree.visible
         block = torch.from_numpy(np.where(visible, 0.0, np.float32(torch.finfo(self.dtype).min)))
+        return torch.from_numpy(ids), torch.from_numpy(pos), block
+
+    def _write_tree(self, tree: Any, committed_len: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids / positions ``[t_pad]`` on the device, and the tree block written into the preallocated mask."""
+        ids, pos, block = self._padded(tree, committed_len, t_pad)
         self.mask[:t_pad, committed_len : committed_len + t_pad].copy_(block)
-        return torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device)
+        return ids.to(self.device), pos.to(self.device)
 
     @torch.inference_mode()
     def verify_tree(self, tree: Any, *, cache: SlotCache) -> torch.Tensor:
@@ -531,21 +539,13 @@ class StaticRunner:
 
     def _fill_static(self, tree: Any, committed_len: int, t_pad: int) -> None:
         """Write one padded tree into the static buffers (ids, positions, KV write positions, full-span mask)."""
-        t = tree.size
-        ids = np.zeros(t_pad, dtype=np.int64)
-        ids[:t] = tree.tokens
-        pos = np.full(t_pad, committed_len, dtype=np.int64)
-        pos[:t] += tree.depths
-        visible = np.eye(t_pad, dtype=bool)
-        visible[:t, :t] = tree.visible
-        neg = torch.finfo(self.dtype).min
-        block = torch.from_numpy(np.where(visible, 0.0, np.float32(neg)))
-        self._ids[:t_pad].copy_(torch.from_numpy(ids))
-        self._pos[:t_pad].copy_(torch.from_numpy(pos))
+        ids, pos, block = self._padded(tree, committed_len, t_pad)
+        self._ids[:t_pad].copy_(ids)
+        self._pos[:t_pad].copy_(pos)
         self._write[:t_pad].copy_(torch.arange(committed_len, committed_len + t_pad))
         gm = self._gmask[:t_pad]
         gm[:, :committed_len].zero_()
-        gm[:, committed_len:].fill_(neg)
+        gm[:, committed_len:].fill_(torch.finfo(self.dtype).min)
         gm[:, committed_len : committed_len + t_pad].copy_(block)
 
     def _verify_compiled(self, tree: Any, slot: int, committed: int, t_pad: int) -> torch.Tensor:
@@ -600,6 +600,11 @@ class StaticRunner:
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
             self._compiled_fn = torch.compile(self._static_step, dynamic=False)
         self.compiled = True
+
+    @staticmethod
+    def release(cache: SlotCache) -> None:
+        """Give the row's slot back (idempotent)."""
+        cache.release()
 
     @staticmethod
     @torch.inference_mode()
@@ -659,11 +664,7 @@ class StaticRunner:
         ``t_pad`` tokens after position 0 of slot 0 (nothing is committed there between rows)."""
         if not self.compiled:
             self._enable_compile()
-        from ..drafters.base import Draft
-        from .tree import flatten_tree
-
-        chain = Draft(token_ids=[0] * t_pad, parents=list(range(-1, t_pad - 1)), sources=[0] * t_pad)
-        tree = flatten_tree(chain, committed_len=0, device=self.device, dtype=self.dtype)
+        tree = flatten_tree(Draft.chain([0] * t_pad), committed_len=0, device=self.device, dtype=self.dtype)
         self._verify_compiled(tree, 0, 0, t_pad)
 
     @property
