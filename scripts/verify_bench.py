@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--context", type=int, default=300, help="cached tokens before the tree")
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--paths", default="mkl_packed,onednn_packed,torch", help="static-runner matmul paths")
+    ap.add_argument("--paths", default="small_gemm,onednn_packed,mkl_packed,torch", help="static-runner matmul paths")
     ap.add_argument("--compile", action="store_true", help="also the compiled static step (torch.compile on CPU)")
     ap.add_argument("--bf16", action="store_true", help="also the static runner on a bfloat16 copy of the model")
     ap.add_argument("--hf-static", action="store_true", help="also transformers' own StaticCache path (uncompiled)")

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ..drafters.base import Draft
 from ..models import ModelBundle
+from .kernels import cpu_ops
 from .tree import flatten_tree
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 INITIAL_POSITIONS = 2048  # KV positions per slot allocated at start (grows on demand up to the context)
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds the [chunk, S] attention scores)
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
-MATMUL_PATHS = ("auto", "torch", "mkl_packed", "onednn_packed")
+MATMUL_PATHS = ("auto", "torch", "small_gemm", "mkl_packed", "onednn_packed")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SDPA_MIN_ROWS = 128  # fewer query rows: our own attention (SDPA's CPU kernels cost ~0.2-8 ms at T=1)
 SMALL_ROWS = 2  # row counts up to this use plain sgemm: prepacking does not pay for one or two rows
@@ -98,12 +99,13 @@ def pick_bucket(t: int, buckets: Sequence[int]) -> int:
     return t
 
 
-def default_matmul_path(device: torch.device) -> str:
-    """The matmul path ``auto`` picks: plain ``torch`` (cuBLAS) on CUDA; on the CPU oneDNN prepacked weights
-    when this torch has oneDNN (one extra copy of the weights, any row count), else plain sgemm. MKL packed
-    sgemm (``mkl_packed``) is as fast or faster at some row counts but holds ~3x the weight bytes *per bucket*
-    (measured: docs/architecture.md), so it is only taken when asked for. ``RACER_MATMUL`` overrides the
-    choice (benchmarks)."""
+def default_matmul_path(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The matmul path ``auto`` picks: plain ``torch`` (cuBLAS) on CUDA. On the CPU in float32 our own
+    small-row GEMM (``small_gemm``, engine/kernels) where it builds: 1.3-2x faster than oneDNN prepacked and
+    1.6-3x faster than MKL at the 1-32 rows of a verify forward on the CPUs measured (benchmarks/README.md).
+    Otherwise oneDNN prepacked weights when this torch has oneDNN (one extra copy of the weights, any row
+    count and dtype), else plain sgemm. MKL packed sgemm (``mkl_packed``) holds ~3x the weight bytes *per
+    bucket*, so it is only taken when asked for. ``RACER_MATMUL`` overrides the choice (benchmarks)."""
     env = os.environ.get("RACER_MATMUL")
     if env:
         if env not in MATMUL_PATHS[1:]:
@@ -111,6 +113,8 @@ def default_matmul_path(device: torch.device) -> str:
         return env
     if device.type != "cpu":
         return "torch"
+    if dtype == torch.float32 and cpu_ops() is not None:
+        return "small_gemm"
     if torch.backends.mkldnn.is_available():
         return "onednn_packed"
     return "torch"
@@ -122,20 +126,29 @@ class FastLinear:
     Args:
         weight: ``[N, K]`` (N output features); kept as given for small row counts and as the oracle.
         bias: ``[N]`` or None.
-        path: ``torch`` (F.linear: MKL sgemm on the CPU, cuBLAS on CUDA), ``mkl_packed`` (MKL
-            ``cblas_sgemm_pack`` weights, one packed copy per row bucket, made on first use, ~3x the weight
-            bytes each; float32 only) or ``onednn_packed`` (one oneDNN prepacked copy, any row count). Up to
-            ``SMALL_ROWS`` rows in float32 always take plain sgemm (a GEMV, where packing does not pay).
+        path: ``torch`` (F.linear: MKL sgemm on the CPU, cuBLAS on CUDA), ``small_gemm`` (our kernel over
+            one copy packed in 16-column panels, every row count; float32 on a CPU with AVX2/FMA),
+            ``mkl_packed`` (MKL ``cblas_sgemm_pack`` weights, one packed copy per row bucket, made on first
+            use, ~3x the weight bytes each; float32 only) or ``onednn_packed`` (one oneDNN prepacked copy,
+            any row count). On the MKL and oneDNN paths up to ``SMALL_ROWS`` rows in float32 take plain sgemm
+            (a GEMV, where their packing does not pay). A path that cannot run the weight (dtype, no kernel)
+            falls back to ``onednn_packed`` or ``torch``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, path: str) -> None:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
-        if path == "mkl_packed" and self.weight.dtype != torch.float32:
+        self._ops = None
+        if path == "small_gemm":
+            self._ops = cpu_ops() if self.weight.dtype == torch.float32 and self.weight.is_cpu else None
+        if (path == "mkl_packed" and self.weight.dtype != torch.float32) or (path == "small_gemm" and self._ops is None):
             path = "onednn_packed" if torch.backends.mkldnn.is_available() else "torch"
         self.path = path
         self._packed: dict[int, torch.Tensor] = {}
         self._onednn: Optional[torch.Tensor] = None
+        self._panels: Optional[torch.Tensor] = None  # small_gemm: [ceil(N/16), K, 16]
+        if path == "small_gemm":
+            self._panels = self._ops.pack(self.weight)
         if path == "onednn_packed":
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
         # reduced precision has no fast plain GEMV on the CPU: oneDNN takes every row count there
@@ -147,6 +160,8 @@ class FastLinear:
         n = sum(p.numel() * p.element_size() for p in self._packed.values())
         if self._onednn is not None:
             n += self.weight.numel() * self.weight.element_size()
+        if self._panels is not None:
+            n += self._panels.numel() * self._panels.element_size()
         return n
 
     def prepare(self, rows: int) -> None:
@@ -157,6 +172,8 @@ class FastLinear:
     def __call__(self, x: torch.Tensor, plain: bool = False) -> torch.Tensor:  # x: [M, K] -> [M, N]
         """``plain``: F.linear on the plain weight (inside a compiled graph, which lowers matmuls itself)."""
         m = x.shape[0]
+        if self._panels is not None and not plain:
+            return self._ops.linear(x, self._panels, self.bias, self.weight.shape[0])
         if plain or self.path == "torch" or (m <= SMALL_ROWS and self._small_plain):
             return F.linear(x, self.weight, self.bias)
         if self.path == "mkl_packed":
@@ -271,7 +288,8 @@ class StaticRunner:
             ``INITIAL_POSITIONS``, whichever is smaller, plus one bucket of tree padding); grows on demand up to the context (growing drops the
             captured CUDA graphs, which are captured again lazily, and recompiles a compiled CPU step).
         buckets: the padded tree sizes.
-        matmul: ``auto`` | ``torch`` | ``mkl_packed`` | ``onednn_packed`` (``default_matmul_path``).
+        matmul: ``auto`` | ``torch`` | ``small_gemm`` | ``mkl_packed`` | ``onednn_packed``
+            (``default_matmul_path``).
         compile: compile the verify step per bucket: CUDA graphs on CUDA, ``torch.compile`` on the CPU.
 
     Raises:
@@ -303,7 +321,7 @@ class StaticRunner:
         self.device = torch.device(bundle.device)
         self.dtype = next(model.parameters()).dtype
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
-        self.matmul = default_matmul_path(self.device) if matmul == "auto" else matmul
+        self.matmul = default_matmul_path(self.device, self.dtype) if matmul == "auto" else matmul
         self.context_length = int(bundle.context_length)
         dec = model.get_decoder()
         self.n_layers = len(dec.layers)
@@ -334,6 +352,10 @@ class StaticRunner:
             ))
         head = model.get_output_embeddings()
         self.lm_head = FastLinear(head.weight, getattr(head, "bias", None), path=self.matmul)
+        self.matmul = self.lm_head.path  # what runs (a path that cannot take this weight fell back)
+        # our CPU kernels for everything around the matmuls too (norms, rope + KV write, attention, SiLU):
+        # one call each instead of 3-10 aten ops, which cost more than the arithmetic at a few rows
+        self._ops = self.lm_head._ops if self.matmul == "small_gemm" else None
         self.slots = slots
         self._free_slots = list(range(slots))[::-1]
         self.max_len = 0
@@ -398,6 +420,44 @@ class StaticRunner:
         return SlotCache(self, self._free_slots.pop())
 
     # ---- the decoder ----
+    def _forward_kernels(self, ids: torch.Tensor, pos: torch.Tensor, slot: int, start: int,
+                         mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """``_forward`` (eager shapes) through our CPU kernels (engine/kernels): the same arithmetic, the
+        residual stream updated in place by the o and down projections."""
+        ops = self._ops
+        t = ids.shape[0]
+        end = start + t
+        x = F.embedding(ids, self.embed)  # [T, H], a fresh tensor: added into in place below
+        cos, sin = self._cos[pos], self._sin[pos]  # [T, 1, D]
+        nq, d, eps = self.n_heads, self.head_dim, self.eps
+        kv = self.kv
+        sdpa = mask is None and t >= SDPA_MIN_ROWS  # a long prefill chunk: SDPA's blocked causal kernel
+        if mask is None and t > 1 and not sdpa:  # a short prefill chunk: causal over it, the prefix visible
+            seen = torch.ones(t, end, dtype=torch.bool, device=ids.device).tril_(diagonal=start)
+            mask = torch.zeros(t, end, dtype=self.dtype).masked_fill_(~seen, torch.finfo(self.dtype).min)
+        for li, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.ln_in, eps)
+            qkv = ops.linear(h, layer.qkv._panels, layer.qkv.bias, layer.qkv.weight.shape[0])
+            keys, vals = kv[li, 0, slot], kv[li, 1, slot]  # [nkv, max_len, d]
+            q = ops.rope_kv_(qkv, cos, sin, keys, vals, start, nq, layer.q_norm, layer.k_norm, eps)  # [T, nq, d]
+            if sdpa:
+                causal = start == 0
+                m = None
+                if not causal:
+                    seen = torch.ones(t, end, dtype=torch.bool).tril_(diagonal=start)
+                    m = torch.zeros(t, end, dtype=self.dtype).masked_fill_(~seen, torch.finfo(self.dtype).min)
+                att = F.scaled_dot_product_attention(
+                    q.transpose(0, 1).unsqueeze(0), keys[:, :end].unsqueeze(0), vals[:, :end].unsqueeze(0),
+                    attn_mask=m, is_causal=causal, scale=self.scale, enable_gqa=self.n_kv != nq,
+                )[0].transpose(0, 1).reshape(t, nq * d)
+            else:
+                att = ops.attention(q, keys, vals, end, mask, self.scale)  # [T, nq * d]
+            ops.linear_add_(x, att, layer.o._panels, layer.o.bias)
+            h = ops.rms_norm(x, layer.ln_post, eps)
+            gu = ops.linear(h, layer.gate_up._panels, layer.gate_up.bias, layer.gate_up.weight.shape[0])
+            ops.linear_add_(x, ops.silu_mul(gu), layer.down._panels, layer.down.bias)
+        return ops.rms_norm(x, self.final_norm, eps)
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slot: int, start: int, mask: Optional[torch.Tensor],
                  write_idx: Optional[torch.Tensor] = None, plain: bool = False) -> torch.Tensor:
         """Hidden states ``[T, H]`` for ``ids [T]`` at ``pos [T]``.
@@ -408,6 +468,8 @@ class StaticRunner:
         attends over the whole buffer ``[0, max_len)`` with ``mask [T, max_len]``, so no shape depends on the
         committed length. ``plain``: plain F.linear matmuls (for ``torch.compile``, which lowers them itself).
         """
+        if self._ops is not None and write_idx is None and not plain:
+            return self._forward_kernels(ids, pos, slot, start, mask)
         t = ids.shape[0]
         end = self.max_len if write_idx is not None else start + t
         x = F.embedding(ids, self.embed)  # [T, H]
@@ -513,7 +575,8 @@ class StaticRunner:
         t = tree.size
         if t > self.buckets[-1]:
             self.add_bucket(t)
-        t_pad = pick_bucket(t, self.buckets)
+        # our CPU kernels take any row count: padding would only add work there
+        t_pad = t if self._ops is not None and not self.compile_requested else pick_bucket(t, self.buckets)
         committed = cache.length
         if committed + t_pad > self.max_len:
             self._grow(committed + t_pad)

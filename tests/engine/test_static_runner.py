@@ -19,6 +19,7 @@ from helpers import CharTokenizer, tiny_bundle
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
 from racer_batch.engine import static_runner as sr
+from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.runner import ModelRunner, make_runner
 from racer_batch.engine.static_runner import (
     FastLinear,
@@ -231,6 +232,8 @@ def test_oracle_check_is_sensitive_to_the_family_details():
 
 def _available_matmul_paths():
     paths = ["torch"]
+    if cpu_ops() is not None:
+        paths.append("small_gemm")
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         paths.append("mkl_packed")
     if torch.backends.mkldnn.is_available():
@@ -267,7 +270,9 @@ def test_fast_linear_equals_f_linear_for_every_row_count(matmul, bias):
 def test_pick_bucket_and_matmul_choice(monkeypatch):
     assert [pick_bucket(t, BUCKETS) for t in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 9]
     monkeypatch.delenv("RACER_MATMUL", raising=False)
-    assert default_matmul_path(torch.device("cpu")) in ("torch", "mkl_packed", "onednn_packed")
+    want = "small_gemm" if cpu_ops() is not None else ("onednn_packed", "torch")
+    assert default_matmul_path(torch.device("cpu")) in want
+    assert default_matmul_path(torch.device("cpu"), torch.bfloat16) in ("onednn_packed", "torch")
     assert default_matmul_path(torch.device("cuda")) == "torch"
     monkeypatch.setenv("RACER_MATMUL", "onednn_packed")
     assert default_matmul_path(torch.device("cpu")) == "onednn_packed"
@@ -294,8 +299,9 @@ def test_padded_tree_returns_exactly_the_real_rows():
     prompt = rand_tokens(torch.Generator().manual_seed(11), 13)
     draft = Draft(rand_tokens(torch.Generator().manual_seed(12), 5), [-1, 0, 0, 1, 2], [0] * 5)
 
-    padded = StaticRunner(bundle, buckets=BUCKETS)
-    exact = StaticRunner(bundle, buckets=(1, 5))  # 5 is a bucket here: no padding at all
+    # our CPU kernels take any row count and pad nothing; the other matmul paths (and compiled steps) pad
+    padded = StaticRunner(bundle, buckets=BUCKETS, matmul="torch")
+    exact = StaticRunner(bundle, buckets=(1, 5), matmul="torch")  # 5 is a bucket here: no padding at all
     results = []
     for runner in (padded, exact):
         cache = runner.new_cache(64)

@@ -1,0 +1,127 @@
+"""Our own CPU kernels for the verify forward, built on first use with the machine's C++ compiler and cached.
+
+``cpu_kernels.cpp`` registers ``torch.ops.racer``: ``pack`` / ``linear`` / ``linear_add_`` (a float32 GEMM for
+the few rows of a verify forward over weights packed once in 16-column panels; see the file's header for the
+scheme), and the small ops around it, each one call instead of 3-10 aten ops: ``rms_norm``, ``rope_kv_``
+(rotary embedding of q and k, k and v written into the KV cache), ``attention`` (tree attention of a few
+query rows over one slot of the cache) and ``silu_mul``. The shared library is compiled once per (source,
+flags, torch, Python) into ``$RACER_KERNEL_CACHE`` (default ``~/.cache/racer-batch/kernels``), so actors and
+test processes after the first load it in milliseconds; building takes ~20 s on 2 cores. It is compiled with
+``-fopenmp`` against torch's own ``libgomp``, so ``at::parallel_for`` runs on torch's thread pool (without
+the flag it silently runs on one thread) and ``torch.set_num_threads`` governs it.
+
+Nothing here is required: :func:`cpu_ops` returns None, with the reason in :func:`unavailable_reason`, where
+the CPU lacks AVX2/FMA, there is no working C++ compiler, or ``RACER_KERNELS=off``; the static runner then
+uses oneDNN's prepacked matmul and aten ops (slower, same results up to float rounding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("cpu_kernels.cpp")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-DNDEBUG"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$RACER_KERNEL_CACHE`` or ``~/.cache/racer-batch/kernels``."""
+    env = os.environ.get("RACER_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "racer-batch" / "kernels"
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return "avx2" in flags and "fma" in flags
+
+
+def _compile(out: Path) -> None:
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, abi, *includes, str(_SRC), "-o", tmp, f"-L{libdir}", "-lc10", "-ltorch_cpu",
+           f"-Wl,-rpath,{libdir}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building {_SRC.name} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent builder sees either no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    key.update(_SRC.read_bytes())
+    key.update(" ".join(_FLAGS).encode())
+    key.update(torch.__version__.encode())
+    key.update(sys.version.encode())
+    return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def cpu_ops():
+    """``torch.ops.racer`` loaded, or None when unavailable (the reason logged once, kept for
+    :func:`unavailable_reason`). Builds the library on the first call in this machine's cache.
+
+    Ops (float32, CPU; shapes as in ``cpu_kernels.cpp``):
+        ``pack(weight [N, K]) -> [ceil(N/16), K, 16]``; ``linear(x [M, K], packed, bias [N] | None, N) ->
+        [M, N]``; ``linear_add_(out [M, N], x, packed, bias) -> out`` (adds in place);
+        ``rms_norm(x [..., H], weight [H], eps)``; ``rope_kv_(qkv [T, (nq + 2 nkv) d], cos [T, d], sin,
+        keys [nkv, L, d], values, start, nq, q_norm | None, k_norm | None, eps) -> q [T, nq, d]``;
+        ``attention(q [T, nq, d], keys, values, S, mask [T, >= S] | None, scale) -> [T, nq d]``;
+        ``silu_mul(gu [T, 2I]) -> [T, I]``. Bad shapes or dtypes raise RuntimeError naming the op.
+    """
+    with _lock:
+        if "ops" in _state:
+            return _state["ops"]
+        ops, reason = None, None
+        if os.environ.get("RACER_KERNELS", "on").lower() in ("0", "off", "false", "no"):
+            reason = "RACER_KERNELS=off"
+        elif not _cpu_has_avx2_fma():
+            reason = "the CPU has no AVX2/FMA"
+        else:
+            try:
+                path = _library_path()
+                if not path.exists():
+                    log.info("building racer's CPU kernels into %s (once per machine, ~20 s)", path)
+                    _compile(path)
+                torch.ops.load_library(str(path))
+                ops = torch.ops.racer
+            except Exception as exc:  # noqa: BLE001 - any build/load failure falls back to oneDNN
+                reason = f"{type(exc).__name__}: {exc}"
+        if reason is not None:
+            log.warning("racer CPU kernels unavailable (%s); the static runner uses oneDNN and aten ops", reason)
+        _state["ops"], _state["reason"] = ops, reason
+        return ops
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`cpu_ops` returned None (None when it loaded or was not tried yet)."""
+    return _state.get("reason")  # type: ignore[return-value]

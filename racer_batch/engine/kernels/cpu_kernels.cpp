@@ -1,0 +1,559 @@
+// The verify forward's CPU kernels (float32, AVX2 + FMA), registered as torch.ops.racer (engine/kernels):
+// a small-row GEMM, y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+= into a residual), and the ops between the GEMMs
+// of a decoder layer (RMSNorm, rotary embedding with the KV-cache write, tree attention, SiLU * up).
+//
+// Why: a verify forward multiplies 1-64 rows (the padded draft tree) by every weight of the target model.
+// At those row counts MKL and oneDNN sgemm run far below the machine's FLOP rate while streaming the weights
+// well below its memory bandwidth (scripts/verify_bench.py, benchmarks/README.md), so t(16) costs ~2x t(1)
+// although the extra FLOPs would fit in the time the weights take to stream. This kernel streams each weight
+// panel from memory once per call and does every row while the panel sits in L1/L2.
+//
+// Layout: W is packed once into column panels of NR = 16 output features, panel p = W[16p : 16p+16, :]^T as
+// [K][16] contiguous floats (zero-padded past N), so one panel is one linear stream. The micro-kernel keeps an
+// MR x 16 block of y in 2 * MR AVX2 registers (MR <= 6: 12 accumulators, 2 panel loads, 1 broadcast = 15 of
+// the 16 ymm registers), and for each k broadcasts x[r, k] and does 2 * MR FMAs with the panel's 16 values:
+// the register-blocked outer-product scheme of Goto and van de Geijn ("Anatomy of high-performance matrix
+// multiplication", ACM TOMS 2008) with the B-panel streamed instead of cached, since B is read once per call.
+// Threads (torch's own pool, at::parallel_for) split the panels, so no second OpenMP runtime is loaded.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t NR = 16;  // output features per panel (2 ymm)
+constexpr int MR_MAX = 6;   // rows per register block
+#ifndef RACER_KC
+#define RACER_KC 128
+#endif
+constexpr int64_t KC = RACER_KC;  // k per chunk: a 16 x KC panel chunk (8 KiB) and the rows' x stay in L1
+
+inline void store_row(float* __restrict y, __m256 lo, __m256 hi, int64_t ncols) {
+  if (ncols == NR) {
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+  } else {
+    alignas(32) float tmp[NR];
+    _mm256_store_ps(tmp, lo);
+    _mm256_store_ps(tmp + 8, hi);
+    std::memcpy(y, tmp, sizeof(float) * ncols);
+  }
+}
+
+inline void load_row(const float* __restrict y, __m256& lo, __m256& hi, int64_t ncols) {
+  if (ncols == NR) {
+    lo = _mm256_loadu_ps(y);
+    hi = _mm256_loadu_ps(y + 8);
+  } else {
+    alignas(32) float tmp[NR] = {0};
+    std::memcpy(tmp, y, sizeof(float) * ncols);
+    lo = _mm256_load_ps(tmp);
+    hi = _mm256_load_ps(tmp + 8);
+  }
+}
+
+// One MR x 16 block of y over one K chunk (added to y when ``accumulate``). The accumulators are named variables, not an array: GCC keeps an array of __m256
+// on the stack and stores it back every iteration, which halved the FMA rate (measured).
+template <int MR>
+void micro_kernel(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
+                  float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
+                  const float* __restrict next, bool accumulate) {
+  static_assert(MR >= 1 && MR <= MR_MAX, "MR out of range");
+  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
+  __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
+  __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
+  __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  if (accumulate) {
+    load_row(y + 0 * ldy, c00, c01, ncols);
+    if constexpr (MR > 1) load_row(y + 1 * ldy, c10, c11, ncols);
+    if constexpr (MR > 2) load_row(y + 2 * ldy, c20, c21, ncols);
+    if constexpr (MR > 3) load_row(y + 3 * ldy, c30, c31, ncols);
+    if constexpr (MR > 4) load_row(y + 4 * ldy, c40, c41, ncols);
+    if constexpr (MR > 5) load_row(y + 5 * ldy, c50, c51, ncols);
+  }
+  const float* w = panel;
+  for (int64_t k = 0; k < K; ++k, w += NR) {
+    // one 64-byte line of the panel to be read next per k (a panel is K lines): the DRAM stream of the next
+    // panel runs under this block's FMAs instead of after them
+    _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
+    const __m256 w0 = _mm256_load_ps(w);
+    const __m256 w1 = _mm256_load_ps(w + 8);
+    {
+      const __m256 b = _mm256_broadcast_ss(x + 0 * ldx + k);
+      c00 = _mm256_fmadd_ps(b, w0, c00);
+      c01 = _mm256_fmadd_ps(b, w1, c01);
+    }
+    if constexpr (MR > 1) {
+      const __m256 b = _mm256_broadcast_ss(x + 1 * ldx + k);
+      c10 = _mm256_fmadd_ps(b, w0, c10);
+      c11 = _mm256_fmadd_ps(b, w1, c11);
+    }
+    if constexpr (MR > 2) {
+      const __m256 b = _mm256_broadcast_ss(x + 2 * ldx + k);
+      c20 = _mm256_fmadd_ps(b, w0, c20);
+      c21 = _mm256_fmadd_ps(b, w1, c21);
+    }
+    if constexpr (MR > 3) {
+      const __m256 b = _mm256_broadcast_ss(x + 3 * ldx + k);
+      c30 = _mm256_fmadd_ps(b, w0, c30);
+      c31 = _mm256_fmadd_ps(b, w1, c31);
+    }
+    if constexpr (MR > 4) {
+      const __m256 b = _mm256_broadcast_ss(x + 4 * ldx + k);
+      c40 = _mm256_fmadd_ps(b, w0, c40);
+      c41 = _mm256_fmadd_ps(b, w1, c41);
+    }
+    if constexpr (MR > 5) {
+      const __m256 b = _mm256_broadcast_ss(x + 5 * ldx + k);
+      c50 = _mm256_fmadd_ps(b, w0, c50);
+      c51 = _mm256_fmadd_ps(b, w1, c51);
+    }
+  }
+  if (bias != nullptr) {
+    alignas(32) float bb[NR] = {0};
+    std::memcpy(bb, bias, sizeof(float) * ncols);
+    const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
+    c00 = _mm256_add_ps(c00, b0), c01 = _mm256_add_ps(c01, b1);
+    if constexpr (MR > 1) c10 = _mm256_add_ps(c10, b0), c11 = _mm256_add_ps(c11, b1);
+    if constexpr (MR > 2) c20 = _mm256_add_ps(c20, b0), c21 = _mm256_add_ps(c21, b1);
+    if constexpr (MR > 3) c30 = _mm256_add_ps(c30, b0), c31 = _mm256_add_ps(c31, b1);
+    if constexpr (MR > 4) c40 = _mm256_add_ps(c40, b0), c41 = _mm256_add_ps(c41, b1);
+    if constexpr (MR > 5) c50 = _mm256_add_ps(c50, b0), c51 = _mm256_add_ps(c51, b1);
+  }
+  store_row(y + 0 * ldy, c00, c01, ncols);
+  if constexpr (MR > 1) store_row(y + 1 * ldy, c10, c11, ncols);
+  if constexpr (MR > 2) store_row(y + 2 * ldy, c20, c21, ncols);
+  if constexpr (MR > 3) store_row(y + 3 * ldy, c30, c31, ncols);
+  if constexpr (MR > 4) store_row(y + 4 * ldy, c40, c41, ncols);
+  if constexpr (MR > 5) store_row(y + 5 * ldy, c50, c51, ncols);
+}
+
+using Kernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*,
+                       const float*, bool);
+constexpr Kernel kKernels[MR_MAX + 1] = {nullptr,          micro_kernel<1>, micro_kernel<2>, micro_kernel<3>,
+                                         micro_kernel<4>, micro_kernel<5>, micro_kernel<6>};
+
+// Row blocks for M rows: as even as possible with at most MR_MAX rows each (16 -> 6, 5, 5, not 6, 6, 4).
+inline int64_t row_block(int64_t m_left, int64_t blocks_left) { return (m_left + blocks_left - 1) / blocks_left; }
+
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "racer::pack: weight must be [N, K], got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "racer::pack: weight must be float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.device().is_cpu(), "racer::pack: weight must be on the CPU");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t panels = (N + NR - 1) / NR;
+  at::Tensor out = at::zeros({panels, K, NR}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NR, nc = std::min(NR, N - n0);
+      float* panel = dst + p * K * NR;
+      for (int64_t j = 0; j < nc; ++j) {
+        const float* row = src + (n0 + j) * K;
+        for (int64_t k = 0; k < K; ++k) panel[k * NR + j] = row[k];
+      }
+    }
+  });
+  return out;
+}
+
+// y[M, N] (row stride ldy) = x[M, K] @ W^T + bias, or y += that when add_into (a residual added in place).
+void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, int64_t panels, int64_t N,
+          const float* b, float* yp, int64_t ldy, bool add_into) {
+  const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NR, nc = std::min(NR, N - n0);
+      const float* panel = wp + p * K * NR;
+      for (int64_t c0 = 0; c0 < K; c0 += KC) {
+        const int64_t kc = std::min(KC, K - c0);
+        const float* chunk = panel + c0 * NR;
+        // what is read after this chunk: the panel's next chunk, or the next panel's first. The first row
+        // block streams this chunk (prefetched already) and prefetches that one; the others hit L1.
+        const float* next = c0 + KC < K ? chunk + KC * NR : (p + 1 < p1 ? panel + K * NR : chunk);
+        const bool last = c0 + KC >= K;
+        int64_t m0 = 0;
+        for (int64_t left = blocks; left > 0; --left) {
+          const int64_t mr = row_block(M - m0, left);
+          kKernels[mr](xp + m0 * ldx + c0, ldx, chunk, kc, yp + m0 * ldy + n0, ldy, nc,
+                       (last && b != nullptr) ? b + n0 : nullptr, left == blocks ? next : chunk,
+                       c0 > 0 || add_into);
+          m0 += mr;
+        }
+      }
+    }
+  });
+}
+
+const float* check_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                          int64_t N, at::Tensor& bias_c) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "racer::linear: x must be [M, K] with unit column stride, got ",
+              x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "racer::linear: float32 only");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "racer::linear: CPU tensors only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR, "racer::linear: packed must be [panels, K, 16]");
+  TORCH_CHECK(x.size(1) == packed.size(1), "racer::linear: x has K=", x.size(1), ", weight K=", packed.size(1));
+  TORCH_CHECK(N > 0 && N <= packed.size(0) * NR && N > (packed.size(0) - 1) * NR,
+              "racer::linear: N=", N, " does not match ", packed.size(0), " panels");
+  TORCH_CHECK(packed.is_contiguous(), "racer::linear: packed weight must be contiguous");
+  TORCH_CHECK(reinterpret_cast<std::uintptr_t>(packed.data_ptr()) % 32 == 0,
+              "racer::linear: packed weight must be 32-byte aligned");
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == at::kFloat, "racer::linear: bias must be float32 [N]");
+    bias_c = bias->contiguous();
+    return bias_c.data_ptr<float>();
+  }
+  return nullptr;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t N) {
+  at::Tensor bias_c;
+  const at::Tensor xc = x.dim() == 2 && x.stride(1) != 1 ? x.contiguous() : x;
+  const float* b = check_linear(xc, packed, bias, N, bias_c);
+  const int64_t M = xc.size(0);
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M > 0) {
+    gemm(xc.data_ptr<float>(), xc.stride(0), M, xc.size(1), packed.data_ptr<float>(), packed.size(0), N, b,
+         y.data_ptr<float>(), N, false);
+  }
+  return y;
+}
+
+// out[M, N] += x @ W^T + bias, in place (the residual stream of a decoder layer).
+at::Tensor linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias) {
+  at::Tensor bias_c;
+  const at::Tensor xc = x.dim() == 2 && x.stride(1) != 1 ? x.contiguous() : x;
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat,
+              "racer::linear_add_: out must be float32 [M, N] with unit column stride");
+  const int64_t N = out.size(1);
+  const float* b = check_linear(xc, packed, bias, N, bias_c);
+  TORCH_CHECK(out.size(0) == xc.size(0), "racer::linear_add_: out has ", out.size(0), " rows, x ", xc.size(0));
+  if (xc.size(0) > 0) {
+    gemm(xc.data_ptr<float>(), xc.stride(0), xc.size(0), xc.size(1), packed.data_ptr<float>(), packed.size(0), N,
+         b, out.data_ptr<float>(), out.stride(0), true);
+  }
+  return out;
+}
+
+// ---- the small ops around the GEMMs: one call each instead of 3-10 aten ops ----
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by the degree-6 polynomial of Cephes' expf
+// (S. Moshier, Cephes Math Library; relative error ~1e-7, like libm's expf), 2^n put into the exponent bits.
+// Below -87.3 (e^x under the smallest normal float: masked scores, which are ~ -3.4e38) the result is exactly 0.
+inline __m256 exp256(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// the same for a scalar tail, through the vector path so the tail rounds like the rest
+inline float exp1(float x) {
+  alignas(32) float v[8];
+  _mm256_store_ps(v, exp256(_mm256_set1_ps(x)));
+  return v[0];
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float s = hsum(acc);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w over the last dimension of a float32 row (the Llama family's RMSNorm,
+// computed in float32 as transformers' LlamaRMSNorm does).
+inline void rms_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * inv) * w[i];
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "racer::rms_norm: float32 only");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t n = wc.numel();
+  TORCH_CHECK(xc.numel() % n == 0 && xc.size(-1) == n, "racer::rms_norm: last dim of x ", xc.sizes(), " != ", n);
+  at::Tensor y = at::empty_like(xc);
+  const int64_t rows = xc.numel() / n;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * n, wp, yp + r * n, n, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// Rotary embedding (halves layout, transformers' rotate_half): out = x * cos + rotate_half(x) * sin.
+inline void rope_row(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = x[i], b = x[i + h];
+    out[i] = a * cos[i] - b * sin[i];
+    out[i + h] = b * cos[i + h] + a * sin[i + h];
+  }
+}
+
+// From the fused projection qkv [T, (nq + 2 nkv) d]: q [T, nq, d] rotated (returned), k rotated and v written
+// into the layer's cache rows keys/values [nkv, max_len, d] at positions start .. start + T. Optional per-head
+// RMSNorm of q and k before the rotation (Qwen3's q_norm / k_norm, weights [d]). cos, sin: [T, d].
+at::Tensor rope_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
+                    at::Tensor values, int64_t start, int64_t nq, const c10::optional<at::Tensor>& q_norm,
+                    const c10::optional<at::Tensor>& k_norm, double eps) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat,
+              "racer::rope_kv_: float32 only");
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.stride(2) == 1 && values.stride(2) == 1,
+              "racer::rope_kv_: keys/values must be [nkv, max_len, d] with unit last stride");
+  const int64_t nkv = keys.size(0), maxlen = keys.size(1), d = keys.size(2);
+  const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  const int64_t T = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == (nq + 2 * nkv) * d, "racer::rope_kv_: qkv ", x.sizes(),
+              " is not [T, (nq + 2 nkv) d]");
+  TORCH_CHECK(c.size(0) == T && c.size(-1) == d && s.sizes() == c.sizes(), "racer::rope_kv_: cos/sin must be [T, d]");
+  TORCH_CHECK(start >= 0 && start + T <= maxlen, "racer::rope_kv_: rows ", start, "..", start + T, " past ", maxlen);
+  const bool norm = q_norm.has_value() && q_norm->defined();
+  at::Tensor qn, kn;
+  if (norm) {
+    TORCH_CHECK(k_norm.has_value() && k_norm->defined(), "racer::rope_kv_: q_norm without k_norm");
+    qn = q_norm->contiguous();
+    kn = k_norm->contiguous();
+  }
+  at::Tensor q = at::empty({T, nq, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  const int64_t row = (nq + 2 * nkv) * d;
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
+  std::vector<float> tmp(d);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* src = xp + t * row;
+    const float* ct = c.data_ptr<float>() + t * d;
+    const float* st = s.data_ptr<float>() + t * d;
+    for (int64_t h = 0; h < nq + nkv; ++h) {
+      const float* in = src + h * d;
+      if (norm) {
+        rms_row(in, (h < nq ? qn : kn).data_ptr<float>(), tmp.data(), d, static_cast<float>(eps));
+        in = tmp.data();
+      }
+      float* out = h < nq ? qp + (t * nq + h) * d : kp + (h - nq) * ks0 + (start + t) * ks1;
+      rope_row(in, ct, st, out, d);
+    }
+    for (int64_t g = 0; g < nkv; ++g) {
+      std::memcpy(vp + g * vs0 + (start + t) * vs1, src + (nq + nkv + g) * d, sizeof(float) * d);
+    }
+  }
+  return q;
+}
+
+// Attention of T query rows q [T, nq, d] over keys/values [nkv, >= S, d] (a slot of the cache; positions
+// [0, S) are read) with the additive mask [T, S] (or none: all visible). Query head h reads KV head h / (nq/nkv),
+// as transformers' repeat_kv lays them out. Returns [T, nq * d], the o_proj input. Exact softmax (max-shifted),
+// one (head, row) per task; the keys and values of a head stay in L2 across its rows.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t S,
+                     const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat, "racer::attention: float32 only");
+  const at::Tensor qc = q.contiguous();
+  TORCH_CHECK(qc.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "racer::attention: bad shapes");
+  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "racer::attention: keys/values need unit last stride");
+  const int64_t T = qc.size(0), nq = qc.size(1), d = qc.size(2), nkv = keys.size(0);
+  TORCH_CHECK(keys.size(2) == d && nq % nkv == 0 && S > 0 && S <= keys.size(1), "racer::attention: q ", qc.sizes(),
+              " vs keys ", keys.sizes(), " S=", S);
+  at::Tensor m;
+  const float* mp = nullptr;
+  int64_t ms = 0;
+  if (mask.has_value() && mask->defined()) {
+    m = *mask;
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == T && m.size(1) >= S && m.stride(1) == 1 && m.scalar_type() == at::kFloat,
+                "racer::attention: mask must be float32 [T, >= S] with unit last stride");
+    mp = m.data_ptr<float>();
+    ms = m.stride(0);
+  }
+  const int64_t rep = nq / nkv;
+  at::Tensor out = at::empty({T, nq * d}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
+  const float sc = static_cast<float>(scale);
+  const bool vec = d % 8 == 0;
+  // tasks ordered head-major so one thread's rows share a KV head; small problems run on one thread
+  const int64_t tasks = nq * T;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, S * d / 8));
+  at::parallel_for(0, tasks, grain, [&](int64_t a0, int64_t a1) {
+    std::vector<float> p(S);
+    std::vector<float> acc(d);
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t h = a / T, t = a % T, g = h / rep;
+      const float* qr = qp + (t * nq + h) * d;
+      const float* kh = kp + g * ks0;
+      const float* vh = vp + g * vs0;
+      float mx = -std::numeric_limits<float>::infinity();
+      int64_t s = 0;
+      if (vec) {  // four keys at a time: four independent FMA chains, then one reduction for the four dots
+        for (; s + 4 <= S; s += 4) {
+          const float* k0 = kh + s * ks1;
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+          for (int64_t i = 0; i < d; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(qr + i);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ks1 + i), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ks1 + i), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ks1 + i), a3);
+          }
+          const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+          __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // [d0 d1 d2 d3]
+          dots = _mm_mul_ps(dots, _mm_set1_ps(sc));
+          if (mp != nullptr) dots = _mm_add_ps(dots, _mm_loadu_ps(mp + t * ms + s));
+          _mm_storeu_ps(p.data() + s, dots);
+          for (int j = 0; j < 4; ++j) mx = std::max(mx, p[s + j]);
+        }
+      }
+      for (; s < S; ++s) {
+        const float* kr = kh + s * ks1;
+        float dot = 0.f;
+        for (int64_t i = 0; i < d; ++i) dot += qr[i] * kr[i];
+        float sv = dot * sc;
+        if (mp != nullptr) sv += mp[t * ms + s];
+        p[s] = sv;
+        mx = std::max(mx, sv);
+      }
+      float denom = 0.f;
+      {
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 dv = _mm256_setzero_ps();
+        int64_t s = 0;
+        for (; s + 8 <= S; s += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p.data() + s), mv));
+          _mm256_storeu_ps(p.data() + s, e);
+          dv = _mm256_add_ps(dv, e);
+        }
+        denom = hsum(dv);
+        for (; s < S; ++s) {
+          p[s] = exp1(p[s] - mx);
+          denom += p[s];
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (vec) {  // 8 output columns at a time, four keys' products in independent chains
+        for (int64_t i = 0; i < d; i += 8) {
+          __m256 o0 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps(), o2 = _mm256_setzero_ps(), o3 = _mm256_setzero_ps();
+          int64_t s2 = 0;
+          for (; s2 + 4 <= S; s2 += 4) {
+            const float* v0 = vh + s2 * vs1 + i;
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2), _mm256_loadu_ps(v0), o0);
+            o1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2 + 1), _mm256_loadu_ps(v0 + vs1), o1);
+            o2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2 + 2), _mm256_loadu_ps(v0 + 2 * vs1), o2);
+            o3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2 + 3), _mm256_loadu_ps(v0 + 3 * vs1), o3);
+          }
+          for (; s2 < S; ++s2) {
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2), _mm256_loadu_ps(vh + s2 * vs1 + i), o0);
+          }
+          _mm256_storeu_ps(acc.data() + i, _mm256_add_ps(_mm256_add_ps(o0, o1), _mm256_add_ps(o2, o3)));
+        }
+      } else {
+        for (int64_t s2 = 0; s2 < S; ++s2) {
+          const float w = p[s2];
+          const float* vr = vh + s2 * vs1;
+          for (int64_t i = 0; i < d; ++i) acc[i] += w * vr[i];
+        }
+      }
+      const float inv = 1.f / denom;
+      float* orow = op + t * nq * d + h * d;
+      for (int64_t i = 0; i < d; ++i) orow[i] = acc[i] * inv;
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up for gu [T, 2I] = [gate | up]; returns [T, I].
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0, "racer::silu_mul: float32 [T, 2I]");
+  const at::Tensor x = gu.contiguous();
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  at::Tensor y = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, I)), [&](int64_t t0, int64_t t1) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = xp + t * 2 * I;
+      const float* u = g + I;
+      float* o = yp + t * I;
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) {  // g / (1 + e^-g) * u
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 den = _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv)));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + j)));
+      }
+      for (; j < I; ++j) o[j] = (g[j] / (1.f + exp1(-g[j]))) * u[j];
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(racer, m) {
+  m.def("pack(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
+  m.def("linear_add_(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> Tensor(a!)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_kv_(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, int nq, "
+        "Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
+  m.def("attention(Tensor q, Tensor keys, Tensor values, int S, Tensor? mask, float scale) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(racer, CPU, m) {
+  m.impl("pack", pack);
+  m.impl("linear", linear);
+  m.impl("linear_add_", linear_add_);
+  m.impl("rms_norm", rms_norm);
+  m.impl("rope_kv_", rope_kv_);
+  m.impl("attention", attention);
+  m.impl("silu_mul", silu_mul);
+}

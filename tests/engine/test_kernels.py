@@ -1,0 +1,161 @@
+"""Our CPU kernels (engine/kernels/cpu_kernels.cpp) against torch's own ops, at the shapes a verify forward
+and a prefill give them and at the awkward ones (N not a multiple of 16, K not a multiple of 8, one row,
+head_dim off the vector width). Skipped nowhere: where the kernels cannot build, the loader's fallback is
+what is tested."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from racer_batch.engine import kernels
+from racer_batch.engine.kernels import cpu_ops, unavailable_reason
+
+OPS = cpu_ops()
+needs_ops = pytest.mark.skipif(OPS is None, reason=f"kernels unavailable: {unavailable_reason()}")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@needs_ops
+@pytest.mark.parametrize("n,k", [(48, 32), (37, 29), (960, 576), (16, 1), (5, 300), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(n, k, bias):
+    g = _gen(n * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = OPS.pack(w)
+    assert packed.shape == ((n + 15) // 16, k, 16)
+    for m in (0, 1, 2, 3, 5, 6, 7, 12, 13, 16, 31, 64, 130):
+        x = torch.randn(m, k, generator=g)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+        torch.testing.assert_close(OPS.linear(x, packed, b, n), want, atol=2e-4, rtol=1e-4)
+        res = torch.randn(m, n, generator=g)
+        got = OPS.linear_add_(res.clone(), x, packed, b)
+        torch.testing.assert_close(got, res + want, atol=2e-4, rtol=1e-4)
+
+
+@needs_ops
+def test_linear_reads_strided_rows_and_writes_strided_out():
+    g = _gen(1)
+    w = torch.randn(40, 24, generator=g)
+    packed = OPS.pack(w)
+    big = torch.randn(7, 50, generator=g)
+    x = big[:, 3:27]  # row stride 50, unit column stride
+    torch.testing.assert_close(OPS.linear(x, packed, None, 40), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    out = torch.zeros(7, 64)
+    OPS.linear_add_(out[:, 10:50], x, packed, None)
+    torch.testing.assert_close(out[:, 10:50], F.linear(x, w), atol=1e-4, rtol=1e-4)
+    assert not out[:, :10].any() and not out[:, 50:].any()
+    xt = torch.randn(24, 7, generator=g).t()  # column stride != 1: copied, still right
+    torch.testing.assert_close(OPS.linear(xt, packed, None, 40), F.linear(xt, w), atol=1e-4, rtol=1e-4)
+
+
+@needs_ops
+def test_linear_refuses_bad_inputs_with_a_message():
+    w = torch.randn(32, 16)
+    packed = OPS.pack(w)
+    with pytest.raises(RuntimeError, match="K=8"):
+        OPS.linear(torch.randn(2, 8), packed, None, 32)
+    with pytest.raises(RuntimeError, match="N=50"):
+        OPS.linear(torch.randn(2, 16), packed, None, 50)
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.linear(torch.randn(2, 16, dtype=torch.float64), packed, None, 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        OPS.linear(torch.randn(2, 16), packed, torch.randn(31), 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.pack(w.double())
+
+
+@needs_ops
+@pytest.mark.parametrize("shape", [(1, 576), (16, 576), (3, 5, 64), (2, 7)])
+def test_rms_norm(shape):
+    g = _gen(2)
+    x = 3.0 * torch.randn(*shape, generator=g)
+    w = torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(OPS.rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def _rope_ref(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@needs_ops
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("nq,nkv,d", [(9, 3, 64), (4, 4, 32), (4, 1, 6)])
+def test_rope_kv_writes_rotated_keys_and_values_at_their_rows(norm, nq, nkv, d):
+    g = _gen(nq * d)
+    t, start, max_len = 5, 11, 24
+    qkv = torch.randn(t, (nq + 2 * nkv) * d, generator=g)
+    ang = torch.randn(t, 1, d // 2, generator=g).repeat(1, 1, 2)
+    cos, sin = ang.cos(), ang.sin()
+    cache = torch.full((2, nkv, max_len, d), 7.0)
+    qn = torch.randn(d, generator=g) if norm else None
+    kn = torch.randn(d, generator=g) if norm else None
+    q = OPS.rope_kv_(qkv, cos, sin, cache[0], cache[1], start, nq, qn, kn, 1e-6)
+    q_in = qkv[:, : nq * d].view(t, nq, d)
+    k_in = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
+    if norm:
+        q_in, k_in = F.rms_norm(q_in, (d,), qn, 1e-6), F.rms_norm(k_in, (d,), kn, 1e-6)
+    torch.testing.assert_close(q, _rope_ref(q_in, cos, sin), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache[0, :, start : start + t], _rope_ref(k_in, cos, sin).transpose(0, 1),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache[1, :, start : start + t], qkv[:, (nq + nkv) * d :].view(t, nkv, d).transpose(0, 1))
+    untouched = torch.ones(max_len, dtype=torch.bool)
+    untouched[start : start + t] = False
+    assert (cache[:, :, untouched] == 7.0).all()  # nothing written outside the tree's rows
+    with pytest.raises(RuntimeError, match="past"):
+        OPS.rope_kv_(qkv, cos, sin, cache[0], cache[1], max_len - 2, nq, qn, kn, 1e-6)
+
+
+@needs_ops
+@pytest.mark.parametrize("nq,nkv,d", [(9, 3, 64), (4, 2, 32), (2, 1, 12)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_equals_sdpa(nq, nkv, d, masked):
+    g = _gen(nq + d)
+    t, s, max_len = 6, 40, 50
+    q = torch.randn(t, nq, d, generator=g)
+    kv = torch.randn(2, nkv, max_len, d, generator=g)
+    mask = None
+    if masked:  # a tree block: each row sees the prefix, itself and a random subset of the other rows
+        vis = torch.ones(t, s, dtype=torch.bool)
+        vis[:, s - t :] = torch.rand(t, t, generator=g) < 0.5
+        vis[:, s - t :] |= torch.eye(t, dtype=torch.bool)
+        mask = torch.zeros(t, max_len).masked_fill_(~F.pad(vis, (0, max_len - s)), torch.finfo(torch.float32).min)
+    got = OPS.attention(q, kv[0], kv[1], s, mask, d ** -0.5)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), kv[0, :, :s].unsqueeze(0), kv[1, :, :s].unsqueeze(0),
+        attn_mask=None if mask is None else mask[:, :s], scale=d ** -0.5, enable_gqa=True,
+    )[0].transpose(0, 1).reshape(t, nq * d)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_ops
+def test_silu_mul():
+    gu = 4.0 * torch.randn(7, 2 * 37, generator=_gen(3))
+    torch.testing.assert_close(OPS.silu_mul(gu), F.silu(gu[:, :37]) * gu[:, 37:], atol=1e-6, rtol=1e-5)
+
+
+def test_kernels_off_falls_back_with_a_reason(monkeypatch):
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("RACER_KERNELS", "off")
+    assert cpu_ops() is None
+    assert unavailable_reason() == "RACER_KERNELS=off"
+    from racer_batch.engine.static_runner import default_matmul_path
+
+    assert default_matmul_path(torch.device("cpu")) in ("onednn_packed", "torch")
+
+
+def test_a_failed_build_falls_back_with_the_compiler_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.delenv("RACER_KERNELS", raising=False)
+    monkeypatch.setenv("RACER_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
+    assert cpu_ops() is None
+    assert "failed" in unavailable_reason()
+    assert not list(tmp_path.glob("*.so"))  # no half-written library left for the next process
