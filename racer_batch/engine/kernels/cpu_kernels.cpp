@@ -388,6 +388,119 @@ at::Tensor rope_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   return q;
 }
 
+// Softmax of one row of scores in place (max-shifted); returns 1 / the sum.
+inline float softmax_row(float* p, int64_t S) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < S; ++s) mx = std::max(mx, p[s]);
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 dv = _mm256_setzero_ps();
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + s), mv));
+    _mm256_storeu_ps(p + s, e);
+    dv = _mm256_add_ps(dv, e);
+  }
+  float denom = hsum(dv);
+  for (; s < S; ++s) {
+    p[s] = exp1(p[s] - mx);
+    denom += p[s];
+  }
+  return 1.f / denom;
+}
+
+// Attention of up to 4 query rows that share one KV head (head_dim d % 16 == 0): scores of 4 rows x 2 keys
+// per pass (8 accumulators; each key chunk loaded once for the 4 rows), then P V with 4 rows x 16 columns in
+// 8 accumulators (each value chunk loaded once for the 4 rows). Rows past nr repeat row 0 and are not stored.
+// p: scratch [4, S].
+void attend4(int nr, const float* const* qr, const float* const* mr, float* const* orow, const float* kh,
+             int64_t ks1, const float* vh, int64_t vs1, int64_t S, int64_t d, float sc, float* p) {
+  const float* q0 = qr[0];
+  const float* q1 = nr > 1 ? qr[1] : q0;
+  const float* q2 = nr > 2 ? qr[2] : q0;
+  const float* q3 = nr > 3 ? qr[3] : q0;
+  float* p0 = p;
+  float* p1 = p + S;
+  float* p2 = p + 2 * S;
+  float* p3 = p + 3 * S;
+  int64_t s = 0;
+  for (; s + 2 <= S; s += 2) {
+    const float* k0 = kh + s * ks1;
+    const float* k1 = k0 + ks1;
+    __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(), a11 = _mm256_setzero_ps();
+    __m256 a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(), a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + i), x1 = _mm256_loadu_ps(k1 + i);
+      __m256 qv = _mm256_loadu_ps(q0 + i);
+      a00 = _mm256_fmadd_ps(qv, x0, a00);
+      a01 = _mm256_fmadd_ps(qv, x1, a01);
+      qv = _mm256_loadu_ps(q1 + i);
+      a10 = _mm256_fmadd_ps(qv, x0, a10);
+      a11 = _mm256_fmadd_ps(qv, x1, a11);
+      qv = _mm256_loadu_ps(q2 + i);
+      a20 = _mm256_fmadd_ps(qv, x0, a20);
+      a21 = _mm256_fmadd_ps(qv, x1, a21);
+      qv = _mm256_loadu_ps(q3 + i);
+      a30 = _mm256_fmadd_ps(qv, x0, a30);
+      a31 = _mm256_fmadd_ps(qv, x1, a31);
+    }
+    // hadd(hadd(A, B), hadd(C, D)) with its two 128-bit halves added is [sum A, sum B, sum C, sum D]
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a00, a01), _mm256_hadd_ps(a10, a11));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a20, a21), _mm256_hadd_ps(a30, a31));
+    alignas(16) float r[8];
+    _mm_store_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h0), _mm256_extractf128_ps(h0, 1)), _mm_set1_ps(sc)));
+    _mm_store_ps(r + 4, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h1), _mm256_extractf128_ps(h1, 1)), _mm_set1_ps(sc)));
+    p0[s] = r[0], p0[s + 1] = r[1], p1[s] = r[2], p1[s + 1] = r[3];
+    p2[s] = r[4], p2[s + 1] = r[5], p3[s] = r[6], p3[s + 1] = r[7];
+  }
+  for (; s < S; ++s) {
+    const float* kr = kh + s * ks1;
+    const float* qs[4] = {q0, q1, q2, q3};
+    float* ps[4] = {p0, p1, p2, p3};
+    for (int j = 0; j < 4; ++j) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qs[j] + i), _mm256_loadu_ps(kr + i), a);
+      ps[j][s] = hsum(a) * sc;
+    }
+  }
+  float inv[4];
+  float* ps[4] = {p0, p1, p2, p3};
+  for (int j = 0; j < nr; ++j) {
+    if (mr[j] != nullptr) {
+      int64_t u = 0;
+      for (; u + 8 <= S; u += 8) _mm256_storeu_ps(ps[j] + u, _mm256_add_ps(_mm256_loadu_ps(ps[j] + u), _mm256_loadu_ps(mr[j] + u)));
+      for (; u < S; ++u) ps[j][u] += mr[j][u];
+    }
+    inv[j] = softmax_row(ps[j], S);
+  }
+  for (int j = nr; j < 4; ++j) std::fill(ps[j], ps[j] + S, 0.f);  // padding rows add nothing
+  for (int64_t i = 0; i < d; i += 16) {
+    __m256 o00 = _mm256_setzero_ps(), o01 = _mm256_setzero_ps(), o10 = _mm256_setzero_ps(), o11 = _mm256_setzero_ps();
+    __m256 o20 = _mm256_setzero_ps(), o21 = _mm256_setzero_ps(), o30 = _mm256_setzero_ps(), o31 = _mm256_setzero_ps();
+    for (int64_t u = 0; u < S; ++u) {
+      const float* vr = vh + u * vs1 + i;
+      const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+      __m256 b = _mm256_broadcast_ss(p0 + u);
+      o00 = _mm256_fmadd_ps(b, v0, o00);
+      o01 = _mm256_fmadd_ps(b, v1, o01);
+      b = _mm256_broadcast_ss(p1 + u);
+      o10 = _mm256_fmadd_ps(b, v0, o10);
+      o11 = _mm256_fmadd_ps(b, v1, o11);
+      b = _mm256_broadcast_ss(p2 + u);
+      o20 = _mm256_fmadd_ps(b, v0, o20);
+      o21 = _mm256_fmadd_ps(b, v1, o21);
+      b = _mm256_broadcast_ss(p3 + u);
+      o30 = _mm256_fmadd_ps(b, v0, o30);
+      o31 = _mm256_fmadd_ps(b, v1, o31);
+    }
+    const __m256 outs[8] = {o00, o01, o10, o11, o20, o21, o30, o31};
+    for (int j = 0; j < nr; ++j) {
+      const __m256 iv = _mm256_set1_ps(inv[j]);
+      _mm256_storeu_ps(orow[j] + i, _mm256_mul_ps(outs[2 * j], iv));
+      _mm256_storeu_ps(orow[j] + i + 8, _mm256_mul_ps(outs[2 * j + 1], iv));
+    }
+  }
+}
+
 // Attention of T query rows q [T, nq, d] over keys/values [nkv, >= S, d] (a slot of the cache; positions
 // [0, S) are read) with the additive mask [T, S] (or none: all visible). Query head h reads KV head h / (nq/nkv),
 // as transformers' repeat_kv lays them out. Returns [T, nq * d], the o_proj input. Exact softmax (max-shifted),
@@ -420,7 +533,28 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
   const float sc = static_cast<float>(scale);
   const bool vec = d % 8 == 0;
-  // tasks ordered head-major so one thread's rows share a KV head; small problems run on one thread
+  if (d % 16 == 0) {  // blocks of 4 rows of one KV head: its rows are (head h in the group, node t), h-major
+    const int64_t rows = rep * T, blocks = (rows + 3) / 4;
+    at::parallel_for(0, nkv * blocks, 1, [&](int64_t a0, int64_t a1) {
+      std::vector<float> p(4 * S);
+      for (int64_t a = a0; a < a1; ++a) {
+        const int64_t g = a / blocks, r0 = (a % blocks) * 4;
+        const int nr = static_cast<int>(std::min<int64_t>(4, rows - r0));
+        const float* qr[4];
+        const float* mr[4];
+        float* orow[4];
+        for (int j = 0; j < nr; ++j) {
+          const int64_t h = g * rep + (r0 + j) / T, t = (r0 + j) % T;
+          qr[j] = qp + (t * nq + h) * d;
+          mr[j] = mp == nullptr ? nullptr : mp + t * ms;
+          orow[j] = op + t * nq * d + h * d;
+        }
+        attend4(nr, qr, mr, orow, kp + g * ks0, ks1, vp + g * vs0, vs1, S, d, sc, p.data());
+      }
+    });
+    return out;
+  }
+  // any other head_dim: one (head, row) per task, ordered head-major so one thread's rows share a KV head
   const int64_t tasks = nq * T;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, S * d / 8));
   at::parallel_for(0, tasks, grain, [&](int64_t a0, int64_t a1) {
