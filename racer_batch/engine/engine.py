@@ -112,7 +112,10 @@ class Engine:
         if self.config.method == "ar":
             sizes = [1]
         elif self.config.capacity == "auto":
-            sizes = sorted(set(self.config.auto_capacities))
+            # the configured candidates plus the sizes where this runner's cost steps up (a tree of 6 costs
+            # what one of 4 does on our CPU kernels): output-neutral, so the config (and its hash) stays as set
+            auto = sorted(set(self.config.auto_capacities))
+            sizes = sorted(set(auto) | {s for s in self.runner.step_sizes(auto[-1]) if s >= auto[0]})
         else:
             sizes = [int(self.config.capacity)]
         self.runner.warmup(sizes)  # static runner: pack weights / compile every tree size it will use

@@ -76,6 +76,10 @@ class ModelRunner:
     def release(self, cache: DynamicCache) -> None:
         """Nothing to give back: a ``DynamicCache`` is freed with the row."""
 
+    def step_sizes(self, largest: int) -> tuple[int, ...]:
+        """Tree sizes up to ``largest`` after which this runner's verify cost steps up (none known here)."""
+        return ()
+
     def verify_tree(self, tree, *, cache: DynamicCache) -> torch.Tensor:
         """One forward over a flattened draft tree (``tree.TreeInputs``); returns logits ``[T, V]``."""
         return self.verify(input_ids=tree.input_ids, position_ids=tree.position_ids,

@@ -20,8 +20,10 @@ except the small activations of the forward itself.
 
 Fixed shapes: a tree of T nodes is padded to the smallest bucket >= T (``DEFAULT_BUCKETS``). Padding
 nodes attend only to themselves, no real node attends to them, and their logits are dropped, so they can
-never be accepted. On the CPU the padding is what makes prepacked weights per bucket and a compiled step
-per bucket possible; on CUDA it is what makes one CUDA graph per bucket possible.
+never be accepted. Padding is what makes MKL's packed weights per bucket and a compiled step per bucket
+possible on the CPU, and one CUDA graph per bucket on CUDA. Our own CPU kernels (``engine/kernels``, the
+float32 CPU default: GEMM, RMSNorm, rope + KV write, tree attention, SiLU) take any row count, so on that
+path trees are verified unpadded (``_forward_kernels``).
 """
 
 from __future__ import annotations
@@ -663,6 +665,15 @@ class StaticRunner:
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
             self._compiled_fn = torch.compile(self._static_step, dynamic=False)
         self.compiled = True
+
+    def step_sizes(self, largest: int) -> tuple[int, ...]:
+        """Tree sizes up to ``largest`` after which the verify cost steps up, so a tree of exactly that size
+        costs what a smaller one does: the multiples of the GEMM's register block (6 rows) on our CPU kernels,
+        the buckets where trees are padded. ``capacity: auto`` adds them to its candidates."""
+        if self._ops is not None and not self.compile_requested:
+            block = int(self._ops.rows_per_block())
+            return tuple(range(block, largest + 1, block))
+        return tuple(b for b in self.buckets if b <= largest)
 
     @staticmethod
     def release(cache: SlotCache) -> None:

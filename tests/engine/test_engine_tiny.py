@@ -11,6 +11,7 @@ from helpers import tiny_bundle
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
 from racer_batch.engine.capacity import CapacityTuner
+from racer_batch.engine.kernels import cpu_ops
 
 METHODS = ["ar", "pld", "logits", "retrieval", "racer"]
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat"]
@@ -177,6 +178,9 @@ def test_lossless_sampling_matches_autoregressive_distribution():
                 p3 = probs(prompt + [a, b])
                 exact[a, b] = (p1[a] * p2[b] * p3).numpy()
     engine = Engine(bundle, DecodingConfig(method="ar"), drafter_factory=lambda cfg, st: FixedTreeDrafter())
+    assert engine.runner.kind == "static"  # the default runner: the chi-square is about the fast verify path
+    if cpu_ops() is not None:
+        assert engine.runner.matmul == "small_gemm"  # ... on our CPU kernels where they build
     n = 20_000
     counts = np.zeros((V, V, V))
     accepted = 0
@@ -223,7 +227,10 @@ def test_capacity_tuner_explores_one_size_up_not_the_largest():
 
 def test_auto_capacity_runs_and_stays_lossless(tiny):
     engine = Engine(tiny, DecodingConfig(method="racer", capacity="auto", auto_capacities=[4, 8, 16]))
-    assert set(engine.cost_curve_ms) == {1, 4, 8, 16}
+    steps = set(engine.runner.step_sizes(16))  # where the runner's cost steps up: candidates too
+    assert set(engine.cost_curve_ms) == {1, 4, 8, 16} | {s for s in steps if s >= 4}
+    if cpu_ops() is not None:
+        assert {6, 12} <= set(engine.cost_curve_ms)  # our kernels' 6-row register blocks
     out = engine.generate("abcabcabd", GenerationParams(max_new_tokens=60))
     assert out.token_ids == generate_reference(tiny, "abcabcabd", GenerationParams(max_new_tokens=60)).token_ids
     assert engine.tuner.steps > 0

@@ -671,7 +671,11 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 
 }  // namespace
 
+int64_t rows_per_block() { return MR_MAX; }
+
 TORCH_LIBRARY(racer, m) {
+  // rows per register block of the GEMM: its cost steps up just past each multiple (a catch-all kernel)
+  m.def("rows_per_block() -> int", rows_per_block);
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
   m.def("linear_add_(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> Tensor(a!)");
