@@ -358,6 +358,7 @@ class StaticRunner:
         # our CPU kernels for everything around the matmuls too (norms, rope + KV write, attention, SiLU):
         # one call each instead of 3-10 aten ops, which cost more than the arithmetic at a few rows
         self._ops = self.lm_head._ops if self.matmul == "small_gemm" else None
+        self._logits = torch.empty(0)  # kernel path: reused [rows, V] output of the lm_head (see _head)
         self.slots = slots
         self._free_slots = list(range(slots))[::-1]
         self.max_len = 0
@@ -460,6 +461,18 @@ class StaticRunner:
             ops.linear_add_(x, ops.silu_mul(gu), layer.down._panels, layer.down.bias)
         return ops.rms_norm(x, self.final_norm, eps)
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, V]`` of ``hidden [T, H]``. On our kernels they are written into one reused buffer
+        (valid until the next call: a verify's logits are consumed within its step), so a step allocates no
+        multi-MB tensor; glibc would map and unmap it every step and its heap would drift by as much."""
+        if self._ops is None:
+            return self.lm_head(hidden)
+        t = hidden.shape[0]
+        if self._logits.shape[0] < t:
+            self._logits = torch.empty((max(t, self.buckets[-1]), self.lm_head.weight.shape[0]), dtype=self.dtype)
+        out = self._logits[:t]
+        return self._ops.linear_into_(out, hidden, self.lm_head._panels, self.lm_head.bias)
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slot: int, start: int, mask: Optional[torch.Tensor],
                  write_idx: Optional[torch.Tensor] = None, plain: bool = False) -> torch.Tensor:
         """Hidden states ``[T, H]`` for ``ids [T]`` at ``pos [T]``.
@@ -541,10 +554,10 @@ class StaticRunner:
             last = hidden[-1:]
             if topk > 0:
                 for s in range(0, hidden.shape[0], PREFILL_TOPK_CHUNK):
-                    logits = self.lm_head(hidden[s : s + PREFILL_TOPK_CHUNK])  # [c', V]
+                    logits = self._head(hidden[s : s + PREFILL_TOPK_CHUNK])  # [c', V]
                     tops.append(torch.topk(logits, topk, dim=-1).indices.cpu())
         cache.length = n
-        last_logits = self.lm_head(last).float()[0]  # [V]
+        last_logits = self._head(last).float()[0].clone()  # [V], its own copy (the head buffer is reused)
         return last_logits, (torch.cat(tops, dim=0) if topk > 0 else None)
 
     def _padded(self, tree: Any, committed_len: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -572,7 +585,8 @@ class StaticRunner:
 
         Returns:
             logits ``[T, V]`` of the real nodes (model dtype); padding rows are dropped. On the CUDA-graph path
-            they live in the graphs' shared output pool: valid until the next ``verify_tree`` call.
+            they live in the graphs' shared output pool, on our CPU kernels in one reused buffer: either way
+            valid until the next ``verify_tree`` or ``prefill`` call.
         """
         t = tree.size
         if t > self.buckets[-1]:
@@ -590,7 +604,7 @@ class StaticRunner:
         end = committed + t_pad
         try:
             hidden = self._forward(ids, pos, cache.slot, committed, self.mask[:t_pad, :end])
-            return self.lm_head(hidden[:t] if t < t_pad else hidden)
+            return self._head(hidden[:t] if t < t_pad else hidden)
         finally:
             self.mask[:t_pad, committed:end].zero_()
 

@@ -105,7 +105,7 @@ def check_tree(runner, cache, model, committed: list[int], draft: Draft):
         want = oracle(model, seq)[len(committed):]
         torch.testing.assert_close(logits[nodes].float(), want, atol=ATOL, rtol=RTOL)
     assert seen == set(range(tree.size))  # every node was checked
-    return tree, logits
+    return tree, logits.clone()  # the runner's logits are valid until its next call (a reused buffer)
 
 
 def run_scenario(runner, model, prompt: list[int], *, seed: int = 0) -> list[torch.Tensor]:

@@ -30,7 +30,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 namespace {
 
@@ -178,7 +177,10 @@ at::Tensor pack(const at::Tensor& weight) {
 void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, int64_t panels, int64_t N,
           const float* b, float* yp, int64_t ldy, bool add_into) {
   const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  // at least ~64K multiply-adds per task, as aten's own grain sizes do: a tiny model's matmuls stay on the
+  // calling thread instead of waking the pool for microseconds of work
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * NR * M));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR, nc = std::min(NR, N - n0);
       const float* panel = wp + p * K * NR;
@@ -249,6 +251,24 @@ at::Tensor linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
   if (xc.size(0) > 0) {
     gemm(xc.data_ptr<float>(), xc.stride(0), xc.size(0), xc.size(1), packed.data_ptr<float>(), packed.size(0), N,
          b, out.data_ptr<float>(), out.stride(0), true);
+  }
+  return out;
+}
+
+// out[M, N] = x @ W^T + bias, written into a preallocated out (a reused logits buffer: no multi-MB allocation
+// per verify step, which glibc would map and unmap each time).
+at::Tensor linear_into_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                        const c10::optional<at::Tensor>& bias) {
+  at::Tensor bias_c;
+  const at::Tensor xc = x.dim() == 2 && x.stride(1) != 1 ? x.contiguous() : x;
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat,
+              "racer::linear_into_: out must be float32 [M, N] with unit column stride");
+  const int64_t N = out.size(1);
+  const float* b = check_linear(xc, packed, bias, N, bias_c);
+  TORCH_CHECK(out.size(0) == xc.size(0), "racer::linear_into_: out has ", out.size(0), " rows, x ", xc.size(0));
+  if (xc.size(0) > 0) {
+    gemm(xc.data_ptr<float>(), xc.stride(0), xc.size(0), xc.size(1), packed.data_ptr<float>(), packed.size(0), N,
+         b, out.data_ptr<float>(), out.stride(0), false);
   }
   return out;
 }
@@ -367,7 +387,8 @@ at::Tensor rope_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   float* vp = values.data_ptr<float>();
   const int64_t row = (nq + 2 * nkv) * d;
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
-  std::vector<float> tmp(d);
+  at::Tensor tmp_t = at::empty({d}, x.options());  // normed head (q/k norm), reused for every head
+  float* tmp = tmp_t.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     const float* src = xp + t * row;
     const float* ct = c.data_ptr<float>() + t * d;
@@ -375,8 +396,8 @@ at::Tensor rope_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
     for (int64_t h = 0; h < nq + nkv; ++h) {
       const float* in = src + h * d;
       if (norm) {
-        rms_row(in, (h < nq ? qn : kn).data_ptr<float>(), tmp.data(), d, static_cast<float>(eps));
-        in = tmp.data();
+        rms_row(in, (h < nq ? qn : kn).data_ptr<float>(), tmp, d, static_cast<float>(eps));
+        in = tmp;
       }
       float* out = h < nq ? qp + (t * nq + h) * d : kp + (h - nq) * ks0 + (start + t) * ks1;
       rope_row(in, ct, st, out, d);
@@ -535,8 +556,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   const bool vec = d % 8 == 0;
   if (d % 16 == 0) {  // blocks of 4 rows of one KV head: its rows are (head h in the group, node t), h-major
     const int64_t rows = rep * T, blocks = (rows + 3) / 4;
-    at::parallel_for(0, nkv * blocks, 1, [&](int64_t a0, int64_t a1) {
-      std::vector<float> p(4 * S);
+    // scratch for the scores, one [4, S] block per thread, allocated here on the calling thread: a heap
+    // allocation inside the parallel region lands in each worker thread's own malloc arena, whose size then
+    // drifts with S from call to call (seen as tens of MB of RSS jitter in the soak test)
+    at::Tensor scratch = at::empty({at::get_num_threads(), 4 * S}, qc.options());
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 8 * S * d));  // ~64K FMAs a task
+    at::parallel_for(0, nkv * blocks, grain, [&](int64_t a0, int64_t a1) {
+      float* p = scratch.data_ptr<float>() + at::get_thread_num() * 4 * S;
       for (int64_t a = a0; a < a1; ++a) {
         const int64_t g = a / blocks, r0 = (a % blocks) * 4;
         const int nr = static_cast<int>(std::min<int64_t>(4, rows - r0));
@@ -549,7 +575,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
           mr[j] = mp == nullptr ? nullptr : mp + t * ms;
           orow[j] = op + t * nq * d + h * d;
         }
-        attend4(nr, qr, mr, orow, kp + g * ks0, ks1, vp + g * vs0, vs1, S, d, sc, p.data());
+        attend4(nr, qr, mr, orow, kp + g * ks0, ks1, vp + g * vs0, vs1, S, d, sc, p);
       }
     });
     return out;
@@ -557,9 +583,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   // any other head_dim: one (head, row) per task, ordered head-major so one thread's rows share a KV head
   const int64_t tasks = nq * T;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, S * d / 8));
+  at::Tensor scratch = at::empty({at::get_num_threads(), S + d}, qc.options());  // see the blocked path
   at::parallel_for(0, tasks, grain, [&](int64_t a0, int64_t a1) {
-    std::vector<float> p(S);
-    std::vector<float> acc(d);
+    float* p = scratch.data_ptr<float>() + at::get_thread_num() * (S + d);
+    float* acc = p + S;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t h = a / T, t = a % T, g = h / rep;
       const float* qr = qp + (t * nq + h) * d;
@@ -582,7 +609,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
           __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // [d0 d1 d2 d3]
           dots = _mm_mul_ps(dots, _mm_set1_ps(sc));
           if (mp != nullptr) dots = _mm_add_ps(dots, _mm_loadu_ps(mp + t * ms + s));
-          _mm_storeu_ps(p.data() + s, dots);
+          _mm_storeu_ps(p + s, dots);
           for (int j = 0; j < 4; ++j) mx = std::max(mx, p[s + j]);
         }
       }
@@ -601,8 +628,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
         __m256 dv = _mm256_setzero_ps();
         int64_t s = 0;
         for (; s + 8 <= S; s += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p.data() + s), mv));
-          _mm256_storeu_ps(p.data() + s, e);
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + s), mv));
+          _mm256_storeu_ps(p + s, e);
           dv = _mm256_add_ps(dv, e);
         }
         denom = hsum(dv);
@@ -611,22 +638,22 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
           denom += p[s];
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc, acc + d, 0.f);
       if (vec) {  // 8 output columns at a time, four keys' products in independent chains
         for (int64_t i = 0; i < d; i += 8) {
           __m256 o0 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps(), o2 = _mm256_setzero_ps(), o3 = _mm256_setzero_ps();
           int64_t s2 = 0;
           for (; s2 + 4 <= S; s2 += 4) {
             const float* v0 = vh + s2 * vs1 + i;
-            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2), _mm256_loadu_ps(v0), o0);
-            o1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2 + 1), _mm256_loadu_ps(v0 + vs1), o1);
-            o2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2 + 2), _mm256_loadu_ps(v0 + 2 * vs1), o2);
-            o3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2 + 3), _mm256_loadu_ps(v0 + 3 * vs1), o3);
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + s2), _mm256_loadu_ps(v0), o0);
+            o1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + s2 + 1), _mm256_loadu_ps(v0 + vs1), o1);
+            o2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + s2 + 2), _mm256_loadu_ps(v0 + 2 * vs1), o2);
+            o3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + s2 + 3), _mm256_loadu_ps(v0 + 3 * vs1), o3);
           }
           for (; s2 < S; ++s2) {
-            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p.data() + s2), _mm256_loadu_ps(vh + s2 * vs1 + i), o0);
+            o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + s2), _mm256_loadu_ps(vh + s2 * vs1 + i), o0);
           }
-          _mm256_storeu_ps(acc.data() + i, _mm256_add_ps(_mm256_add_ps(o0, o1), _mm256_add_ps(o2, o3)));
+          _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_add_ps(o0, o1), _mm256_add_ps(o2, o3)));
         }
       } else {
         for (int64_t s2 = 0; s2 < S; ++s2) {
@@ -679,6 +706,7 @@ TORCH_LIBRARY(racer, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
   m.def("linear_add_(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> Tensor(a!)");
+  m.def("linear_into_(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> Tensor(a!)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_kv_(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int start, int nq, "
         "Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
@@ -690,6 +718,7 @@ TORCH_LIBRARY_IMPL(racer, CPU, m) {
   m.impl("pack", pack);
   m.impl("linear", linear);
   m.impl("linear_add_", linear_add_);
+  m.impl("linear_into_", linear_into_);
   m.impl("rms_norm", rms_norm);
   m.impl("rope_kv_", rope_kv_);
   m.impl("attention", attention);
