@@ -207,12 +207,15 @@ def run_bench(
     items: list[BenchPrompt] | None = None,
     corpus: str | None = None,
     on_item: Callable[[BenchResult], None] | None = None,
+    system_prompt: str | None = None,
 ) -> BenchResult:
     """Run every method on every prompt (all turns), interleaved; returns per-group totals.
 
     ``methods``: names or ``parse_method`` strings / MethodSpecs; HF greedy (the baseline) always runs first.
     ``corpus``: static corpus file for the ``rest`` rows (CORPUS_METHODS), as ``DecodingConfig.corpus_path``.
     ``on_item``: called with the results so far after every item (the CLI writes partial files with it).
+    ``system_prompt``: a system message before every conversation (default none: the model's chat template
+    alone, as jobs and ``generate`` do).
 
     Raises:
         ValueError: a bad method string or two rows with the same label.
@@ -252,14 +255,14 @@ def run_bench(
                       method_configs=configs)
     # warm-up so the first measured row does not pay one-time costs
     for run in runners.values():
-        run(enc.encode(conversation(["Say hello."], [])))
+        run(enc.encode(conversation(["Say hello."], [], system_prompt=system_prompt)))
     for n, item in enumerate(items):
         group = f"{item.set}/{item.group}" if item.set == "spec_bench" else item.set
         answers: dict[str, list[str]] = {m: [] for m in runners}
         baseline_ids: list[list[int]] = []
         for turn in range(len(item.turns)):
             for m, run in runners.items():
-                ids = enc.encode(conversation(list(item.turns[: turn + 1]), answers[m]))
+                ids = enc.encode(conversation(list(item.turns[: turn + 1]), answers[m], system_prompt=system_prompt))
                 new, ms, stats = run(ids)
                 tot = res.groups.setdefault(group, {}).setdefault(m, MethodTotals())
                 tot.rows += 1

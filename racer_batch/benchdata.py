@@ -1,6 +1,8 @@
 """Readers for the public benchmark prompt sets in ``../shared/data`` (never copied into the project).
 
-Protocol (shared/data/README.md): system message "You are a helpful assistant."; HumanEval prompt =
+Protocol (shared/data/README.md) with one change: no system message by default (the data's protocol
+names "You are a helpful assistant."; ``PROTOCOL_SYSTEM_PROMPT``, ``bench --system``), so the bench, jobs
+and ``generate`` all put the same messages under the model's own chat template (issue 13); HumanEval prompt =
 "Implement the following code.\\n" + prompt; MGSM-ZH prompt = the bare question; Spec-Bench two-turn
 questions feed the model's own turn-1 answer back before turn 2. Smoke subset: within each group, in file
 order, with n items, the items at positions floor(k*n/8) for k = 0..7.
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-SYSTEM_PROMPT = "You are a helpful assistant."
+PROTOCOL_SYSTEM_PROMPT = "You are a helpful assistant."  # the data's protocol; opt-in (bench --system)
 SETS = ("spec_bench", "human_eval", "mgsm_zh")
 MULTI_TURN_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -162,9 +164,14 @@ def parse_sample(text: str) -> dict[str, int]:
     return out
 
 
-def conversation(turns: list[str], answers: list[str]) -> list[dict]:
-    """Chat messages for the next turn: system prompt, then the turns so far with the model's answers."""
-    msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
+def conversation(turns: list[str], answers: list[str], *, system_prompt: Optional[str] = None) -> list[dict]:
+    """Chat messages for the next turn: the system prompt (none by default: the model's chat template
+    decides), then the turns so far with the model's answers.
+
+    >>> conversation(["Hi", "More"], ["Hello"])
+    [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}, {'role': 'user', 'content': 'More'}]
+    """
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for i, t in enumerate(turns):
         msgs.append({"role": "user", "content": t})
         if i < len(answers):

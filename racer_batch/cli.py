@@ -100,8 +100,9 @@ def _decoding_options(f):
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable); cut from the returned text.")
-@click.option("--system", "system_prompt", default="You are a helpful assistant.", show_default=True,
-              help="System prompt for chat input.")
+@click.option("--system", "system_prompt", default=None,
+              help="System message put before PROMPT (default: none, the model's own chat template decides, as "
+              "in a job without generation.system_prompt, so a job's row and this command give the same answer).")
 @click.option("--raw", is_flag=True, help="Feed PROMPT as plain text instead of a chat user message.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped with the weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
@@ -109,7 +110,7 @@ def _decoding_options(f):
               help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
 def generate(prompt: str, model: str, method: str, capacity: str, scope: str, runner: str, compile_mode: str,
              dtype: str | None, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, seed: int, stop: tuple[str, ...], system_prompt: str,
+             temperature: float, top_p: float, top_k: int, seed: int, stop: tuple[str, ...], system_prompt: str | None,
              raw: bool, trust_remote_code: bool, as_json: bool, torch_threads: int) -> None:
     """Generate an answer to PROMPT and print it with its decoding statistics."""
     from pydantic import ValidationError
@@ -179,8 +180,12 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
 @click.option("--out", "out_dir", default="benchmarks", show_default=True, type=click.Path(file_okay=False))
 @click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
               help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
+@click.option("--system", "system_prompt", default=None,
+              help="System message before every conversation (default: none, as in jobs and generate; the data's "
+              "protocol used \"You are a helpful assistant.\").")
 def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, sample: str | None,
-          variants: tuple[str, ...], corpus: str | None, dtype: str | None, out_dir: str, torch_threads: int) -> None:
+          variants: tuple[str, ...], corpus: str | None, dtype: str | None, out_dir: str, torch_threads: int,
+          system_prompt: str | None) -> None:
     """Run the decoding methods side by side on the smoke prompts and write JSON + Markdown results."""
     from pathlib import Path
 
@@ -236,7 +241,7 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
     try:
         items = sample_prompts(counts) if counts else None
         res = run_bench(bundle, methods=specs, capacity=_capacity(capacity), max_new_tokens=max_new_tokens,
-                        per_set=per_set, corpus=corpus, items=items, on_item=partial)
+                        per_set=per_set, corpus=corpus, items=items, on_item=partial, system_prompt=system_prompt)
     except FileNotFoundError as exc:
         click.echo(f"error: benchmark data not found ({exc}); set RACER_BATCH_DATA to the shared/data folder", err=True)
         sys.exit(EXIT_INPUT)

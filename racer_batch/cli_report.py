@@ -72,7 +72,7 @@ def _load(job: str, redis_url: Optional[str], prefix: str):
 @click.option("--format", "formats", type=click.Choice(["md", "html", "json"]), multiple=True,
               help="Output format(s), repeatable (default: all three).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Folder for the report and its PNG charts (default: <output folder>/report).")
+              help="Folder for the report and its PNG charts (default: <output folder>/_report).")
 @click.option("--title", default=None, help="Report title (default: the job's name and id).")
 def report(job: str, redis_url: Optional[str], prefix: str, by: str, price: Optional[float],
            formats: tuple[str, ...], out_dir: Optional[str], title: Optional[str]) -> None:
@@ -84,7 +84,7 @@ def report(job: str, redis_url: Optional[str], prefix: str, by: str, price: Opti
         raise ReportExit(f"--by {by!r}: not an output column (columns: {', '.join(data.rows.column_names)})",
                          EXIT_INPUT)
     rep = build_report(data, by=by, price_per_device_hour=price, title=title)
-    out = Path(out_dir) if out_dir else data.out_dir / "report"
+    out = Path(out_dir) if out_dir else data.out_dir / "_report"
     written = write_report(rep, out, formats=formats or ("md", "html", "json"))
     for line in rep.summary_lines():
         err_console.print(line)
@@ -151,7 +151,7 @@ def shadow(job: str, redis_url: Optional[str], prefix: str, baseline: str, fract
 @_job_options
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
-              help="File to write (default: <output folder>/chat.jsonl or chat.parquet).")
+              help="File to write (default: <output folder>/_chat.jsonl or _chat.parquet).")
 @click.option("--all-status", is_flag=True, help="Also export failed and cancelled rows (default: status ok only).")
 def export(job: str, redis_url: Optional[str], prefix: str, fmt: str, out_path: Optional[str],
            all_status: bool) -> None:
@@ -159,7 +159,7 @@ def export(job: str, redis_url: Optional[str], prefix: str, fmt: str, out_path: 
     from racer_batch.report.export import export_chat
 
     data = _load(job, redis_url, prefix)
-    out = Path(out_path) if out_path else data.out_dir / f"chat.{fmt}"
+    out = Path(out_path) if out_path else data.out_dir / f"_chat.{fmt}"
     try:
         n, skipped = export_chat(data, out, fmt=fmt, only_ok=not all_status)
     except ReportError as exc:

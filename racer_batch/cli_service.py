@@ -3,8 +3,9 @@
 ``register(main)`` adds them to the top-level click group (racer_batch/cli.py). Flags become a JobSpec /
 plain arguments here and are handed to racer_batch.service, which never imports click.
 
-Exit codes (same as the main CLI): 0 success; 2 invalid spec or input (nothing queued); 4 Redis or Ray
-unreachable; 5 the job ended failed or cancelled (submit --wait); 1 anything unexpected.
+Exit codes (same numbers as the main CLI; each command's --help lists only its own): 0 success; 2 invalid
+spec, flag or input (nothing queued), or no such job; 4 Redis or Ray unreachable; 5 the job ended failed or
+cancelled (submit --wait); 1 anything unexpected.
 """
 
 from __future__ import annotations
@@ -37,10 +38,31 @@ PLAIN_PROGRESS_S = 10.0  # without a terminal: one progress line at most this of
 _EPILOG = """\b
 Exit codes:
   0  success
-  2  invalid job spec or input (nothing queued)
+  2  invalid job spec, flag or input (nothing queued)
   4  Redis or Ray unreachable
   5  the job ended failed or cancelled (with --wait)
   130  interrupted (Ctrl-C); a --local job goes back to the queue
+"""
+
+_STATUS_EPILOG = """\b
+Exit codes:
+  0  success
+  2  no such job
+  4  Redis unreachable
+  130  interrupted (Ctrl-C) while watching; the job goes on
+"""
+
+_JOB_EPILOG = """\b
+Exit codes:
+  0  success
+  2  no such job
+  4  Redis unreachable
+"""
+
+_LIST_EPILOG = """\b
+Exit codes:
+  0  success
+  4  Redis unreachable
 """
 
 _WORKER_EPILOG = """\b
@@ -94,9 +116,13 @@ def status_table(st: q.JobStatus) -> Table:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("state", st.state + (f"  ({st.message})" if st.message else ""))
+    if st.stalled:
+        t.add_row("owner", st.stall_note)
     t.add_row("model / method", f"{st.model} / {st.method}")
     t.add_row("rows", f"{st.rows_done}/{st.rows_total}  ok {st.totals.ok}  error {st.totals.error}  "
-                      f"cancelled {st.totals.cancelled}")
+                      f"cancelled {st.cancelled_rows}")
+    if st.totals.error:
+        t.add_row("errors", f"racer-batch errors {st.job_id}")
     t.add_row("shards", f"{st.shards_done}/{st.shards_total}")
     t.add_row("output tokens", f"{st.totals.output_tokens}  (steps {st.totals.steps}, MAT {_fmt(st.mat)})")
     t.add_row("throughput", f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
@@ -114,15 +140,25 @@ def summary_lines(st: q.JobStatus) -> list[str]:
     lines = [
         f"job {st.job_id}: {st.state}" + (f" ({st.message})" if st.message else ""),
         f"rows: {st.rows_done}/{st.rows_total} (ok {st.totals.ok}, error {st.totals.error}, "
-        f"cancelled {st.totals.cancelled}{resumed})",
+        f"cancelled {st.cancelled_rows}{resumed})",
         f"tokens: {st.totals.output_tokens} output tokens in {st.totals.steps} steps, MAT {_fmt(st.mat)}",
         f"speed: {st.tokens_per_s:.1f} tokens/s over this run's wall time ({st.elapsed_s:.1f} s, start-up included); "
         f"{(st.totals.output_tokens / gen_s) if gen_s > 0 else 0:.1f} tokens/s while generating",
     ]
     for route, r in st.route_mat().items():
         lines.append(f"  route {route}: {r['rows']} rows, {r['output_tokens']} tokens, MAT {_fmt(r['mat'])}")
+    if st.totals.error:
+        lines.append(f"errors: {_n(st.totals.error, 'row')} failed; see them with: racer-batch errors {st.job_id}")
     lines.append(f"output: {st.output}")
     return lines
+
+
+def _print_table(t: Table) -> None:
+    """A table on stdout; in a pipe or a file at its full width, never cut at 80 columns."""
+    if out_console.is_terminal:
+        out_console.print(t)
+    else:
+        Console(width=100_000).print(t, soft_wrap=False)
 
 
 def _n(count: int, noun: str) -> str:
@@ -169,6 +205,8 @@ class _JobProgress:
 
 
 def _progress_info(st: q.JobStatus) -> str:
+    if st.stalled:
+        return f"{st.state}  {st.stall_note}"
     return (f"{st.state}  MAT {_fmt(st.mat)}  {st.rows_per_s:.2f} rows/s  {st.tokens_per_s:.1f} tok/s  "
             f"ETA {_eta(st.eta_s)}")
 
@@ -191,13 +229,20 @@ def _watch(queue: q.JobQueue, job_id: str, *, interval_s: float = 1.0) -> q.JobS
 
 
 # ---- commands
+_FLAG_KEYS = (("--input", "input.path"), ("--output", "output.path"), ("--model", "model.name"),
+              ("--preset", "preset"), ("--method", "decoding.method"), ("--capacity", "decoding.capacity"),
+              ("--max-new-tokens", "generation.max_new_tokens"), ("--num-actors", "resources.num_actors"),
+              ("--shard-rows", "output.shard_rows"), ("--priority", "priority"), ("--seed", "seed"))
+
+
 @click.command(epilog=_EPILOG)
-@click.argument("spec_file", metavar="SPEC", type=click.Path(exists=True, dir_okay=False))
+@click.argument("spec_file", metavar="[SPEC]", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--local", is_flag=True, help="Run the job here: local Ray + Redis (private redis-server if none).")
 @click.option("--wait", is_flag=True, help="Wait for the job to end and print a summary (implied by --local).")
 @click.option("--job-id", default=None, help="Re-run this job id (resume).")
-@click.option("--input", "input_path", default=None, help="Override input.path.")
-@click.option("--output", "output_path", default=None, help="Override output.path.")
+@click.option("--input", "input_path", default=None, help="Override input.path (required without SPEC).")
+@click.option("--output", "output_path", default=None,
+              help="Override output.path (without SPEC: default out/<input file name without extension>).")
 @click.option("--model", default=None, help="Override model.name.")
 @click.option("--preset", default=None, help="Override the preset (configs/<name>.yaml).")
 @click.option("--method", type=click.Choice(METHODS), default=None, help="Override decoding.method.")
@@ -212,36 +257,51 @@ def _watch(queue: q.JobQueue, job_id: str, *, interval_s: float = 1.0) -> q.JobS
               help="With --local: Ray actors, or threads of this process.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON (with --wait/--local).")
 @_redis_options
-def submit(spec_file: str, local: bool, wait: bool, job_id: Optional[str], input_path: Optional[str],
+def submit(spec_file: Optional[str], local: bool, wait: bool, job_id: Optional[str], input_path: Optional[str],
            output_path: Optional[str], model: Optional[str], preset: Optional[str], method: Optional[str],
            capacity: Optional[str], max_new_tokens: Optional[int], num_actors: Optional[str],
            shard_rows: Optional[int], priority: Optional[int], seed: Optional[int], sets: tuple[str, ...],
            executor: str, as_json: bool, redis_url: Optional[str], prefix: str) -> None:
-    """Validate SPEC (a job YAML) and its input, queue the job, print its id."""
+    """Validate a job and its input, queue it, print its id.
+
+    SPEC is a job YAML (docs/service.md). Without it the flags say everything: --input is required, the
+    output goes to out/<input file name> unless --output is given, and every other key takes its default
+    (model smollm2-135m, RACER with the default decoding settings, 256 new tokens, greedy, shards of 64
+    rows, the model's own chat template with no system prompt).
+    """
+    if spec_file is None and input_path is None:
+        raise ServiceExit("without a SPEC file, --input is required (--output defaults to "
+                          "out/<input file name>)", EXIT_INPUT)
+    if spec_file is None and output_path is None:
+        output_path = os.path.join("out", _stem(input_path))
     overrides: dict[str, Any] = {}
+    labels: dict[str, str] = {}
     try:
         for s in sets:
             k, v = parse_override(s)
             overrides[k] = v
+            labels[k] = f"--set {k}"
     except SpecError as exc:
         raise ServiceExit(str(exc), EXIT_INPUT) from None
-    for key, val in (("input.path", input_path), ("output.path", output_path), ("model.name", model),
-                     ("preset", preset), ("decoding.method", method), ("generation.max_new_tokens", max_new_tokens),
-                     ("output.shard_rows", shard_rows), ("priority", priority), ("seed", seed)):
-        if val is not None:
-            overrides[key] = val
-    if capacity is not None:
-        overrides["decoding.capacity"] = capacity if capacity == "auto" else _int(capacity, "--capacity")
-    if num_actors is not None:
-        overrides["resources.num_actors"] = num_actors if num_actors == "auto" else _int(num_actors, "--num-actors")
+    values = dict(zip((f for f, _ in _FLAG_KEYS), (input_path, output_path, model, preset, method, capacity,
+                                                     max_new_tokens, num_actors, shard_rows, priority, seed)))
+    for flag, key in _FLAG_KEYS:
+        val = values[flag]
+        if val is None:
+            continue
+        if flag in ("--capacity", "--num-actors") and val != "auto":
+            val = _int(val, flag)
+        overrides[key] = val
+        labels[key] = flag
     from racer_batch.service.submit import submit_job
 
     try:
-        spec = load_spec(spec_file, overrides)
+        spec = load_spec(spec_file, overrides, override_labels=labels)
     except SpecError as exc:
         raise ServiceExit(str(exc), EXIT_INPUT) from None
     url = q.resolve_url(redis_url, spec.redis_url)
     private = None
+    ray_started = False
     if local:
         from racer_batch.service.local import ensure_redis
 
@@ -259,12 +319,18 @@ def submit(spec_file: str, local: bool, wait: bool, job_id: Optional[str], input
         except (InputError, OutputError) as exc:
             raise ServiceExit(f"nothing queued: {exc}", EXIT_INPUT) from None
         click.echo(outcome.job_id)
+        kept = f", {outcome.shards_kept} already done" if outcome.shards_kept else ""
         err_console.print(f"{outcome.action}: {outcome.plan.num_rows} rows in "
-                          f"{_n(outcome.plan.num_shards(spec.output.shard_rows), 'shard')} -> {spec.output.path}")
+                          f"{_n(outcome.shards_total, 'shard')}{kept} -> {spec.output.path}", highlight=False)
+        for note in outcome.notes:
+            err_console.print(note, highlight=False)
         if not (local or wait):
             return
         if local:
-            st = _run_local(queue, outcome.job_id, url=url, prefix=prefix, executor=executor)
+            # nothing left to run: the embedded worker only marks the job done, so no Ray to start
+            kind = executor if outcome.shards_left else "thread"
+            ray_started = kind == "ray"
+            st = _run_local(queue, outcome.job_id, url=url, prefix=prefix, executor=kind)
         else:
             st = _watch(queue, outcome.job_id)
         if as_json:
@@ -275,12 +341,18 @@ def submit(spec_file: str, local: bool, wait: bool, job_id: Optional[str], input
         if st.state != "done":
             sys.exit(EXIT_JOB_FAILED)
     finally:
-        if local and executor == "ray":
+        if ray_started:
             from racer_batch.service.local import shutdown_local_ray
 
             shutdown_local_ray()
         if private is not None:
             private.stop()
+
+
+def _stem(path: str) -> str:
+    """``data/prompts.jsonl`` -> ``prompts``; a folder or glob -> its last plain name part."""
+    name = os.path.basename(os.path.normpath(path.split("*", 1)[0])) or "job"
+    return name.split(".", 1)[0] or "job"
 
 
 def _int(v: str, flag: str) -> int:
@@ -310,7 +382,7 @@ def _run_local(queue: q.JobQueue, job_id: str, *, url: str, prefix: str, executo
     return queue.status(job_id)
 
 
-@click.command(epilog=_EPILOG)
+@click.command(epilog=_STATUS_EPILOG)
 @click.argument("job_id", metavar="JOB")
 @click.option("--watch", is_flag=True, help="Show a progress bar until the job ends.")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
@@ -325,10 +397,10 @@ def status(job_id: str, watch: bool, as_json: bool, redis_url: Optional[str], pr
     if as_json:
         click.echo(json.dumps(st.to_dict()))
     else:
-        out_console.print(status_table(st))
+        _print_table(status_table(st))
 
 
-@click.command("list", epilog=_EPILOG)
+@click.command("list", epilog=_LIST_EPILOG)
 @click.option("--limit", type=click.IntRange(1, 10_000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @_redis_options
@@ -344,10 +416,10 @@ def list_jobs(limit: int, as_json: bool, redis_url: Optional[str], prefix: str) 
     for j in jobs:
         t.add_row(j.job_id, j.name or "", j.state, f"{j.rows_done}/{j.rows_total}", str(j.totals.error),
                   _fmt(j.mat), f"{j.model}/{j.method}", j.output or "")
-    out_console.print(t)
+    _print_table(t)
 
 
-@click.command(epilog=_EPILOG)
+@click.command(epilog=_JOB_EPILOG)
 @click.argument("job_id", metavar="JOB")
 @_redis_options
 def cancel(job_id: str, redis_url: Optional[str], prefix: str) -> None:
@@ -360,7 +432,7 @@ def cancel(job_id: str, redis_url: Optional[str], prefix: str) -> None:
     click.echo(f"{job_id}: {state}")
 
 
-@click.command(epilog=_EPILOG)
+@click.command(epilog=_JOB_EPILOG)
 @click.argument("job_id", metavar="JOB")
 @click.option("--limit", type=click.IntRange(1, 2000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -382,7 +454,7 @@ def errors(job_id: str, limit: int, as_json: bool, redis_url: Optional[str], pre
     t = Table("row", "id", "route", "error")
     for r in rows:
         t.add_row(str(r.get("row_idx")), str(r.get("id")), str(r.get("route")), str(r.get("error")))
-    out_console.print(t)
+    _print_table(t)
 
 
 @click.command(epilog=_WORKER_EPILOG)
@@ -428,7 +500,9 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
             raise ServiceExit(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}", EXIT_SERVICE) from None
         executor = MeteredExecutor(executor, metrics)
         err_console.print(f"metrics: http://{metrics_host}:{bound}/metrics")
-    w = Worker(queue, executor, name=name, lease_s=lease_s)
+    # one line per job taken, shard committed and job ended, at every log level (stderr)
+    w = Worker(queue, executor, name=name, lease_s=lease_s,
+               report=lambda line: err_console.print(f"{time.strftime('%H:%M:%S')} {line}", highlight=False))
     stopping = threading.Event()
     # SIGTERM (Kubernetes, systemd): stop taking jobs, hand the current one back to the queue at once.
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -387,6 +388,40 @@ def iter_shards(plan: InputPlan, *, columns: list[str], shard_rows: int, skip: f
                 cur_stop = min((cur + 1) * shard_rows, plan.num_rows)
         assert cur == e and not buf, f"input ended early: shard {cur} incomplete (input changed since submit?)"
         s = e
+
+
+def answer_columns(spec: InputSpec) -> list[str]:
+    """The input column names a row's answer depends on: every mapped column but ``reference`` (which only
+    feeds shadow scoring). The id column comes first."""
+    cols = spec.columns.model_dump()
+    ref = cols.pop("reference")
+    return [c for c in dict.fromkeys(cols.values()) if c != ref]
+
+
+def row_fingerprint(rec: dict, columns: list[str]) -> str:
+    """16 hex digits over the row's values in ``columns`` (a missing column counts as null).
+
+    Equal rows give equal fingerprints in every process; any change of the id or of a value the answer
+    depends on (prompt, messages, turns, route, per-row parameters) gives another one.
+
+    >>> a = row_fingerprint({"id": 1, "prompt": "hi"}, ["id", "prompt"])
+    >>> a == row_fingerprint({"id": 1, "prompt": "hi", "other": 0}, ["id", "prompt"]), len(a)
+    (True, 16)
+    >>> a == row_fingerprint({"id": 1, "prompt": "hi!"}, ["id", "prompt"])
+    False
+    """
+    values = [rec.get(c) for c in columns]
+    blob = json.dumps(values, sort_keys=True, default=repr, ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def shard_fingerprint(rows: list[tuple[int, str]]) -> str:
+    """16 hex digits over a shard's ``[(row_idx, row fingerprint), ...]`` in row order, so an edited,
+    added, removed or moved row changes it (a row's seed depends on its position)."""
+    h = hashlib.sha256()
+    for row_idx, fp in rows:
+        h.update(f"{row_idx}\t{fp}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _clean_str(v: Any, what: str) -> str:

@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -96,6 +97,46 @@ def ensure_redis(url: str, *, allow_private: bool = True) -> tuple[str, Optional
 
 
 _OWNED_RAY_TMP: list[str] = []  # temp folders of the local Ray sessions this process started
+_WATCHDOGS: list[subprocess.Popen] = []
+
+# Run by a child of the process that starts a local Ray. Its stdin is a pipe whose only writer is that
+# process, so the read returns when it ends, however it ends (kill -9 included). Ray ties the raylet and the
+# GCS to their parent (parent-death signal) but not the agents the raylet starts (DashboardAgent,
+# RuntimeEnvAgent), which linger for minutes; every process naming the session's private temp folder is
+# killed here, by pid.
+_WATCHDOG = r"""
+import os, shutil, signal, sys
+sys.stdin.buffer.read()
+tag, me = sys.argv[1].encode(), os.getpid()
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) == me:
+        continue
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read()
+    except OSError:
+        continue
+    if tag in cmd:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+if sys.argv[2] == "1":
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+
+
+def start_ray_watchdog(temp_dir: str, *, remove_dir: bool) -> Optional[subprocess.Popen]:
+    """A child process that kills the local Ray of ``temp_dir`` (every process whose command line names the
+    folder) as soon as this process ends, even by SIGKILL; ``remove_dir`` also deletes the folder then.
+    None where /proc is missing (not Linux)."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, temp_dir, "1" if remove_dir else "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    _WATCHDOGS.append(proc)
+    return proc
 
 
 def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = None,
@@ -118,6 +159,7 @@ def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = N
     tmp = temp_dir or tempfile.mkdtemp(prefix="rb-ray-", dir="/tmp")  # short: Ray's socket paths are limited
     if temp_dir is None:
         _OWNED_RAY_TMP.append(tmp)
+    start_ray_watchdog(tmp, remove_dir=temp_dir is None)  # before Ray: no window where it could outlive us
     ray.init(num_cpus=num_cpus or os.cpu_count(), _temp_dir=tmp, include_dashboard=False, runtime_env=env,
              logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
 
@@ -128,6 +170,14 @@ def shutdown_local_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+    while _WATCHDOGS:  # closing its pipe lets it sweep whatever Ray left behind
+        dog = _WATCHDOGS.pop()
+        if dog.stdin is not None:
+            dog.stdin.close()
+        try:
+            dog.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            dog.kill()
     while _OWNED_RAY_TMP:
         shutil.rmtree(_OWNED_RAY_TMP.pop(), ignore_errors=True)
 

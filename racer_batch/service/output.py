@@ -1,21 +1,31 @@
-"""Output folder: one Parquet part file per shard, committed by an atomic rename, plus manifest.json.
+"""Output folder: one Parquet part file per shard, committed by an atomic rename, plus _manifest.json.
 
 The part files are the truth. Each carries its shard's summary in the Parquet key-value metadata
-(``racer_batch.shard``), so the manifest can always be rebuilt from them: a shard counts as committed when
-its file exists, was written for the same spec hash, covers its full row range and has no cancelled rows.
-A re-run rewrites only uncommitted shards, and since a shard's rows always go to the same file name,
-every input id appears exactly once however often a shard is retried.
+(``racer_batch.shard``: counts, spec hash, row range and the fingerprint of the input rows it answered) and
+the per-row fingerprints (``racer_batch.rows``), so the manifest can always be rebuilt from them: a shard
+counts as committed when its file exists, was written for the same spec hash, covers its full row range, has
+no cancelled rows and answered the rows the input holds now (service/resume.py). A re-run rewrites only
+uncommitted shards, and since a shard's rows always go to the same file name, every input id appears exactly
+once however often a shard is retried.
 
-Layout::
+Layout: the folder is a Parquet dataset (``pyarrow.parquet.read_table(folder)``, DuckDB's
+``read_parquet('folder/*.parquet')``, Ray Data's ``read_parquet(folder)``): everything that is not an
+output row has a name starting with ``_`` (or ``.`` for temporary files), which dataset readers skip::
 
-    out/demo/manifest.json
-    out/demo/part-00000.parquet      rows [0, shard_rows)
-    out/demo/part-00001.parquet      rows [shard_rows, 2*shard_rows)
+    out/demo/_manifest.json
+    out/demo/part-00000.parquet        rows [0, shard_rows)
+    out/demo/part-00001.parquet        rows [shard_rows, 2*shard_rows)
+    out/demo/_shadow-00000.parquet     shadow pairs of shard 0 (jobs with a ``shadow:`` block)
+    out/demo/_report/                  ``racer-batch report`` (default folder)
+
+Folders written before this layout (``manifest.json``, ``shadow-*.parquet``, ``report/``, ``chat.*``) are
+renamed in place on resume (``migrate_legacy_layout``) and read as they are by the report commands.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -26,8 +36,13 @@ import pyarrow.parquet as pq
 
 from racer_batch.service.schema import OUTPUT_SCHEMA, SCHEMA_VERSION, now_utc, to_table
 
-MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
+
+MANIFEST = "_manifest.json"
+LEGACY_MANIFEST = "manifest.json"  # before issue 13: inside the dataset path
 SHARD_META_KEY = b"racer_batch.shard"
+ROWS_META_KEY = b"racer_batch.rows"  # [[id, row fingerprint], ...] in row order
+PART_GLOB = "part-*.parquet"
 
 
 class OutputError(ValueError):
@@ -51,13 +66,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_part(out_dir: str | Path, shard: int, records: list[dict], *, shard_meta: dict) -> Path:
-    """Write a part file atomically: a hidden temporary file in the same folder, fsync, rename."""
+def write_part(out_dir: str | Path, shard: int, records: list[dict], *, shard_meta: dict,
+               row_fingerprints: Optional[list[tuple[str, str]]] = None) -> Path:
+    """Write a part file atomically: a hidden temporary file in the same folder, fsync, rename.
+
+    ``shard_meta`` goes into the footer as the shard's summary; ``row_fingerprints`` (``[(id, row
+    fingerprint)]`` in row order, see inputs.row_fingerprint) beside it, so a resume can name changed rows."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = to_table(records)
     meta = dict(table.schema.metadata or {})
     meta[SHARD_META_KEY] = json.dumps(shard_meta, sort_keys=True).encode()
+    if row_fingerprints is not None:
+        meta[ROWS_META_KEY] = json.dumps([list(r) for r in row_fingerprints]).encode()
     table = table.replace_schema_metadata(meta)
     final = part_path(out, shard)
     tmp = out / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
@@ -74,48 +95,98 @@ def write_part(out_dir: str | Path, shard: int, records: list[dict], *, shard_me
     return final
 
 
-def read_shard_meta(path: str | Path) -> Optional[dict]:
-    """The summary stored in a part file's footer, or None when the file is missing or unreadable."""
+def read_part_footer(path: str | Path) -> tuple[Optional[dict], Optional[list[tuple[str, str]]]]:
+    """(shard summary, row fingerprints) from a part file's footer; (None, None) when the file is missing or
+    unreadable, a None row list for a file written before row fingerprints existed."""
     try:
         md = pq.read_schema(path).metadata or {}
     except (OSError, pa.ArrowInvalid):
-        return None
-    raw = md.get(SHARD_META_KEY)
-    return json.loads(raw) if raw else None
+        return None, None
+    raw, rows = md.get(SHARD_META_KEY), md.get(ROWS_META_KEY)
+    return (json.loads(raw) if raw else None), ([tuple(r) for r in json.loads(rows)] if rows else None)
 
 
-def shard_complete(out_dir: str | Path, shard: int, *, spec_hash: str, row_range: tuple[int, int]) -> Optional[dict]:
-    """The shard's summary when its part file is complete for this spec, else None."""
+def read_shard_meta(path: str | Path) -> Optional[dict]:
+    """The summary stored in a part file's footer, or None when the file is missing or unreadable."""
+    return read_part_footer(path)[0]
+
+
+def meta_matches(meta: Optional[dict], *, spec_hash: str, row_range: tuple[int, int]) -> bool:
+    """True when a shard summary is complete for this spec and row range (the input rows are checked apart)."""
+    return bool(meta) and meta.get("spec_hash") == spec_hash and (
+        (meta.get("row_start"), meta.get("row_stop")) == tuple(row_range)) and not meta.get("cancelled", 0)
+
+
+def shard_complete(out_dir: str | Path, shard: int, *, spec_hash: str, row_range: tuple[int, int],
+                   input_fingerprint: Optional[str] = None) -> Optional[dict]:
+    """The shard's summary when its part file is complete for this spec (and, given ``input_fingerprint``,
+    for these input rows), else None."""
     meta = read_shard_meta(part_path(out_dir, shard))
-    if not meta or meta.get("spec_hash") != spec_hash:
+    if not meta_matches(meta, spec_hash=spec_hash, row_range=row_range):
         return None
-    if (meta.get("row_start"), meta.get("row_stop")) != tuple(row_range) or meta.get("cancelled", 0):
+    if input_fingerprint is not None and meta.get("input_fingerprint") != input_fingerprint:
         return None
     return meta
 
 
-def committed_shards(out_dir: str | Path, *, spec_hash: str, ranges: dict[int, tuple[int, int]]) -> dict[int, dict]:
-    """Shards whose part file is complete for this spec: {shard: summary}. ``ranges``: shard -> rows."""
-    if not Path(out_dir).is_dir():
+def existing_parts(out_dir: str | Path) -> dict[int, Path]:
+    """{shard: path} of the part files in the folder."""
+    out = Path(out_dir)
+    if not out.is_dir():
         return {}
-    existing = {int(p.stem.split("-", 1)[1]) for p in Path(out_dir).glob("part-*.parquet")
-                if p.stem.split("-", 1)[1].isdigit()}
-    done = {}
-    for shard in sorted(existing & set(ranges)):
-        meta = shard_complete(out_dir, shard, spec_hash=spec_hash, row_range=ranges[shard])
-        if meta is not None:
-            done[shard] = meta
-    return done
+    found = {}
+    for p in out.glob(PART_GLOB):
+        num = p.stem.split("-", 1)[1]
+        if num.isdigit():
+            found[int(num)] = p
+    return dict(sorted(found.items()))
+
+
+def _manifest_path(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    p = out / MANIFEST
+    return p if p.exists() or not (out / LEGACY_MANIFEST).exists() else out / LEGACY_MANIFEST
 
 
 def read_manifest(out_dir: str | Path) -> Optional[dict]:
-    p = Path(out_dir) / MANIFEST
+    """The folder's manifest (``_manifest.json``, else a legacy ``manifest.json``), or None.
+    Raises OutputError when it exists but cannot be read."""
+    p = _manifest_path(out_dir)
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, json.JSONDecodeError) as exc:
         raise OutputError(f"cannot read {p}: {exc}") from None
+
+
+_LEGACY_NAMES = (("shadow-*.parquet", "_"), ("chat.jsonl", "_"), ("chat.parquet", "_"))
+
+
+def migrate_legacy_layout(out_dir: str | Path) -> list[str]:
+    """Rename what an older version wrote inside the dataset path to ``_`` names, so that the folder reads
+    as a Parquet dataset: ``manifest.json``, ``shadow-*.parquet``, ``chat.jsonl`` / ``chat.parquet`` and a
+    ``report/`` folder holding ``report.*``. Part files stay. Returns the old names renamed (sorted).
+
+    Raises OutputError when a rename fails (say, a read-only folder)."""
+    out = Path(out_dir)
+    moves: list[tuple[Path, Path]] = []
+    if (out / LEGACY_MANIFEST).is_file() and not (out / MANIFEST).exists():
+        moves.append((out / LEGACY_MANIFEST, out / MANIFEST))
+    for pattern, prefix in _LEGACY_NAMES:
+        moves += [(p, p.with_name(prefix + p.name)) for p in out.glob(pattern) if p.is_file()]
+    report = out / "report"
+    if report.is_dir() and any(report.glob("report.*")) and not (out / "_report").exists():
+        moves.append((report, out / "_report"))
+    for src, dst in moves:
+        try:
+            os.replace(src, dst)
+        except OSError as exc:
+            raise OutputError(f"output.path = {str(out)!r} has the layout of an older version and cannot be "
+                              f"updated ({src.name} -> {dst.name}: {exc.strerror or exc}); make the folder "
+                              "writable, or rename its manifest.json, shadow-*.parquet, chat.* and report/ to "
+                              "names starting with '_'") from None
+    return sorted(src.name for src, _ in moves)
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> None:
@@ -127,9 +198,16 @@ def write_manifest(out_dir: str | Path, manifest: dict) -> None:
     os.replace(tmp, out / MANIFEST)
 
 
-def check_output_folder(out_dir: str | Path, *, spec_hash: str) -> Optional[str]:
+def check_output_folder(out_dir: str | Path, *, spec_hash: str, spec: Optional[dict] = None) -> Optional[str]:
     """At submit: make sure the folder is usable. Returns the job id of an earlier run of the same spec
-    (so a re-submit resumes it), None for a fresh folder. Raises OutputError otherwise."""
+    (so a re-submit resumes it), None for a fresh folder. A folder of an older layout is renamed to the
+    current one (``migrate_legacy_layout``) once its spec is known to match.
+
+    ``spec`` (``JobSpec.stored()``) lets the refusal of a different spec name the keys that differ.
+
+    Raises:
+        OutputError: not a folder, not writable, part files without a manifest, or another spec's results.
+    """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputError(f"output.path = {str(out)!r} exists and is not a folder")
@@ -141,7 +219,7 @@ def check_output_folder(out_dir: str | Path, *, spec_hash: str) -> Optional[str]
         raise OutputError(f"output.path = {str(out)!r}: folder is not writable")
     man = read_manifest(out)
     if man is None:
-        stray = sorted(p.name for p in out.glob("part-*.parquet"))
+        stray = sorted(p.name for p in out.glob(PART_GLOB))
         if stray:
             raise OutputError(
                 f"output.path = {str(out)!r} holds part files ({stray[0]}, ...) but no manifest; "
@@ -149,16 +227,54 @@ def check_output_folder(out_dir: str | Path, *, spec_hash: str) -> Optional[str]
             )
         return None
     if man.get("spec_hash") != spec_hash:
+        diff = spec_differences(man.get("spec") or {}, spec) if spec is not None else []
+        what = f": {'; '.join(diff)}" if diff else ""
         raise OutputError(
             f"output.path = {str(out)!r} holds job {man.get('job_id')} with a different spec "
-            f"(spec hash {man.get('spec_hash')} != {spec_hash}); choose another output folder or empty it"
+            f"(spec hash {man.get('spec_hash')} != {spec_hash}){what}; choose another output folder or empty it"
+            + (", or set the folder's values again (--set KEY=VALUE) to resume it" if diff else "")
         )
+    renamed = migrate_legacy_layout(out)
+    if renamed:
+        log.warning("output.path = %r: renamed %s to the current layout (names starting with '_' stay out "
+                    "of the Parquet dataset)", str(out), ", ".join(renamed))
     return man.get("job_id")
+
+
+_NOT_OUTPUT = ("name", "preset", "resources", "priority", "redis_url")
+
+
+def _flat(d: dict, head: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{head}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def spec_differences(old: dict, new: dict, *, limit: int = 5) -> list[str]:
+    """Output-affecting keys whose value differs between two stored specs, as ``key = OLD in the folder,
+    NEW now`` (at most ``limit``, then a count). A key missing from the older spec is left out: it did not
+    exist when that spec was written.
+
+    >>> spec_differences({"seed": 1, "generation": {"top_p": 1.0}}, {"seed": 2, "generation": {"top_p": 1.0}})
+    ['seed = 1 in the folder, 2 now']
+    """
+    a = {k: v for k, v in _flat(old).items() if k.split(".")[0] not in _NOT_OUTPUT}
+    b = {k: v for k, v in _flat(new).items() if k.split(".")[0] not in _NOT_OUTPUT}
+    keys = [k for k in sorted(a) if k in b and a[k] != b[k]]
+    shown = [f"{k} = {a[k]!r} in the folder, {b[k]!r} now" for k in keys[:limit]]
+    if len(keys) > limit:
+        shown.append(f"and {len(keys) - limit} more")
+    return shown
 
 
 def read_output(out_dir: str | Path) -> pa.Table:
     """All part files of a job as one table (declared schema)."""
-    parts = sorted(Path(out_dir).glob("part-*.parquet"))
+    parts = list(existing_parts(out_dir).values())
     if not parts:
         return OUTPUT_SCHEMA.empty_table()
     return pa.concat_tables([pq.read_table(p, schema=OUTPUT_SCHEMA) for p in parts])

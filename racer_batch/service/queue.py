@@ -170,6 +170,33 @@ class JobStatus:
     model: Optional[str]
     method: Optional[str]
     message: Optional[str]
+    owner_idle_s: Optional[float] = None  # seconds since the owner last renewed its lease (running jobs)
+    lease_s: Optional[float] = None  # the owner's lease length
+
+    @property
+    def stalled(self) -> bool:
+        """A running job whose owner missed two lease renewals (it renews every third of the lease): the
+        worker is likely dead, and another takes the job over once the lease has run out."""
+        return (self.state == "running" and self.owner_idle_s is not None and bool(self.lease_s)
+                and self.owner_idle_s > self.lease_s * 2 / 3)
+
+    @property
+    def stall_note(self) -> Optional[str]:
+        """``owner W stopped renewing its lease 25 s ago; ...`` for a stalled job, else None."""
+        if not self.stalled:
+            return None
+        left = max(0.0, self.lease_s - self.owner_idle_s)
+        after = f"in about {left:.0f} s" if left > 0 else "now"
+        return (f"owner {self.owner} stopped renewing its lease {self.owner_idle_s:.0f} s ago (lease "
+                f"{self.lease_s:.0f} s); a running worker takes the job over {after}")
+
+    @property
+    def cancelled_rows(self) -> int:
+        """Rows without an answer because of a cancel: for a cancelled job every row not committed ok or
+        error (a partial shard's rows included: it is redone on resume), else the cancelled rows counted."""
+        if self.state == "cancelled":
+            return max(0, self.rows_total - self.totals.ok - self.totals.error)
+        return self.totals.cancelled
 
     @property
     def rows_done(self) -> int:
@@ -194,7 +221,7 @@ class JobStatus:
 
     @property
     def eta_s(self) -> Optional[float]:
-        if self.state in TERMINAL or self.rows_per_s <= 0:
+        if self.state in TERMINAL or self.rows_per_s <= 0 or self.stalled:
             return None
         return max(0.0, (self.rows_total - self.rows_done) / self.rows_per_s)
 
@@ -212,7 +239,7 @@ class JobStatus:
         return {
             "job_id": self.job_id, "state": self.state, "name": self.name, "rows_total": self.rows_total,
             "rows_done": self.rows_done, "ok": self.totals.ok, "error": self.totals.error,
-            "cancelled": self.totals.cancelled, "output_tokens": self.totals.output_tokens,
+            "cancelled": self.cancelled_rows, "stalled": self.stalled, "owner_idle_s": self.owner_idle_s, "output_tokens": self.totals.output_tokens,
             "steps": self.totals.steps, "mat": self.mat, "shards_total": self.shards_total,
             "shards_done": self.shards_done, "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s,
             "eta_s": self.eta_s, "elapsed_s": self.elapsed_s, "routes": self.route_mat(), "owner": self.owner,
@@ -325,29 +352,29 @@ class JobQueue:
             for entry_id in deleted or []:
                 self.r.xack(stream, GROUP, entry_id)
             for entry_id, fields in entries:
-                lease = self._take(stream, entry_id, fields, consumer, reclaimed=True)
+                lease = self._take(stream, entry_id, fields, consumer, reclaimed=True, lease_ms=lease_ms)
                 if lease:
                     return lease
         for prio in PRIORITIES:
             got = self.r.xreadgroup(GROUP, consumer, {self.k_queue(prio): ">"}, count=1)
-            lease = self._first(got, consumer)
+            lease = self._first(got, consumer, lease_ms=lease_ms)
             if lease:
                 return lease
         if block_ms > 0:
             got = self.r.xreadgroup(GROUP, consumer, {self.k_queue(p): ">" for p in PRIORITIES}, count=1,
                                     block=block_ms)
-            return self._first(got, consumer)
+            return self._first(got, consumer, lease_ms=lease_ms)
         return None
 
-    def _first(self, got: Any, consumer: str) -> Optional[Lease]:
+    def _first(self, got: Any, consumer: str, *, lease_ms: int) -> Optional[Lease]:
         for stream, entries in got or []:
             for entry_id, fields in entries:
-                lease = self._take(stream, entry_id, fields, consumer, reclaimed=False)
+                lease = self._take(stream, entry_id, fields, consumer, reclaimed=False, lease_ms=lease_ms)
                 if lease:
                     return lease
         return None
 
-    def _take(self, stream: str, entry_id: str, fields: dict, consumer: str, *, reclaimed: bool
+    def _take(self, stream: str, entry_id: str, fields: dict, consumer: str, *, reclaimed: bool, lease_ms: int
               ) -> Optional[Lease]:
         job_id = (fields or {}).get("job_id")
         key = self.k_job(job_id) if job_id else None
@@ -356,7 +383,7 @@ class JobQueue:
             self._drop(stream, entry_id)
             return None
         self.r.hset(key, mapping={"owner": consumer, "state": "running", "lease_stream": stream,
-                                  "lease_entry": entry_id})
+                                  "lease_entry": entry_id, "lease_ms": lease_ms})
         self.r.hsetnx(key, "started_at", time.time())
         self.r.hincrby(key, "attempts", 1)
         return Lease(job_id=job_id, stream=stream, entry_id=entry_id, owner=consumer, reclaimed=reclaimed)
@@ -434,6 +461,11 @@ class JobQueue:
         pipe.hdel(self.k_job(job_id, "inflight"), str(shard))
         pipe.execute()
 
+    def uncommit_shards(self, job_id: str, shards: list[int]) -> None:
+        """Forget committed summaries the output folder no longer backs (changed input rows, removed rows)."""
+        if shards:
+            self.r.hdel(self.k_job(job_id, "shards"), *[str(s) for s in shards])
+
     def clear_inflight(self, job_id: str, shard: int) -> None:
         self.r.hdel(self.k_job(job_id, "inflight"), str(shard))
 
@@ -459,14 +491,26 @@ class JobQueue:
         def _f(key: str) -> Optional[float]:
             return float(d[key]) if d.get(key) else None
 
+        idle_s = self._owner_idle_s(d) if d.get("state") == "running" else None
+        lease_ms = _f("lease_ms")
+
         return JobStatus(
             job_id=job_id, state=d.get("state", "?"), name=d.get("name") or None, rows_total=rows_total,
             totals=totals, shards_total=shards_total, shards_done=len(committed),
             submitted_at=float(d.get("submitted_at", 0)), started_at=_f("started_at"),
             finished_at=_f("finished_at"), owner=d.get("owner"), output=d.get("output"), model=d.get("model"),
             base_rows=int(d.get("base_rows") or 0), base_tokens=int(d.get("base_tokens") or 0),
-            method=d.get("method"), message=d.get("message") or None,
+            method=d.get("method"), message=d.get("message") or None, owner_idle_s=idle_s,
+            lease_s=lease_ms / 1000.0 if lease_ms else None,
         )
+
+    def _owner_idle_s(self, d: dict) -> Optional[float]:
+        """Seconds since the owner last renewed (the idle time of its pending queue entry), or None."""
+        stream, entry = d.get("lease_stream"), d.get("lease_entry")
+        if not stream or not entry:
+            return None
+        got = self.r.xpending_range(stream, GROUP, min=entry, max=entry, count=1)
+        return got[0]["time_since_delivered"] / 1000.0 if got else None
 
     def list_jobs(self, limit: int = 50) -> list[JobStatus]:
         ids = self.r.zrevrange(self.k_index(), 0, limit - 1)

@@ -18,7 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Protocol
 
-from racer_batch.service.inputs import InputPlan, RowTask, iter_raw_rows, parse_row
+from racer_batch.service.inputs import (InputPlan, RowTask, answer_columns, iter_raw_rows, parse_row,
+                                       row_fingerprint, shard_fingerprint)
 from racer_batch.service.metrics import ShardCounts
 from racer_batch.service.output import part_path, shard_complete, write_part
 from racer_batch.service.queue import ShardSummary
@@ -189,11 +190,16 @@ class RowRunner:
             "method": spec.decoding.method, "config_hash": spec.decoding.config_hash(), "job_id": task.job_id,
         }
         columns = list(spec.input.columns.model_dump().values())
+        fp_columns = answer_columns(spec.input)
+        row_fps: list[tuple[str, str]] = []  # (id, row fingerprint) in row order: stamped into the part file
+        row_positions: list[int] = []
         stopped: Optional[str] = None
         shadow_records: list[dict] = []
         source = task.rows if task.rows is not None else iter_raw_rows(plan, task.row_start, task.row_stop, columns)
         for row_idx, rec in source:
             row = parse_row(spec, row_idx, rec)
+            row_fps.append((row.id, row_fingerprint(rec, fp_columns)))
+            row_positions.append(row_idx)
             base = dict(base_common, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
             if stopped is None and verdict() != KEEP_GOING:
                 stopped = verdict()
@@ -217,17 +223,20 @@ class RowRunner:
             f"shard {task.shard} of job {task.job_id}: read {len(records)} rows, expected "
             f"{task.row_stop - task.row_start} (input changed since submit?)"
         )
+        input_fp = shard_fingerprint([(i, fp) for i, (_, fp) in zip(row_positions, row_fps)])
         meta = dict(summary.to_dict(), job_id=task.job_id, shard=task.shard, row_start=task.row_start,
-                    row_stop=task.row_stop, spec_hash=task.spec_hash, worker=self.worker_name,
-                    attempt=task.attempt, elapsed_s=time.perf_counter() - t0)
+                    row_stop=task.row_stop, spec_hash=task.spec_hash, input_fingerprint=input_fp,
+                    worker=self.worker_name, attempt=task.attempt, elapsed_s=time.perf_counter() - t0)
         if shadow_records:
             meta["shadow_rows"] = len(shadow_records) // 2
-        written = self._commit(task, records, meta, stopped=stopped, shadow_records=shadow_records)
+        written = self._commit(task, records, meta, stopped=stopped, shadow_records=shadow_records,
+                               row_fps=row_fps)
         return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)),
                     counts=counts.to_dict())
 
     def _commit(self, task: ShardTask, records: list[dict], meta: dict, *, stopped: Optional[str],
-                shadow_records: Optional[list[dict]] = None) -> bool:
+                shadow_records: Optional[list[dict]] = None,
+                row_fps: Optional[list[tuple[str, str]]] = None) -> bool:
         out_dir = task.spec["output"]["path"]
         if stopped == LEASE_LOST:
             return False  # another worker owns the job now; its copy of this shard wins
@@ -237,9 +246,10 @@ class RowRunner:
         if stopped is not None:
             # A partial (cancelled) shard is written for inspection, but never over a complete one.
             if shard_complete(out_dir, task.shard, spec_hash=task.spec_hash,
-                              row_range=(task.row_start, task.row_stop)):
+                              row_range=(task.row_start, task.row_stop),
+                              input_fingerprint=meta["input_fingerprint"]):
                 return False
-        write_part(out_dir, task.shard, records, shard_meta=meta)
+        write_part(out_dir, task.shard, records, shard_meta=meta, row_fingerprints=row_fps)
         return True
 
     def _make_probe(self, task: ShardTask) -> Callable[[], str]:

@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 SEED_MOD = 2**63
 # Odd, so k -> k * SEED_STRIDE is one-to-one modulo 2**63: the seeds of one prompt's samples never collide.
 SEED_STRIDE = 0x9E3779B97F4A7C15 % SEED_MOD
-SHADOW_FILE_GLOB = "shadow-*.parquet"
+SHADOW_FILE_GLOB = "_shadow-*.parquet"  # "_": outside the Parquet dataset of the part files
+LEGACY_SHADOW_GLOB = "shadow-*.parquet"  # folders written before issue 13
 SIDES = ("method", "baseline")
 
 
@@ -113,8 +114,8 @@ def shadow_table(records: list[dict]) -> pa.Table:
 
 
 def shadow_path(out_dir: str | Path, name: str) -> Path:
-    """``shadow_path(out, "00003")`` -> out/shadow-00003.parquet (a shard's); post-hoc runs use a tag."""
-    return Path(out_dir) / f"shadow-{name}.parquet"
+    """``shadow_path(out, "00003")`` -> out/_shadow-00003.parquet (a shard's); post-hoc runs use a tag."""
+    return Path(out_dir) / f"_shadow-{name}.parquet"
 
 
 def write_shadow(path: str | Path, records: list[dict], *, meta: Optional[dict] = None) -> Path:
@@ -138,7 +139,7 @@ def read_shadow(out_dir: str | Path) -> pa.Table:
     """Every shadow file of an output folder as one table (SHADOW_SCHEMA; empty when there are none).
 
     Reading with the schema fills a column missing from an older file with nulls (``reference``)."""
-    files = sorted(Path(out_dir).glob(SHADOW_FILE_GLOB))
+    files = sorted(Path(out_dir).glob(SHADOW_FILE_GLOB)) + sorted(Path(out_dir).glob(LEGACY_SHADOW_GLOB))
     if not files:
         return SHADOW_SCHEMA.empty_table()
     return pa.concat_tables([pq.read_table(f, schema=SHADOW_SCHEMA) for f in files])

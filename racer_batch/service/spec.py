@@ -211,16 +211,31 @@ class JobSpec(BaseModel):
 _PATH_KEYS = (("input", "path"), ("output", "path"), ("decoding", "corpus_path"))
 
 
-def format_validation_error(err: ValidationError, *, where: str) -> str:
-    lines = [f"invalid job spec ({where}):"]
+def _given_by(key: str, labels: dict[str, str]) -> Optional[str]:
+    """The flag that set ``key`` (or a section above or a key below it), or None when the file did."""
+    for k, label in labels.items():
+        if key == k or key.startswith(k + ".") or k.startswith(key + "."):
+            return label
+    return None
+
+
+def format_validation_error(err: ValidationError, *, where: str, labels: Optional[dict[str, str]] = None) -> str:
+    """One line per error, ``  key = value: reason``; a value that came from the command line says which
+    flag gave it (``labels``: dotted key -> flag), and when every error did, the heading says so instead of
+    blaming the spec file ``where``."""
+    labels = labels or {}
+    lines, from_flags = [], 0
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         value = e.get("input")
         shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
         if len(shown) > 120:
             shown = shown[:117] + "..."
-        lines.append(f"  {key} = {shown}: {e['msg']}")
-    return "\n".join(lines)
+        flag = _given_by(key, labels)
+        from_flags += flag is not None
+        lines.append(f"  {key} = {shown}: {e['msg']}" + (f" (given by {flag})" if flag else ""))
+    head = "invalid option (command line):" if from_flags == len(lines) else f"invalid job spec ({where}):"
+    return "\n".join([head, *lines])
 
 
 def deep_merge(base: dict, top: dict) -> dict:
@@ -305,11 +320,15 @@ def _resolve_paths(data: dict, base: Path) -> None:
             sec[key] = str(p if p.is_absolute() else (base / p).resolve())
 
 
-def load_spec(path: Optional[str | Path], overrides: Optional[dict[str, Any]] = None) -> JobSpec:
+def load_spec(path: Optional[str | Path], overrides: Optional[dict[str, Any]] = None, *,
+              override_labels: Optional[dict[str, str]] = None) -> JobSpec:
     """Read a job file, merge its preset and ``overrides`` (dotted keys), validate.
 
-    ``path`` may be None when every required key comes from overrides. Raises SpecError.
+    ``path`` may be None when every required key comes from overrides. ``override_labels`` (dotted key ->
+    the flag that gave it, e.g. ``{"decoding.capacity": "--capacity"}``) lets an error name the flag rather
+    than the file. Raises SpecError.
     """
+    labels = dict(override_labels or {})
     data: dict = {}
     spec_dir: Optional[Path] = None
     where = "overrides"
@@ -335,7 +354,7 @@ def load_spec(path: Optional[str | Path], overrides: Optional[dict[str, Any]] = 
     try:
         return JobSpec.model_validate(merged)
     except ValidationError as exc:
-        raise SpecError(format_validation_error(exc, where=where)) from None
+        raise SpecError(format_validation_error(exc, where=where, labels=labels)) from None
 
 
 def _resolve_shadow_preset(merged: dict, spec_dir: Optional[Path]) -> None:

@@ -1,7 +1,8 @@
 """Submit: validate the spec and the input, claim the output folder, queue the job.
 
 Nothing is queued unless everything checks out. Submitting the same spec with the same output folder again
-resumes the earlier job (same job id; committed shards are skipped).
+resumes the earlier job (same job id; committed shards are skipped, shards whose input rows changed are
+redone: service/resume.py).
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ from __future__ import annotations
 import datetime as dt
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+import pyarrow as pa
 
 from racer_batch.service.inputs import InputError, InputPlan, check_ids, plan_input
 from racer_batch.service.output import OutputError, check_output_folder, read_manifest, write_manifest
 from racer_batch.service.queue import JobQueue
+from racer_batch.service.resume import ResumePlan, plan_resume
 from racer_batch.service.shadow import shadow_selected
 from racer_batch.service.spec import JobSpec
 
@@ -24,6 +28,14 @@ class SubmitOutcome:
     job_id: str
     plan: InputPlan
     action: str  # "queued" | "resumed" | "already queued" | "already running"
+    shards_total: int = 0
+    shards_kept: int = 0  # shards the output folder already holds for this spec and these input rows
+    notes: list[str] = field(default_factory=list)  # shards to be redone and why (resume.ResumePlan.describe)
+
+    @property
+    def shards_left(self) -> int:
+        """Shards still to run (0: a re-submit of a finished job only has to print its summary)."""
+        return max(0, self.shards_total - self.shards_kept)
 
 
 def new_job_id() -> str:
@@ -54,17 +66,25 @@ def validate_job(spec: JobSpec) -> InputPlan:
 
 
 def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) -> SubmitOutcome:
-    """Validate and queue. Raises InputError, OutputError or SpecError (all ValueError) on bad input."""
+    """Validate and queue. On a resume the input is compared with the folder's part files, and the outcome
+    says how many shards are kept and which are redone (the worker decides again when it runs the job).
+
+    Raises InputError, OutputError or SpecError (all ValueError) on bad input."""
     plan = validate_job(spec)
     spec_hash = spec.spec_hash()
-    prior = check_output_folder(spec.output.path, spec_hash=spec_hash)
+    prior = check_output_folder(spec.output.path, spec_hash=spec_hash, spec=spec.stored())
     if prior and job_id and job_id != prior:
         raise OutputError(f"output.path = {spec.output.path!r} belongs to job {prior}, not {job_id}")
     job_id = job_id or prior or new_job_id()
+    num_shards = plan.num_shards(spec.output.shard_rows)
     if queue.job_exists(job_id):
         state = queue.job_fields(job_id).get("state")
         if state in ("queued", "running"):
-            return SubmitOutcome(job_id=job_id, plan=plan, action=f"already {state}")
+            return SubmitOutcome(job_id=job_id, plan=plan, action=f"already {state}", shards_total=num_shards)
+    try:
+        resume = plan_resume(spec, plan) if prior else ResumePlan()
+    except (OSError, AssertionError, pa.ArrowException) as exc:
+        raise InputError(f"cannot read the input to compare it with {spec.output.path!r}: {exc}") from None
     if read_manifest(spec.output.path) is None:  # claim the folder for this job and spec
         write_manifest(spec.output.path, {
             "job_id": job_id, "name": spec.name, "state": "queued", "spec": spec.stored(), "spec_hash": spec_hash,
@@ -73,4 +93,5 @@ def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) 
             "num_shards": plan.num_shards(spec.output.shard_rows), "shards": {}, "totals": {},
         })
     queue.enqueue(job_id=job_id, spec=spec.stored(), plan=plan.to_dict(), priority=spec.priority, name=spec.name)
-    return SubmitOutcome(job_id=job_id, plan=plan, action="resumed" if prior else "queued")
+    return SubmitOutcome(job_id=job_id, plan=plan, action="resumed" if prior else "queued",
+                         shards_total=num_shards, shards_kept=len(resume.done), notes=resume.describe())

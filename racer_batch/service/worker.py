@@ -20,8 +20,10 @@ import pyarrow as pa
 import redis
 
 from racer_batch.service.actors import Executor
-from racer_batch.service.inputs import InputError, InputPlan, iter_shards, plan_input
-from racer_batch.service.output import committed_shards, write_manifest, write_part
+from racer_batch.service.inputs import (InputError, InputPlan, answer_columns, iter_shards, plan_input,
+                                       row_fingerprint, shard_fingerprint)
+from racer_batch.service.output import write_manifest, write_part
+from racer_batch.service.resume import ResumePlan, clear_stale, plan_resume
 from racer_batch.service.queue import JobQueue, Lease, ShardSummary
 from racer_batch.service.runner import CANCELLED, LEASE_LOST, ShardTask
 from racer_batch.service.schema import error_record, now_utc
@@ -37,10 +39,11 @@ def worker_id() -> str:
 class Worker:
     def __init__(self, queue: JobQueue, executor: Executor, *, name: Optional[str] = None, lease_s: float = 30.0,
                  max_shard_attempts: int = 3, max_job_attempts: int = 10, poll_s: float = 0.5,
-                 only_job: Optional[str] = None) -> None:
+                 only_job: Optional[str] = None, report: Optional[Callable[[str], None]] = None) -> None:
         """``only_job``: run that job alone (the embedded worker of ``submit --local``); other jobs met in
         the queue are held while looking for it and then handed back, so they keep their place for real
-        workers and are never run here."""
+        workers and are never run here. ``report``: where one line per event goes (job taken, shard
+        committed, job ended, shards redone); default the log at INFO. ``racer-batch worker`` prints them."""
         assert lease_s > 1, f"lease_s must exceed one second, got {lease_s}"
         self.only_job = only_job
         self.queue = queue
@@ -51,6 +54,7 @@ class Worker:
         self.max_job_attempts = max_job_attempts
         self.poll_s = poll_s
         self.jobs_run = 0
+        self._report = report or log.info
 
     # ---- main loop
     def run(self, *, max_jobs: Optional[int] = None, stop: Callable[[], bool] = lambda: False,
@@ -126,7 +130,6 @@ class Worker:
             return "failed"
         spec = JobSpec.model_validate(json.loads(fields["spec"]))
         plan = InputPlan.from_dict(json.loads(fields["plan"]))
-        log.info("job %s: taken by %s%s", job_id, self.name, " (reclaimed)" if lease.reclaimed else "")
         try:
             now_plan = plan_input(spec.input)
         except InputError as exc:
@@ -139,13 +142,12 @@ class Worker:
         num_shards = plan.num_shards(shard_rows)
         ranges = {s: plan.shard_range(s, shard_rows) for s in range(num_shards)}
         spec_hash = spec.spec_hash()
-        done = committed_shards(spec.output.path, spec_hash=spec_hash, ranges=ranges)
-        known = self.queue.committed(job_id)
-        for shard, meta in done.items():  # recovery: the output folder is the truth
-            if shard not in known:
-                self.queue.commit_shard(job_id, shard, meta)
-        self._redis_best_effort(self.queue.mark_run_base, job_id)
-        unwritable = self._manifest(job_id, spec, plan, done, state="running")
+        self._report(f"job {job_id}: taken by {self.name}{' (reclaimed)' if lease.reclaimed else ''}: "
+                     f"{plan.num_rows} rows in {num_shards} shards")
+        done, problem = self._resume(job_id, spec, plan)
+        if done:
+            self._report(f"job {job_id}: {len(done)}/{num_shards} shards kept from the output folder")
+        unwritable = problem or self._manifest(job_id, spec, plan, done, state="running")
         if unwritable:
             self.queue.finish(lease, state="failed", message=unwritable)
             return "failed"
@@ -171,7 +173,7 @@ class Worker:
                 if not cancelled and self._cancel_requested(job_id):
                     cancelled = True
                     pending.clear()
-                    log.info("job %s: cancel requested, stopping at the next step boundary", job_id)
+                    self._report(f"job {job_id}: cancel requested, stopping at the next step boundary")
             if stop() and not released:
                 released = True
                 pending.clear()
@@ -209,6 +211,8 @@ class Worker:
                     done[shard] = _meta(out)
                     pending.committed(shard)
                     self._redis_best_effort(self.queue.commit_shard, job_id, shard, done[shard])
+                    self._report(f"job {job_id}: shard {shard} committed ({len(done)}/{num_shards} shards; "
+                                 f"rows ok {out['ok']}, error {out['error']})")
                     if time.monotonic() >= next_manifest:  # throttled: the part files are the truth
                         self._manifest(job_id, spec, plan, done, state="running")
                         next_manifest = time.monotonic() + 5.0
@@ -230,10 +234,34 @@ class Worker:
             state = "cancelled"
         else:
             state = "done"
+            failure = _all_rows_failed(job_id, done)
+            state = "failed" if failure else state
         self._manifest(job_id, spec, plan, done, state=state)
         self._finish(lease, state=state, message=failure or "")
-        log.info("job %s: %s (%d/%d shards)", job_id, state, len(done), num_shards)
+        self._report(f"job {job_id}: {state} ({len(done)}/{num_shards} shards)" + (f": {failure}" if failure else ""))
         return state
+
+    def _resume(self, job_id: str, spec: JobSpec, plan: InputPlan) -> tuple[dict[int, dict], Optional[str]]:
+        """Shards kept from the output folder (service/resume.py), after deleting the stale part files and
+        making Redis agree with the folder (the folder is the truth). Returns ({shard: summary}, None), or
+        ({}, a job failure message) when the folder or the input cannot be read or cleaned."""
+        try:
+            resume: ResumePlan = plan_resume(spec, plan)
+            clear_stale(spec, resume)
+        except (OSError, ValueError, AssertionError, pa.ArrowException) as exc:
+            return {}, f"cannot compare the output folder with the input: {type(exc).__name__}: {exc}"
+        for line in resume.describe():
+            self._report(f"job {job_id}: {line}")
+        done = resume.done
+        known = self.queue.committed(job_id)
+        for shard, meta in done.items():  # recovery: the output folder is the truth
+            if shard not in known:
+                self.queue.commit_shard(job_id, shard, meta)
+        stale = [s for s in known if s not in done]
+        if stale:
+            self.queue.uncommit_shards(job_id, stale)
+        self._redis_best_effort(self.queue.mark_run_base, job_id)
+        return done, None
 
     def _finish(self, lease: Lease, *, state: str, message: str) -> None:
         """Mark the job ended, waiting out a short Redis outage (at most a third of the lease, backing off);
@@ -314,6 +342,8 @@ class Worker:
                             spec_hash: str, message: str) -> dict:
         """Every row of a shard that kept crashing gets status=error, so the job still completes."""
         id_col, route_col = spec.input.columns.id, spec.input.columns.route
+        fp_columns = answer_columns(spec.input)
+        row_fps = [(str(rec.get(id_col)), row_fingerprint(rec, fp_columns)) for _, rec in rows]
         summary = ShardSummary()
         records = []
         for row_idx, rec in rows:
@@ -325,8 +355,9 @@ class Worker:
                 "finished_at": now_utc()}))
             summary.observe_row(status="error", route=route, output_tokens=0, steps=0, gen_ms=0.0)
         meta = dict(summary.to_dict(), job_id=job_id, shard=shard, row_start=row_range[0], row_stop=row_range[1],
-                    spec_hash=spec_hash, worker=self.name, attempt=0, elapsed_s=0.0)
-        write_part(spec.output.path, shard, records, shard_meta=meta)
+                    spec_hash=spec_hash, worker=self.name, attempt=0, elapsed_s=0.0,
+                    input_fingerprint=shard_fingerprint([(i, fp) for (i, _), (_, fp) in zip(rows, row_fps)]))
+        write_part(spec.output.path, shard, records, shard_meta=meta, row_fingerprints=row_fps)
         return meta
 
     def _manifest(self, job_id: str, spec: JobSpec, plan: InputPlan, done: dict, *, state: str) -> Optional[str]:
@@ -391,6 +422,17 @@ class ShardFeed:
     def clear(self) -> None:
         self._retry.clear()
         self._exhausted = True
+
+
+def _all_rows_failed(job_id: str, done: dict[int, dict]) -> Optional[str]:
+    """The failure message of a job in which rows ran and none came back ok, else None (a job of zero rows
+    is done)."""
+    totals = ShardSummary()
+    for meta in done.values():
+        totals.merge(ShardSummary.from_dict(meta))
+    if totals.rows == 0 or totals.ok > 0:
+        return None
+    return f"every row failed ({totals.error} errors); racer-batch errors {job_id} lists them"
 
 
 def _meta(out: dict) -> dict:

@@ -29,3 +29,26 @@ def test_generate_exit_codes():
     assert CliRunner().invoke(main, ["generate", "hi", "--max-new-tokens", "0"]).exit_code == 2
     r = CliRunner().invoke(main, ["--help"])
     assert r.exit_code == 0 and "Exit codes" in r.output
+
+
+def test_generate_gives_a_job_rows_answer(tmp_path):
+    """Issue 13, part 5: the same messages give the same answer in `generate` and in a job (the demo's
+    preset), because neither injects a system prompt: both use the model's own chat template."""
+    from racer_batch.service.inputs import parse_row
+    from racer_batch.service.runner import RowRunner
+    from racer_batch.service.spec import load_spec
+
+    prompt = "Name three colours."
+    r = CliRunner().invoke(main, ["generate", prompt, "--model", "tiny-random", "--max-new-tokens", "12", "--json"])
+    assert r.exit_code == 0, r.output
+    alone = json.loads(r.stdout.strip().splitlines()[-1])
+    spec = load_spec(None, {"input.path": str(tmp_path / "in.jsonl"), "output.path": str(tmp_path / "out"),
+                            "model.name": "tiny-random", "preset": "racer-cpu", "generation.max_new_tokens": 12})
+    row = parse_row(spec, 0, {"id": "a", "prompt": prompt})
+    rec, _ = RowRunner(worker_name="t").answer_row(spec, row, {"id": "a", "row_idx": 0}, job_id="t")
+    assert rec["status"] == "ok", rec["error"]
+    assert (rec["prompt_tokens"], rec["text"]) == (alone["prompt_tokens"], alone["text"])
+    # an explicit system prompt is still honoured, and it is not what the default does
+    r = CliRunner().invoke(main, ["generate", prompt, "--model", "tiny-random", "--max-new-tokens", "2", "--json",
+                                  "--system", "You are a helpful assistant."])
+    assert json.loads(r.stdout.strip().splitlines()[-1])["prompt_tokens"] != alone["prompt_tokens"]

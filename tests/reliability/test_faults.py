@@ -180,3 +180,66 @@ def test_redis_down_when_the_job_ends(ray_session, redis_server_factory, tmp_pat
     out = assert_each_id_once(spec.output.path, [r["id"] for r in rows])
     assert all(r["status"] == "ok" for r in out)
     assert _shard_attempt(spec.output.path, 0) == 1  # not redone
+
+
+def _descendants(root: int) -> dict[int, bytes]:
+    """{pid: command line} of every live process below ``root`` (zombies left out)."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z":
+            parents[int(name)] = int(fields[1])
+    found, frontier = {}, [root]
+    while frontier:
+        cur = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == cur and pid not in found:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                        found[pid] = fh.read()
+                except OSError:
+                    continue
+                frontier.append(pid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
+def test_a_killed_workers_own_ray_dies_with_it(redis_url, prefix, tmp_path):
+    """kill -9 of a worker that started its own local Ray: every Ray process it started (raylet, GCS,
+    DashboardAgent, RuntimeEnvAgent, idle workers) ends too, not minutes later."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log_fh:
+        proc = subprocess.Popen([sys.executable, "-m", "racer_batch.cli_service", "worker", "--num-cpus", "1",
+                                 "--idle-exit", "600", "--redis-url", redis_url, "--prefix", prefix],
+                                env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL,
+                                stderr=log_fh)
+    try:
+        wait_for(lambda: b"waiting for jobs" in log_path.read_bytes() or proc.poll() is not None, timeout_s=180,
+                 what="the worker's local Ray to start")
+        assert proc.poll() is None, log_path.read_text()
+        ray_procs = {pid: cmd for pid, cmd in _descendants(proc.pid).items() if b"rb-ray-" in cmd}
+        assert any(b"agent" in cmd for cmd in ray_procs.values()), ray_procs
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not [p for p in ray_procs if _alive(p)], timeout_s=60, poll_s=0.2,
+             what=f"the worker's Ray processes to end: {[ray_procs[p][:80] for p in ray_procs if _alive(p)]}")

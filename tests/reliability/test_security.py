@@ -253,7 +253,7 @@ def test_password_redis_works_and_never_leaks(cli, ray_session, redis_server_fac
     leaks = [str(p) for folder in (tmp_path / "out", tmp_path / "out2", Path(ray_session.temp_dir))
              for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert not leaks, leaks
-    assert (tmp_path / "out" / "report").is_dir()
+    assert (tmp_path / "out" / "_report").is_dir()
     for key in q.r.scan_iter(f"{prefix}*"):
         assert secret not in json.dumps(_dump_key(q.r, key))
 

@@ -197,7 +197,7 @@ def test_relaxed_job_report_shows_capability_beside_speed(tmp_path):
 
     # the same job without its shadow rows (an older job whose sample picked none): the header still says
     # relaxed, and the summary says the capability cost was not measured
-    for f in Path(spec.output.path).glob("shadow-*.parquet"):
+    for f in Path(spec.output.path).glob("_shadow-*.parquet"):
         f.unlink()
     bare = build_report(load_output(spec.output.path), n_boot=10, with_charts=False)
     assert not bare.shadow and "Relaxed acceptance (" in render_md(bare).split("## Per", 1)[0]

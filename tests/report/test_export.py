@@ -79,12 +79,12 @@ def test_single_sample_parquet_and_cli(tmp_path):
     res = CliRunner().invoke(standalone, ["export", spec.output.path, "--format", "jsonl"])
     assert res.exit_code == 0, res.output
     path = res.output.strip().splitlines()[-1]
-    assert path.endswith("chat.jsonl") and len(open(path).read().splitlines()) == 3
+    assert path.endswith("/_chat.jsonl") and len(open(path).read().splitlines()) == 3
 
 
 def test_export_needs_the_manifest(tmp_path):
     spec = _job(tmp_path)
-    (tmp_path / "out" / "manifest.json").write_text("{}")
+    (tmp_path / "out" / "_manifest.json").write_text("{}")
     from racer_batch.report.load import ReportError
 
     with pytest.raises(ReportError, match="lacks the job's spec"):

@@ -112,7 +112,7 @@ def test_posthoc_shadow_and_report(tmp_path):
     job = load_output(spec.output.path)
     path, n = run_posthoc_shadow(job, baseline="ar", fraction=0.5, seed=1)
     expected = [r["id"] for r in rows if shadow_selected(1, r["id"], 0.5)]
-    assert n == len(expected) and path.name == "shadow-posthoc-ar-s1.parquet"
+    assert n == len(expected) and path.name == "_shadow-posthoc-ar-s1.parquet"
     sh = read_shadow(spec.output.path).to_pylist()
     assert sorted({r["id"] for r in sh}) == sorted(expected) and {r["run"] for r in sh} == {"posthoc:ar"}
     rep = build_report(load_output(spec.output.path), n_boot=100)

@@ -131,3 +131,136 @@ def test_progress_lines_without_a_terminal_and_ctrl_c_exit_code(cli, tmp_path, r
 def test_worker_help_has_its_own_exit_codes(cli):
     res = CliRunner().invoke(cli, ["worker", "--help"])
     assert res.exit_code == 0 and "SIGTERM" in res.output and "with --wait" not in res.output
+
+
+# ---- issue 13, part 6: what a new user's trial tripped over
+def test_a_job_whose_rows_all_failed_fails_and_points_to_errors(cli, tmp_path, redis_url, prefix):
+    spec = _spec(tmp_path, [{"id": "a", "prompt": ""}, {"id": "b", "prompt": " "}])
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread",
+                                   "--redis-url", redis_url, "--prefix", prefix])
+    assert res.exit_code == 5, res.output
+    job_id = res.stdout.strip().splitlines()[0]
+    assert f"job {job_id}: failed" in res.stderr and "every row failed" in res.stderr
+    assert f"racer-batch errors {job_id}" in res.stderr
+
+
+def test_status_counts_the_rows_a_cancel_left_unanswered(cli, tmp_path, redis_url, prefix, queue):
+    from racer_batch.service.spec import load_spec
+    from racer_batch.service.submit import submit_job
+
+    write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(6)])
+    spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
+                            "model.name": "stand-in", "output.shard_rows": 3})
+    sub = submit_job(queue, spec)
+    lease = queue.claim(consumer="w", lease_ms=60_000, block_ms=0)
+    queue.finish(lease, state="cancelled")  # cancelled before any shard was committed
+    res = CliRunner().invoke(cli, ["status", sub.job_id, "--json", "--redis-url", redis_url, "--prefix", prefix])
+    assert json.loads(res.stdout)["cancelled"] == 6
+    res = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", prefix])
+    assert "cancelled 6" in res.stdout
+
+
+def test_status_says_when_the_owner_stopped_renewing(cli, tmp_path, redis_url, prefix, queue):
+    import time
+
+    from racer_batch.service.spec import load_spec
+    from racer_batch.service.submit import submit_job
+
+    write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
+    spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
+                            "model.name": "stand-in"})
+    sub = submit_job(queue, spec)
+    lease = queue.claim(consumer="gone-worker", lease_ms=3_000, block_ms=0)
+    assert queue.renew(lease)
+    fresh = queue.status(sub.job_id)
+    assert fresh.state == "running" and not fresh.stalled and fresh.lease_s == 3.0
+    time.sleep(2.2)  # more than two thirds of the lease without a renewal: the owner is presumed dead
+    st = queue.status(sub.job_id)
+    assert st.stalled and st.eta_s is None
+    res = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", prefix])
+    assert "owner gone-worker stopped renewing its lease" in res.stdout, res.stdout
+    assert json.loads(CliRunner().invoke(cli, ["status", sub.job_id, "--json", "--redis-url", redis_url,
+                                               "--prefix", prefix]).stdout)["stalled"] is True
+
+
+def test_list_and_errors_tables_are_not_cut_in_a_pipe(cli, tmp_path, redis_url, prefix):
+    long_id = "row-" + "x" * 110
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "out"
+    spec = _spec(tmp_path, [{"id": long_id, "prompt": ""}, {"id": "ok", "prompt": "y"}])
+    common = ["--redis-url", redis_url, "--prefix", prefix]
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", "--output", str(deep),
+                                   *common])
+    assert res.exit_code == 0, res.output
+    job_id = res.stdout.strip().splitlines()[0]
+    listed = CliRunner().invoke(cli, ["list", *common]).stdout
+    assert any(str(deep) in line and job_id in line for line in listed.splitlines()), listed
+    errs = CliRunner().invoke(cli, ["errors", job_id, *common]).stdout
+    assert any(long_id in line and "prompt is empty" in line for line in errs.splitlines()), errs
+
+
+def test_worker_shows_activity_at_the_default_log_level(cli, tmp_path, redis_url, prefix, queue):
+    from racer_batch.service.spec import load_spec
+    from racer_batch.service.submit import submit_job
+
+    write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(4)])
+    spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
+                            "model.name": "stand-in", "output.shard_rows": 2})
+    sub = submit_job(queue, spec)
+    res = CliRunner().invoke(cli, ["worker", "--no-ray", "--max-jobs", "1", "--redis-url", redis_url,
+                                   "--prefix", prefix])
+    assert res.exit_code == 0, res.output
+    assert f"job {sub.job_id}: taken by" in res.stderr
+    assert f"job {sub.job_id}: shard 1 committed" in res.stderr or f"job {sub.job_id}: shard 0 committed" in res.stderr
+    assert f"job {sub.job_id}: done (2/2 shards)" in res.stderr
+
+
+def test_resubmitting_a_finished_local_job_starts_no_ray(cli, tmp_path, redis_url, prefix):
+    spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}])
+    common = ["--redis-url", redis_url, "--prefix", prefix]
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", *common])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--wait", *common])  # the default: Ray
+    assert res.exit_code == 0, res.output
+    assert "1 already done" in res.stderr and "starting local Ray" not in res.output
+    assert "rows: 1/1" in res.stderr
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_submit_without_a_spec_file(cli, tmp_path, redis_url, prefix, monkeypatch):
+    write_parquet(tmp_path / "prompts.parquet", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    monkeypatch.chdir(tmp_path)
+    common = ["--redis-url", redis_url, "--prefix", prefix]
+    res = CliRunner().invoke(cli, ["submit", "--input", "prompts.parquet", "--model", "stand-in", "--local",
+                                   "--executor", "thread", "--json", *common])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["rows_done"] == 2
+    assert (tmp_path / "out" / "prompts" / "part-00000.parquet").exists()  # the documented default output
+    res = CliRunner().invoke(cli, ["submit", "--model", "stand-in", *common])
+    assert res.exit_code == 2 and "--input is required" in res.output
+
+
+def test_a_flag_error_is_not_blamed_on_the_spec_file(cli, tmp_path, redis_url, prefix):
+    spec = _spec(tmp_path, [{"id": 1, "prompt": "x"}])
+    common = ["--redis-url", redis_url, "--prefix", prefix]
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--shard-rows", "0", *common])
+    assert res.exit_code == 2 and "invalid option (command line)" in res.output
+    assert "given by --shard-rows" in res.output and "invalid job spec" not in res.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(spec.read_text() + "priority: 42\n")
+    res = CliRunner().invoke(cli, ["submit", str(bad), *common])
+    assert res.exit_code == 2 and f"invalid job spec ({bad})" in res.output and "given by" not in res.output
+
+
+@pytest.mark.parametrize("command", ["status", "list", "cancel", "errors"])
+def test_read_commands_show_only_their_own_exit_codes(cli, command):
+    res = CliRunner().invoke(cli, [command, "--help"])
+    assert res.exit_code == 0 and "Exit codes" in res.output
+    assert "--wait" not in res.output and "nothing queued" not in res.output and "  5  " not in res.output
+    assert ("no such job" in res.output) == (command != "list")
+
+
+def test_readme_command_lines_paste_without_making_a_pipeline():
+    text = (ROOT / "README.md").read_text()
+    blocks = text.split("```bash")[1:]
+    lines = [ln for b in blocks for ln in b.split("```")[0].splitlines()]
+    assert lines and not [ln for ln in lines if "| racer-batch" in ln]

@@ -22,6 +22,24 @@ def test_demo_spec_and_presets_load():
                                      ("pld", "pld", 16)):
         s = load_spec(ROOT / "jobs" / "demo.yaml", {"preset": preset})
         assert (s.decoding.method, s.decoding.capacity) == (method, capacity)
+        # issue 13: no preset injects a system prompt (the model's chat template alone, as `generate`)
+        assert s.generation.system_prompt is None, preset
+    assert sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")) == ["ar", "pld", "racer-cpu", "racer-paper"]
+
+
+def test_a_changed_default_names_the_key_that_keeps_a_folder_from_resuming(tmp_path):
+    """A folder written when presets injected a system prompt is refused with the key that differs and how
+    to resume it, and resumes once that value is set again."""
+    from racer_batch.service.output import OutputError, check_output_folder, write_manifest
+
+    old = load_spec(ROOT / "jobs" / "demo.yaml", {"output.path": str(tmp_path / "out"),
+                                                  "generation.system_prompt": "You are a helpful assistant."})
+    write_manifest(old.output.path, {"job_id": "j-old", "spec": old.stored(), "spec_hash": old.spec_hash()})
+    new = load_spec(ROOT / "jobs" / "demo.yaml", {"output.path": str(tmp_path / "out")})
+    with pytest.raises(OutputError, match=r"generation.system_prompt = 'You are a helpful assistant.' in the "
+                                          r"folder, None now.*--set KEY=VALUE"):
+        check_output_folder(new.output.path, spec_hash=new.spec_hash(), spec=new.stored())
+    assert check_output_folder(old.output.path, spec_hash=old.spec_hash(), spec=old.stored()) == "j-old"
 
 
 def test_flags_beat_file(tmp_path):
