@@ -152,7 +152,12 @@ class FastLinear:
         if path == "small_gemm":
             self._panels = self._ops.pack(self.weight)
         if path == "onednn_packed":
-            self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
+            try:
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
+            except RuntimeError as exc:  # e.g. bfloat16 on an AVX2-only CPU: oneDNN needs AVX-512 or AVX-NE-CONVERT
+                log.info("oneDNN cannot prepack a %s weight here (%s); plain F.linear", self.weight.dtype,
+                         str(exc).splitlines()[0])
+                path = self.path = "torch"
         # reduced precision has no fast plain GEMV on the CPU: oneDNN takes every row count there
         self._small_plain = self.weight.dtype == torch.float32 or path != "onednn_packed"
 

@@ -102,7 +102,8 @@ def cpu_ops():
         if "ops" in _state:
             return _state["ops"]
         ops, reason = None, None
-        if os.environ.get("RACER_KERNELS", "on").lower() in ("0", "off", "false", "no"):
+        off = os.environ.get("RACER_KERNELS", "on").lower() in ("0", "off", "false", "no")
+        if off:
             reason = "RACER_KERNELS=off"
         elif not _cpu_has_avx2_fma():
             reason = "the CPU has no AVX2/FMA"
@@ -110,13 +111,16 @@ def cpu_ops():
             try:
                 path = _library_path()
                 if not path.exists():
-                    log.info("building racer's CPU kernels into %s (once per machine, ~20 s)", path)
+                    # a warning, so the ~20 s pause is explained at the default log level
+                    log.warning("building racer's CPU kernels into %s (once per machine, ~20 s)", path)
                     _compile(path)
                 torch.ops.load_library(str(path))
                 ops = torch.ops.racer
             except Exception as exc:  # noqa: BLE001 - any build/load failure falls back to oneDNN
                 reason = f"{type(exc).__name__}: {exc}"
-        if reason is not None:
+        if off:
+            log.warning("racer CPU kernels turned off (RACER_KERNELS=off); the static runner uses oneDNN and aten ops")
+        elif reason is not None:
             log.warning("racer CPU kernels unavailable (%s); the static runner uses oneDNN and aten ops", reason)
         _state["ops"], _state["reason"] = ops, reason
         return ops
