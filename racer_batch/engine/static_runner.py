@@ -428,6 +428,13 @@ class StaticRunner:
         return SlotCache(self, self._free_slots.pop())
 
     # ---- the decoder ----
+    def _prefill_mask(self, t: int, start: int, device: torch.device) -> torch.Tensor:
+        """Additive mask ``[t, start + t]`` of a prefill chunk at ``start``: the prefix and the chunk's own
+        causal part visible (0), the rest the dtype's minimum."""
+        seen = torch.ones(t, start + t, dtype=torch.bool, device=device).tril_(diagonal=start)
+        return torch.zeros(t, start + t, dtype=self.dtype, device=device).masked_fill_(
+            ~seen, torch.finfo(self.dtype).min)
+
     def _forward_kernels(self, ids: torch.Tensor, pos: torch.Tensor, slot: int, start: int,
                          mask: Optional[torch.Tensor]) -> torch.Tensor:
         """``_forward`` (eager shapes) through our CPU kernels (engine/kernels): the same arithmetic, the
@@ -440,23 +447,18 @@ class StaticRunner:
         nq, d, eps = self.n_heads, self.head_dim, self.eps
         kv = self.kv
         sdpa = mask is None and t >= SDPA_MIN_ROWS  # a long prefill chunk: SDPA's blocked causal kernel
-        if mask is None and t > 1 and not sdpa:  # a short prefill chunk: causal over it, the prefix visible
-            seen = torch.ones(t, end, dtype=torch.bool, device=ids.device).tril_(diagonal=start)
-            mask = torch.zeros(t, end, dtype=self.dtype).masked_fill_(~seen, torch.finfo(self.dtype).min)
+        causal = sdpa and start == 0  # SDPA's is_causal needs no mask
+        if mask is None and t > 1 and not causal:  # a prefill chunk: causal over it, the prefix visible
+            mask = self._prefill_mask(t, start, ids.device)
         for li, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.ln_in, eps)
             qkv = ops.linear(h, layer.qkv._panels, layer.qkv.bias, layer.qkv.weight.shape[0])
             keys, vals = kv[li, 0, slot], kv[li, 1, slot]  # [nkv, max_len, d]
             q = ops.rope_kv_(qkv, cos, sin, keys, vals, start, nq, layer.q_norm, layer.k_norm, eps)  # [T, nq, d]
             if sdpa:
-                causal = start == 0
-                m = None
-                if not causal:
-                    seen = torch.ones(t, end, dtype=torch.bool).tril_(diagonal=start)
-                    m = torch.zeros(t, end, dtype=self.dtype).masked_fill_(~seen, torch.finfo(self.dtype).min)
                 att = F.scaled_dot_product_attention(
                     q.transpose(0, 1).unsqueeze(0), keys[:, :end].unsqueeze(0), vals[:, :end].unsqueeze(0),
-                    attn_mask=m, is_causal=causal, scale=self.scale, enable_gqa=self.n_kv != nq,
+                    attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.n_kv != nq,
                 )[0].transpose(0, 1).reshape(t, nq * d)
             else:
                 att = ops.attention(q, keys, vals, end, mask, self.scale)  # [T, nq * d]
@@ -501,9 +503,7 @@ class StaticRunner:
             if start == 0:
                 is_causal = True
             else:
-                seen = torch.ones(t, end, dtype=torch.bool, device=ids.device).tril_(diagonal=start)
-                mask = torch.zeros(t, end, dtype=self.dtype, device=ids.device).masked_fill_(
-                    ~seen, torch.finfo(self.dtype).min)
+                mask = self._prefill_mask(t, start, ids.device)
         elif t == 1 and write_idx is None:
             mask = None  # one token sees the whole prefix
         gqa = nkv != nq

@@ -238,39 +238,34 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return y;
 }
 
-// out[M, N] += x @ W^T + bias, in place (the residual stream of a decoder layer).
-at::Tensor linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
-                       const c10::optional<at::Tensor>& bias) {
+// out[M, N] = x @ W^T + bias (add_into: +=) into a preallocated out; ``op`` names the caller in errors.
+at::Tensor linear_out(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, bool add_into, const char* op) {
   at::Tensor bias_c;
   const at::Tensor xc = x.dim() == 2 && x.stride(1) != 1 ? x.contiguous() : x;
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat,
-              "racer::linear_add_: out must be float32 [M, N] with unit column stride");
+              op, ": out must be float32 [M, N] with unit column stride");
   const int64_t N = out.size(1);
   const float* b = check_linear(xc, packed, bias, N, bias_c);
-  TORCH_CHECK(out.size(0) == xc.size(0), "racer::linear_add_: out has ", out.size(0), " rows, x ", xc.size(0));
+  TORCH_CHECK(out.size(0) == xc.size(0), op, ": out has ", out.size(0), " rows, x ", xc.size(0));
   if (xc.size(0) > 0) {
     gemm(xc.data_ptr<float>(), xc.stride(0), xc.size(0), xc.size(1), packed.data_ptr<float>(), packed.size(0), N,
-         b, out.data_ptr<float>(), out.stride(0), true);
+         b, out.data_ptr<float>(), out.stride(0), add_into);
   }
   return out;
 }
 
-// out[M, N] = x @ W^T + bias, written into a preallocated out (a reused logits buffer: no multi-MB allocation
-// per verify step, which glibc would map and unmap each time).
+// out += x @ W^T + bias, in place (the residual stream of a decoder layer).
+at::Tensor linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias) {
+  return linear_out(out, x, packed, bias, true, "racer::linear_add_");
+}
+
+// out = x @ W^T + bias into a preallocated out (a reused logits buffer: no multi-MB allocation per verify
+// step, which glibc would map and unmap each time).
 at::Tensor linear_into_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                         const c10::optional<at::Tensor>& bias) {
-  at::Tensor bias_c;
-  const at::Tensor xc = x.dim() == 2 && x.stride(1) != 1 ? x.contiguous() : x;
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat,
-              "racer::linear_into_: out must be float32 [M, N] with unit column stride");
-  const int64_t N = out.size(1);
-  const float* b = check_linear(xc, packed, bias, N, bias_c);
-  TORCH_CHECK(out.size(0) == xc.size(0), "racer::linear_into_: out has ", out.size(0), " rows, x ", xc.size(0));
-  if (xc.size(0) > 0) {
-    gemm(xc.data_ptr<float>(), xc.stride(0), xc.size(0), xc.size(1), packed.data_ptr<float>(), packed.size(0), N,
-         b, out.data_ptr<float>(), out.stride(0), false);
-  }
-  return out;
+  return linear_out(out, x, packed, bias, false, "racer::linear_into_");
 }
 
 // ---- the small ops around the GEMMs: one call each instead of 3-10 aten ops ----
