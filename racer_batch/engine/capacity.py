@@ -63,28 +63,37 @@ class CapacityTuner:
     Args:
         cost_ms: {capacity: verify ms} from ``measure_cost_curve`` (must contain every candidate).
         candidates: capacities to choose from.
-        warmup_steps: steps at the largest capacity before the first choice.
+        warmup_steps: steps at the warm-up capacity before the first choice.
         explore_every: every n-th step uses the next larger candidate than the chosen one.
+        warmup_cost_ratio: the warm-up capacity is the largest candidate whose verify costs at most this many
+            times a one-token forward (``cost_ms[1]``, else the cheapest candidate). On a flat cost curve (a GPU)
+            that is the largest candidate; on our CPU kernels, where t(64) is ~7x t(1), it is 12, so the
+            warm-up does not spend 16 steps at 7x the price. Larger candidates are still reached afterwards:
+            each exploration step tries one size up, which makes the next size observable.
     """
 
-    def __init__(self, cost_ms: dict[int, float], candidates: list[int], *, warmup_steps: int = 16, explore_every: int = 8) -> None:
+    def __init__(self, cost_ms: dict[int, float], candidates: list[int], *, warmup_steps: int = 16, explore_every: int = 8,
+                 warmup_cost_ratio: float = 2.0) -> None:
         self.cost_ms = dict(cost_ms)
         self.candidates = sorted(candidates)
         self.max_cap = self.candidates[-1]
+        base = self.cost_ms.get(1, min(self.cost_ms[c] for c in self.candidates))
+        affordable = [c for c in self.candidates if self.cost_ms[c] <= warmup_cost_ratio * base]
+        self.warmup_cap = affordable[-1] if affordable else self.candidates[0]
         self.warmup_steps = warmup_steps
         self.explore_every = explore_every
         self.sum_acc = np.zeros(len(self.candidates))  # accepted drafts summed over informative steps
         self.n_obs = np.zeros(len(self.candidates))
         self.overhead_ms = 0.0
         self.steps = 0
-        self.current = self.max_cap
+        self.current = self.warmup_cap
 
     def capacity(self) -> int:
-        """Capacity for the next step: the largest during warm-up; afterwards the chosen one, except every
+        """Capacity for the next step: ``warmup_cap`` during warm-up; afterwards the chosen one, except every
         ``explore_every``-th step, which tries the next larger candidate so its estimate stays fresh (a step at
         the largest capacity would cost t(max)/t(current) times a normal one: 4x on a CPU at 64 vs 8)."""
         if self.steps < self.warmup_steps:
-            return self.max_cap
+            return self.warmup_cap
         if self.explore_every and self.steps % self.explore_every == 0:
             i = self.candidates.index(self.current)
             return self.candidates[min(i + 1, len(self.candidates) - 1)]
@@ -123,4 +132,4 @@ class CapacityTuner:
 
     def choose(self) -> int:
         rates = self.expected_rates()
-        return max(rates, key=rates.get) if rates else self.max_cap
+        return max(rates, key=rates.get) if rates else self.warmup_cap

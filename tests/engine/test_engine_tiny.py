@@ -220,9 +220,27 @@ def test_capacity_tuner_explores_one_size_up_not_the_largest():
         cap = tuner.capacity()
         used.append(cap)
         tuner.observe(used_capacity=cap, accepted_creation_idx=[1, 2], overhead_ms=0.0)
-    assert used[:4] == [64] * 4  # warm-up at the largest: every capacity gets observations
+    assert used[:4] == [16] * 4  # warm-up at the largest capacity costing <= 2x the cheapest, not at 64 (4x)
     assert tuner.current == 4 and set(used[4:]) == {4, 16}  # exploration costs t(16), never t(64)
     assert used[4:].count(16) == 5
+
+
+def test_capacity_tuner_warmup_capacity_follows_the_cost_curve():
+    flat = CapacityTuner({1: 10.0, 4: 10.5, 16: 11.0, 64: 13.0}, [4, 16, 64], warmup_steps=4)
+    assert flat.warmup_cap == 64 and flat.capacity() == 64  # a GPU-like curve: warm up at the largest
+    steep = CapacityTuner({1: 10.0, 4: 12.0, 16: 21.0, 64: 70.0}, [4, 16, 64], warmup_steps=4)
+    assert steep.warmup_cap == 4  # t(16) = 2.1 x t(1): too dear for 16 warm-up steps
+
+
+def test_capacity_tuner_climbs_above_the_warmup_capacity_when_everything_is_accepted():
+    tuner = CapacityTuner({1: 10.0, 4: 10.0, 16: 15.0, 64: 40.0}, [4, 16, 64], warmup_steps=4, explore_every=2)
+    assert tuner.warmup_cap == 16
+    used = []
+    for _ in range(40):
+        cap = tuner.capacity()
+        used.append(cap)
+        tuner.observe(used_capacity=cap, accepted_creation_idx=list(range(1, cap)), overhead_ms=0.0)
+    assert 64 in used and tuner.current == 64  # MAT c per step: 64/40 ms beats 16/15 ms, found by exploring
 
 
 def test_auto_capacity_runs_and_stays_lossless(tiny):
