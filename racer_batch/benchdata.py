@@ -124,23 +124,32 @@ def smoke_prompts(per_set: int = 8, root: Path | None = None) -> list[BenchPromp
 def sample_prompts(counts: dict[str, int], root: Path | None = None) -> list[BenchPrompt]:
     """Items evenly spaced in file order: ``counts[set]`` per Spec-Bench category (``multi_turn``,
     ``translation``, ...) and per whole set for HumanEval and MGSM-ZH (positions floor(k*n/count)).
+    A key ``set/group`` (e.g. ``spec_bench/rag``) takes that one group only, with the same items as the
+    whole set's key would pick there, so a long run can be split over processes by category.
 
     >>> len(sample_prompts({"spec_bench": 10, "human_eval": 20, "mgsm_zh": 20}))
     100
+    >>> [p.group for p in sample_prompts({"spec_bench/rag": 2})]
+    ['rag', 'rag']
 
     Raises:
-        ValueError: an unknown set name or a count below 1.
+        ValueError: an unknown set or group name, or a count below 1.
     """
     out = []
-    for name, count in counts.items():
+    for key, count in counts.items():
+        name, _, only = key.partition("/")
         if name not in SETS:
             raise ValueError(f"unknown prompt set {name!r}; expected one of {SETS}")
         if count < 1:
-            raise ValueError(f"{name}: count must be >= 1, got {count}")
+            raise ValueError(f"{key}: count must be >= 1, got {count}")
         items = load_set(name, root)
         groups: dict[str, list[BenchPrompt]] = {}
         for it in items:
             groups.setdefault(it.group, []).append(it)
+        if only:
+            if only not in groups:
+                raise ValueError(f"{name} has no group {only!r}; groups: {sorted(groups)}")
+            groups = {only: groups[only]}
         for members in groups.values():
             n = len(members)
             out.extend(members[(k * n) // count] for k in range(min(count, n)))
@@ -148,17 +157,22 @@ def sample_prompts(counts: dict[str, int], root: Path | None = None) -> list[Ben
 
 
 def parse_sample(text: str) -> dict[str, int]:
-    """``"spec_bench=10,human_eval=20"`` -> ``{"spec_bench": 10, "human_eval": 20}``.
+    """``"spec_bench=10,human_eval=20"`` -> ``{"spec_bench": 10, "human_eval": 20}``; ``SET/GROUP=COUNT``
+    (``spec_bench/qa=10``) keeps one group of a set.
 
     Raises:
-        ValueError: a part that is not ``SET=COUNT`` with a known set and a positive count.
+        ValueError: a part that is not ``SET=COUNT`` or ``SET/GROUP=COUNT`` with a known set and a positive
+            count (the group is checked when the data is read).
     """
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, num = part.partition("=")
-        if not eq or not num.strip().isdigit() or int(num) < 1 or name.strip() not in SETS:
-            raise ValueError(f"{part!r}: expected SET=COUNT with SET one of {SETS} and COUNT >= 1")
-        out[name.strip()] = int(num)
+        name = name.strip()
+        set_name, slash, group = name.partition("/")
+        if (not eq or not num.strip().isdigit() or int(num) < 1 or set_name not in SETS
+                or (slash and not group)):
+            raise ValueError(f"{part!r}: expected SET=COUNT or SET/GROUP=COUNT with SET one of {SETS} and COUNT >= 1")
+        out[name] = int(num)
     if not out:
         raise ValueError("empty sample: expected SET=COUNT[,SET=COUNT...]")
     return out

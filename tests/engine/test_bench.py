@@ -187,3 +187,34 @@ def test_rest_corpus_leaves_the_smoke_items_out(tmp_path):
     assert len(mg) == 250 - 8
     smoke_q = [it.turns[0] for it in smoke_subset(load_set("mgsm_zh"))]
     assert not any(d.split("\n")[0] in smoke_q for d in mg)
+
+
+def test_sample_by_group_picks_the_same_items_as_the_whole_set():
+    from racer_batch.benchdata import parse_sample, sample_prompts
+
+    assert parse_sample("spec_bench/qa=3, human_eval=2") == {"spec_bench/qa": 3, "human_eval": 2}
+    for bad in ("spec_bench/=3", "specbench/qa=3", "spec_bench/qa=0", "spec_bench/qa"):
+        with pytest.raises(ValueError):
+            parse_sample(bad)
+    whole = [p for p in sample_prompts({"spec_bench": 4}) if p.group == "rag"]
+    only = sample_prompts({"spec_bench/rag": 4})
+    assert [p.item_id for p in only] == [p.item_id for p in whole] and len(only) == 4
+    with pytest.raises(ValueError, match="no group"):
+        sample_prompts({"spec_bench/nope": 2})
+
+
+def test_merge_bench_pools_token_weighted():
+    merge = _script("merge_bench")
+
+    def run(tokens, ms, mat, hf_ms):
+        row = {"rows": 2, "tokens": tokens, "mat": mat, "ms_per_token": ms, "exact_match_vs_hf_greedy": "2/2"}
+        base = {"rows": 2, "tokens": tokens, "mat": 1.0, "ms_per_token": hf_ms, "exact_match_vs_hf_greedy": "2/2"}
+        return {"config": {"model": "m", "capacity": 6}, "overall": {"hf_greedy": base, "racer": row}}
+
+    rows = merge.pool([run(100, 10.0, 2.0, 40.0), run(300, 20.0, 3.0, 40.0)])
+    assert rows["racer"]["tokens"] == 400 and rows["racer"]["ms_per_token"] == 17.5  # (1000 + 6000) / 400
+    assert rows["racer"]["mat"] == round(400 / (50 + 100), 3)
+    assert rows["racer"]["speedup_vs_hf_greedy"] == round(40.0 / 17.5, 3)
+    assert rows["racer"]["exact_match_vs_hf_greedy"] == "4/4"
+    with pytest.raises(SystemExit):
+        merge.pool([run(1, 1.0, 1.0, 1.0), {**run(1, 1.0, 1.0, 1.0), "config": {"model": "m", "capacity": 8}}])

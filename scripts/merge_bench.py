@@ -1,0 +1,111 @@
+"""Pool several `racer-batch bench` result files into one token-weighted table.
+
+A long benchmark can run as two processes at one torch thread each, one per prompt set (each process
+interleaves its own contenders item by item, so every ratio inside a file is measured in one run). This
+script adds them up: per method, tokens and wall milliseconds (tokens x ms_per_token) are summed over the
+files, so the pooled speedup is the token-weighted one (RACER.md section 1); MAT is pooled as tokens over
+forwards (tokens / mat per file). The per-set and paper rows are copied from the files unchanged.
+
+    python scripts/merge_bench.py /tmp/b512a/bench-*.json /tmp/b512b/bench-*.json --out benchmarks
+
+Writes benchmarks/bench-pooled-<stamp>.{json,md}. Raises SystemExit on files with different settings
+(model, capacity, max_new_tokens, methods, dtype, torch threads) or no overlapping method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+SAME = ("model", "capacity", "max_new_tokens", "methods", "dtype", "torch_threads", "device")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def pool(files: list[dict]) -> dict:
+    """{method: pooled row} over the files' ``overall`` rows."""
+    for f in files[1:]:
+        diff = [k for k in SAME if f["config"].get(k) != files[0]["config"].get(k)]
+        if diff:
+            raise SystemExit(f"files differ in {diff}; pool only runs with the same settings")
+    out: dict[str, dict] = {}
+    for f in files:
+        for method, row in f["overall"].items():
+            acc = out.setdefault(method, {"rows": 0, "tokens": 0, "wall_ms": 0.0, "forwards": 0.0, "mat_known": True,
+                                          "exact": [0, 0]})
+            acc["rows"] += row["rows"]
+            acc["tokens"] += row["tokens"]
+            acc["wall_ms"] += row["tokens"] * row["ms_per_token"]
+            if row.get("mat"):
+                acc["forwards"] += row["tokens"] / row["mat"]
+            else:
+                acc["mat_known"] = False
+            same, total = (int(x) for x in str(row["exact_match_vs_hf_greedy"]).split("/"))
+            acc["exact"][0] += same
+            acc["exact"][1] += total
+    rows = {}
+    for method, acc in out.items():
+        rows[method] = {
+            "rows": acc["rows"], "tokens": acc["tokens"],
+            "mat": round(acc["tokens"] / acc["forwards"], 3) if acc["mat_known"] and acc["forwards"] else None,
+            "ms_per_token": round(acc["wall_ms"] / acc["tokens"], 2),
+            "exact_match_vs_hf_greedy": f"{acc['exact'][0]}/{acc['exact'][1]}",
+        }
+    base = {m: rows[m]["ms_per_token"] for m in ("hf_greedy", "hf_pld", "ar") if m in rows}
+    for method, r in rows.items():
+        for b, ms in base.items():
+            r[f"speedup_vs_{b}"] = _ratio(ms, r["ms_per_token"])
+    return rows
+
+
+def markdown(files: list[dict], names: list[str], rows: dict, stamp: str) -> str:
+    cols = ["rows", "tokens", "mat", "ms_per_token", "speedup_vs_hf_greedy", "speedup_vs_hf_pld", "speedup_vs_ar",
+            "exact_match_vs_hf_greedy"]
+    lines = [f"# Pooled benchmark {stamp}", "", "Pooled from (each file one interleaved run; commands inside them):", ""]
+    for n, f in zip(names, files):
+        lines.append(f"- `{n}`: `{f.get('command', '?')}` ({f['config'].get('items_done', '?')} items)")
+    cfg = files[0]["config"]
+    lines += ["", f"Settings: model={cfg['model']}, capacity={cfg['capacity']}, max_new_tokens={cfg['max_new_tokens']}, "
+              f"dtype={cfg['dtype']}, torch_threads={cfg['torch_threads']}, processor={cfg.get('processor')}, "
+              f"runners={cfg.get('runners')}", "", "## Overall (token-weighted over every file)", "",
+              "| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for method, r in rows.items():
+        lines.append(f"| {method} | " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
+    lines += ["", "## Per set (from the files)", "", "| set | method | rows | tokens | mat | ms_per_token | "
+              "speedup_vs_hf_greedy | exact_match_vs_hf_greedy |", "|---|---|---|---|---|---|---|---|"]
+    for f in files:
+        for set_name, methods in f["sets"].items():
+            for method, r in methods.items():
+                lines.append(f"| {set_name} | {method} | {r['rows']} | {r['tokens']} | {r.get('mat') or ''} | "
+                             f"{r['ms_per_token']} | {r.get('speedup_vs_hf_greedy')} | {r['exact_match_vs_hf_greedy']} |")
+    lines += ["", "## Beside the paper (RACER.md section 1 figures; ours are this CPU, SmolLM2-135M)", "",
+              "| set | method | our mat | paper mat | our speedup vs HF greedy | paper speedup |", "|---|---|---|---|---|---|"]
+    for f in files:
+        for p in f.get("published", []):
+            lines.append(f"| {p['set']} | {p['label']} | {p.get('mat') or ''} | {p.get('published_mat')} | "
+                         f"{p.get('speedup')} | {p.get('published_speedup')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks"))
+    args = ap.parse_args()
+    files = [json.loads(p.read_text()) for p in args.files]
+    rows = pool(files)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"bench-pooled-{stamp}.json").write_text(
+        json.dumps({"sources": [str(p) for p in args.files], "overall": rows}, indent=1))
+    md = markdown(files, [p.name for p in args.files], rows, stamp)
+    (args.out / f"bench-pooled-{stamp}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
