@@ -185,14 +185,14 @@ class DecodingConfig(BaseModel):
     @field_validator("method")
     @classmethod
     def _registered_method(cls, v: str) -> str:
-        _registry().method_spec(v)  # ValueError naming the registered methods
+        _registry().get_method(v)  # ValueError naming the registered methods
         return v
 
     @model_validator(mode="after")
     def _method_accepts_config(self) -> "DecodingConfig":
-        """The method's own check (MethodSpec.check_config): e.g. rest refuses a config with nothing to retrieve
+        """The method's own check (DecodingMethod.check_config): e.g. rest refuses a config with nothing to retrieve
         from."""
-        check = _registry().method_spec(self.method).check_config
+        check = _registry().get_method(self.method).check_config
         if check is not None:
             check(self)
         return self

@@ -1,16 +1,16 @@
 """Drafters (pure: torch/numpy only): draft trees from retrieval, copy logits and prompt lookup.
 
-Every decoding method is one ``MethodSpec`` in the registry (registry.py); ``make_state`` / ``make_drafter``
+Every decoding method is one ``DecodingMethod`` in the registry (registry.py); ``make_state`` / ``make_drafter``
 dispatch through it.
 """
 
 from .base import Draft, TrieBuilder, Verified
 from .registry import (
-    MethodSpec,
+    DecodingMethod,
     make_drafter,
     make_state,
     method_names,
-    method_spec,
+    get_method,
     register_method,
     unregister_method,
 )
@@ -19,13 +19,13 @@ from .state import DraftState
 __all__ = [
     "Draft",
     "DraftState",
-    "MethodSpec",
+    "DecodingMethod",
     "TrieBuilder",
     "Verified",
     "make_drafter",
     "make_state",
     "method_names",
-    "method_spec",
+    "get_method",
     "register_method",
     "unregister_method",
 ]

@@ -28,7 +28,7 @@ from .automaton import Automaton, prefill_automaton
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, child_breadth
 from .literature_state import LiteratureState
-from .registry import MethodSpec
+from .registry import DecodingMethod
 
 PROB_BINS = 12  # log10 probability bins over [-3, 0]
 RANK_BINS = 8  # bins for edges without a stored probability, by rank
@@ -237,8 +237,8 @@ def _graft_state(config: Any, *, scope: str, vocab_size: int, tokenizer: Any) ->
     )
 
 
-METHOD_SPECS = (
-    MethodSpec(
+DECODING_METHODS = (
+    DecodingMethod(
         "graft", "Graft: copy-logit tree pruned by calibrated confidence, refilled from automaton retrieval",
         make_state=_graft_state,
         make_drafter=lambda config, state: GraftDrafter(state, max_breadth=config.max_breadth,

@@ -19,7 +19,7 @@ import numpy as np
 from ..types import SOURCE_LASTLOGIT, SOURCE_NGRAM
 from .base import Draft, TrieBuilder, Verified
 from .literature_state import LiteratureState
-from .registry import MethodSpec
+from .registry import DecodingMethod
 from .state import DraftState
 
 
@@ -155,8 +155,8 @@ class LogitSpecDrafter:
         self.index.extend(verified.committed)
 
 
-METHOD_SPECS = (
-    MethodSpec(
+DECODING_METHODS = (
+    DecodingMethod(
         "logitspec", "LogitSpec: last-logit guesses for the root's children, extended by context n-gram lookup",
         make_state=lambda config, *, scope, vocab_size, tokenizer: LiteratureState(scope=scope),
         make_drafter=lambda config, state: LogitSpecDrafter(

@@ -1,4 +1,4 @@
-"""The drafters of ar, pld and RACER with its two ablations (logits, retrieval), and their METHOD_SPECS
+"""The drafters of ar, pld and RACER with its two ablations (logits, retrieval), and their DECODING_METHODS
 (registry.py); the literature's tr, logitspec, rest, sam and graft live in their own modules."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .automaton import Automaton, prefill_automaton
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, grow_logits_tree
 from .pld import prompt_lookup
-from .registry import MethodSpec
+from .registry import DecodingMethod
 from .state import DraftState
 
 
@@ -130,22 +130,22 @@ def _tree_drafter(config: DecodingConfig, state: DraftState, *, retrieval: bool,
     return TreeDrafter(state, use_retrieval=retrieval, use_logits=logits, max_breadth=config.max_breadth)
 
 
-def _tree_spec(name: str, summary: str, *, retrieval: bool, logits: bool) -> MethodSpec:
+def _tree_method(name: str, summary: str, *, retrieval: bool, logits: bool) -> DecodingMethod:
     parts = dict(retrieval=retrieval, logits=logits)
-    return MethodSpec(
+    return DecodingMethod(
         name, summary, make_drafter=partial(_tree_drafter, **parts), make_state=partial(_tree_state, **parts),
         settings=(("max_breadth",) if logits else ()) + (AUTOMATON_SETTINGS if retrieval else ()),
     )
 
 
-METHOD_SPECS = (
-    MethodSpec("ar", "no draft: autoregressive decoding through the engine",
+DECODING_METHODS = (
+    DecodingMethod("ar", "no draft: autoregressive decoding through the engine",
                make_drafter=lambda config, state: ArDrafter()),
-    MethodSpec(
+    DecodingMethod(
         "pld", "prompt lookup", settings=("pld_max_ngram", "pld_num_tokens"),
         make_drafter=lambda config, state: PldDrafter(max_ngram=config.pld_max_ngram, num_tokens=config.pld_num_tokens),
     ),
-    _tree_spec("logits", "copy-logit tree only (RACER ablation)", retrieval=False, logits=True),
-    _tree_spec("retrieval", "automaton retrieval only (RACER ablation)", retrieval=True, logits=False),
-    _tree_spec("racer", "RACER: automaton retrieval, then the copy-logit tree", retrieval=True, logits=True),
+    _tree_method("logits", "copy-logit tree only (RACER ablation)", retrieval=False, logits=True),
+    _tree_method("retrieval", "automaton retrieval only (RACER ablation)", retrieval=True, logits=False),
+    _tree_method("racer", "RACER: automaton retrieval, then the copy-logit tree", retrieval=True, logits=True),
 )

@@ -1,8 +1,8 @@
-"""The registry of decoding methods: one ``MethodSpec`` per value of ``DecodingConfig.method``.
+"""The registry of decoding methods: one ``DecodingMethod`` per value of ``DecodingConfig.method``.
 
 A method is its name, the settings it reads, a check of the config, the draft state of one scope and the
 drafter of one row, all declared together in the module that holds its drafter: each built-in module listed
-in ``BUILTIN_MODULES`` exports ``METHOD_SPECS``, a tuple of specs, read the first time the registry is asked.
+in ``BUILTIN_MODULES`` exports ``DECODING_METHODS``, a tuple of them, read the first time the registry is asked.
 ``register_method`` adds one more at run time (an extension, a test) and ``unregister_method`` takes it away.
 ``DecodingConfig`` validates ``method`` against ``method_names()`` and ``types.METHODS`` is read from it, so a
 new method needs no edit outside its own module (and, for a new module, one name in ``BUILTIN_MODULES``);
@@ -35,7 +35,7 @@ def plain_state(config: "DecodingConfig", *, scope: str, vocab_size: int, tokeni
 
 
 @dataclass(frozen=True)
-class MethodSpec:
+class DecodingMethod:
     """One decoding method.
 
     Attributes:
@@ -48,7 +48,7 @@ class MethodSpec:
             DraftState. May raise ``ValueError`` for input it cannot read (a corpus file).
         settings: the ``DecodingConfig`` fields the method reads beyond the shared ones (capacity, scope,
             acceptance, runner); each must be a field of DecodingConfig.
-        check_config: ``(config) -> None``, run by DecodingConfig validation once ``method`` names this spec;
+        check_config: ``(config) -> None``, run by DecodingConfig validation once ``method`` names this one;
             raises ``ValueError`` for a config the method cannot run; None: every config is accepted.
     """
 
@@ -60,33 +60,33 @@ class MethodSpec:
     check_config: Optional[Callable[["DecodingConfig"], None]] = None
 
 
-_specs: dict[str, MethodSpec] = {}  # name -> spec, in registration order (built-ins first)
+_methods: dict[str, DecodingMethod] = {}  # name -> method, in registration order (built-ins first)
 _lock = threading.RLock()
 _loaded = False
 
 
-def _registry() -> dict[str, MethodSpec]:
-    """The registry, with the built-in modules' specs read in on first use."""
+def _registry() -> dict[str, DecodingMethod]:
+    """The registry, with the built-in modules' methods read in on first use."""
     global _loaded
     if not _loaded:
         with _lock:
             if not _loaded:
                 for mod in BUILTIN_MODULES:
-                    for spec in importlib.import_module(f"{__package__}.{mod}").METHOD_SPECS:
+                    for spec in importlib.import_module(f"{__package__}.{mod}").DECODING_METHODS:
                         _add(spec)
                 _loaded = True
-    return _specs
+    return _methods
 
 
-def _add(spec: MethodSpec) -> None:
+def _add(spec: DecodingMethod) -> None:
     if not spec.name or not spec.name.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"method name {spec.name!r}: use letters, digits, '-' and '_'")
-    if spec.name in _specs:
+    if spec.name in _methods:
         raise ValueError(f"decoding method {spec.name!r} is already registered")
-    _specs[spec.name] = spec
+    _methods[spec.name] = spec
 
 
-def register_method(spec: MethodSpec) -> MethodSpec:
+def register_method(spec: DecodingMethod) -> DecodingMethod:
     """Add ``spec`` to the registry; ``DecodingConfig(method=spec.name)`` is valid from then on.
 
     Raises:
@@ -98,15 +98,15 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
-def unregister_method(name: str) -> MethodSpec:
+def unregister_method(name: str) -> DecodingMethod:
     """Remove the method ``name`` (configs naming it no longer validate); returns its spec.
 
     Raises:
         ValueError: no method of that name is registered.
     """
-    spec = method_spec(name)
+    spec = get_method(name)
     with _lock:
-        del _specs[name]
+        del _methods[name]
     return spec
 
 
@@ -115,8 +115,8 @@ def method_names() -> tuple[str, ...]:
     return tuple(_registry())
 
 
-def method_spec(name: str) -> MethodSpec:
-    """The spec of the method ``name``.
+def get_method(name: str) -> DecodingMethod:
+    """The registered method ``name``.
 
     Raises:
         ValueError: an unknown name; the message lists the registered ones.
@@ -135,7 +135,7 @@ def make_state(config: "DecodingConfig", *, vocab_size: int, scope: str | None =
     Raises:
         ValueError: an unknown method, or a corpus that cannot be read (rest, sam).
     """
-    spec = method_spec(config.method)
+    spec = get_method(config.method)
     return spec.make_state(config, scope=scope or config.scope, vocab_size=vocab_size, tokenizer=tokenizer)
 
 
@@ -145,4 +145,4 @@ def make_drafter(config: "DecodingConfig", state: "DraftState"):
     Raises:
         ValueError: an unknown method.
     """
-    return method_spec(config.method).make_drafter(config, state)
+    return get_method(config.method).make_drafter(config, state)

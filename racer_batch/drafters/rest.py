@@ -33,7 +33,7 @@ import numpy as np
 from ..types import SOURCE_CORPUS
 from .base import Draft, TrieBuilder, Verified
 from .literature_state import LiteratureState
-from .registry import MethodSpec
+from .registry import DecodingMethod
 
 SEPARATOR = -1  # after every document; never part of a query
 
@@ -392,8 +392,8 @@ def _rest_has_a_source(config: Any) -> None:
                          "retrieve from (every step would draft nothing); set corpus_path or rest_learn_outputs")
 
 
-METHOD_SPECS = (
-    MethodSpec(
+DECODING_METHODS = (
+    DecodingMethod(
         "rest", "REST: frequent continuations of the context suffix in a corpus and the scope's earlier rows",
         make_state=_rest_state, make_drafter=_rest_drafter, check_config=_rest_has_a_source,
         settings=("corpus_path", "corpus_max_tokens", "rest_learn_outputs", "rest_max_query", "rest_min_query",

@@ -24,7 +24,7 @@ from ..types import SOURCE_LOGITS, SOURCE_SAM
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, grow_logits_tree
 from .literature_state import LiteratureState
-from .registry import MethodSpec
+from .registry import DecodingMethod
 
 SAM_CORPUS_MAX_TOKENS = 200_000
 _SEP = -1  # document separator in a corpus SAM: never matched, never drafted
@@ -244,8 +244,8 @@ def _sam_state(config: Any, *, scope: str, vocab_size: int, tokenizer: Any) -> L
     return st
 
 
-METHOD_SPECS = (
-    MethodSpec(
+DECODING_METHODS = (
+    DecodingMethod(
         "sam", "SAM-Decoding: suffix-automaton chain of the row (and a corpus), else the copy-logit tree",
         make_state=_sam_state, settings=("max_breadth", "corpus_path", "corpus_max_tokens", "sam_min_match",
                                          "sam_num_tokens"),

@@ -25,7 +25,7 @@ from ..types import SOURCE_TEMPLATE
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore
 from .literature_state import LiteratureState
-from .registry import MethodSpec
+from .registry import DecodingMethod
 from .state import DraftState
 
 # 80 rank paths (81 nodes with the root), depth <= 6, layer widths 8, 20, 19, 15, 11, 7: wide near the root,
@@ -140,8 +140,8 @@ def _tr_state(config: Any, *, scope: str, vocab_size: int, tokenizer: Any) -> Li
     return LiteratureState(scope=scope, store=CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth))
 
 
-METHOD_SPECS = (
-    MethodSpec("tr", "Token Recycling: the copy-logit store drafted through a static tree template",
+DECODING_METHODS = (
+    DecodingMethod("tr", "Token Recycling: the copy-logit store drafted through a static tree template",
                make_state=_tr_state, make_drafter=lambda config, state: TokenRecyclingDrafter(state),
                settings=("max_breadth",)),
 )

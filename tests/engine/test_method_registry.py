@@ -12,12 +12,12 @@ from racer_batch import DecodingConfig, Engine, GenerationParams, generate_refer
 from racer_batch.drafters import (
     Draft,
     DraftState,
-    MethodSpec,
+    DecodingMethod,
     Verified,
     make_drafter,
     make_state,
     method_names,
-    method_spec,
+    get_method,
     register_method,
     unregister_method,
 )
@@ -61,8 +61,8 @@ class EchoDrafter:
         self.context.extend(verified.committed)
 
 
-def _echo_spec(**kw) -> MethodSpec:
-    return MethodSpec(
+def _echo_method(**kw) -> DecodingMethod:
+    return DecodingMethod(
         "echo", "toy: copy what followed the root's previous occurrence",
         make_state=lambda config, *, scope, vocab_size, tokenizer: EchoState(scope=scope),
         make_drafter=lambda config, state: EchoDrafter(state, num_tokens=6), **kw,
@@ -71,7 +71,7 @@ def _echo_spec(**kw) -> MethodSpec:
 
 @pytest.fixture()
 def echo():
-    spec = register_method(_echo_spec())
+    spec = register_method(_echo_method())
     try:
         yield spec
     finally:
@@ -108,19 +108,19 @@ def test_unregistered_method_is_refused_naming_the_known_ones(echo):
         with pytest.raises(ValidationError, match=r"unknown decoding method 'echo'; choose from ar, pld, .*graft"):
             DecodingConfig(method="echo")
         with pytest.raises(ValueError, match="unknown decoding method 'echo'"):
-            method_spec("echo")
+            get_method("echo")
     finally:
         register_method(echo)  # the fixture unregisters it again
 
 
 def test_registry_refuses_taken_and_malformed_names(echo):
     with pytest.raises(ValueError, match="'echo' is already registered"):
-        register_method(_echo_spec())
+        register_method(_echo_method())
     with pytest.raises(ValueError, match="'racer' is already registered"):
-        register_method(MethodSpec("racer", "a second racer", make_drafter=lambda config, state: None))
+        register_method(DecodingMethod("racer", "a second racer", make_drafter=lambda config, state: None))
     with pytest.raises(ValueError, match="letters, digits"):
-        register_method(MethodSpec("no spaces", "bad name", make_drafter=lambda config, state: None))
-    assert method_spec("racer").summary.startswith("RACER")  # the built-in one stays
+        register_method(DecodingMethod("no spaces", "bad name", make_drafter=lambda config, state: None))
+    assert get_method("racer").summary.startswith("RACER")  # the built-in one stays
 
 
 def test_check_config_runs_in_decoding_config_validation():
@@ -128,7 +128,7 @@ def test_check_config_runs_in_decoding_config_validation():
         if config.capacity == "auto":
             raise ValueError("echo drafts a fixed chain: set an integer capacity")
 
-    register_method(_echo_spec(check_config=refuse_auto))
+    register_method(_echo_method(check_config=refuse_auto))
     try:
         assert DecodingConfig(method="echo", capacity=8).method == "echo"
         with pytest.raises(ValidationError, match="echo drafts a fixed chain"):
@@ -145,7 +145,7 @@ def test_builtin_methods_and_their_settings():
     assert len(BUILTIN_MODULES) == 6
     fields = set(DecodingConfig.model_fields)
     for name in names:
-        spec = method_spec(name)
+        spec = get_method(name)
         assert spec.name == name and spec.summary
         assert set(spec.settings) <= fields, (name, set(spec.settings) - fields)
         cfg = DecodingConfig(method=name)
@@ -155,4 +155,4 @@ def test_builtin_methods_and_their_settings():
     for f in fields:
         prefix = f.split("_", 1)[0]
         if prefix in names:
-            assert f in method_spec(prefix).settings, f
+            assert f in get_method(prefix).settings, f
