@@ -11,18 +11,35 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled"]
-Method = Literal["ar", "pld", "logits", "retrieval", "racer", "tr", "logitspec", "rest", "sam", "graft"]
 Scope = Literal["job", "request", "global"]
 Acceptance = Literal["lossless", "topk", "threshold"]
 RunnerKind = Literal["auto", "eager", "static"]
 CompileMode = Literal["auto", "on", "off"]
 
-METHODS: tuple[str, ...] = ("ar", "pld", "logits", "retrieval", "racer", "tr", "logitspec", "rest", "sam", "graft")
+if TYPE_CHECKING:
+    METHODS: tuple[str, ...]  # the registered decoding methods, read through __getattr__ below
+
+
+def _registry() -> Any:
+    """racer_batch/drafters/registry.py, imported when first asked: the drafters import this module, so it
+    cannot import them at its own import."""
+    from .drafters import registry
+
+    return registry
+
+
+def __getattr__(name: str) -> Any:
+    """``METHODS``: the names of the registered decoding methods, ``("ar", "pld", ..., "graft")`` plus any added
+    by ``register_method``, read from the registry each time it is asked."""
+    if name == "METHODS":
+        return _registry().method_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Bit flags for where a draft node came from (a node proposed by both carries both bits).
 SOURCE_RETRIEVAL = 1
@@ -76,8 +93,10 @@ class DecodingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Method = Field(
-        "racer", description="drafter: ar | pld | logits | retrieval | racer | tr | logitspec | rest | sam | graft"
+    method: str = Field(
+        "racer", json_schema_extra=lambda schema: schema.update(enum=list(_registry().method_names())),
+        description="drafter: a registered decoding method, one of METHODS (racer_batch/drafters/registry.py; the "
+        "JSON schema lists them)",
     )
     capacity: Union[int, Literal["auto"]] = Field(
         64, description="draft tree nodes per step including the root (paper default 64), or 'auto'"
@@ -163,11 +182,19 @@ class DecodingConfig(BaseModel):
             raise ValueError(f"capacity must be in 1..1024 or 'auto', got {v}")
         return v
 
+    @field_validator("method")
+    @classmethod
+    def _registered_method(cls, v: str) -> str:
+        _registry().get_method(v)  # ValueError naming the registered methods
+        return v
+
     @model_validator(mode="after")
-    def _rest_has_a_source(self) -> "DecodingConfig":
-        if self.method == "rest" and self.corpus_path is None and not self.rest_learn_outputs:
-            raise ValueError("method 'rest' with no corpus_path and rest_learn_outputs false has nothing to "
-                             "retrieve from (every step would draft nothing); set corpus_path or rest_learn_outputs")
+    def _method_accepts_config(self) -> "DecodingConfig":
+        """The method's own check (DecodingMethod.check_config): e.g. rest refuses a config with nothing to retrieve
+        from."""
+        check = _registry().get_method(self.method).check_config
+        if check is not None:
+            check(self)
         return self
 
     def config_hash(self) -> str:

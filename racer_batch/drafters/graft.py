@@ -24,9 +24,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..types import SOURCE_LOGITS, SOURCE_RETRIEVAL
-from .automaton import prefill_automaton
+from .automaton import Automaton, prefill_automaton
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, child_breadth
+from .literature_state import LiteratureState
+from .registry import DecodingMethod
 
 PROB_BINS = 12  # log10 probability bins over [-3, 0]
 RANK_BINS = 8  # bins for edges without a stored probability, by rank
@@ -225,3 +227,22 @@ class GraftDrafter:
             st.automaton.extend(verified.committed)
             for tok in verified.committed[:-1]:
                 st.automaton.advance(tok)
+
+
+def _graft_state(config: Any, *, scope: str, vocab_size: int, tokenizer: Any) -> LiteratureState:
+    """The copy-logit store with probabilities and the retrieval automaton (the calibrator comes with the first row)."""
+    return LiteratureState(
+        scope=scope, store=CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth, with_probs=True),
+        automaton=Automaton(max_nodes=config.max_nodes, ngram=config.ngram, min_border_depth=config.min_border_depth),
+    )
+
+
+DECODING_METHODS = (
+    DecodingMethod(
+        "graft", "Graft: copy-logit tree pruned by calibrated confidence, refilled from automaton retrieval",
+        make_state=_graft_state,
+        make_drafter=lambda config, state: GraftDrafter(state, max_breadth=config.max_breadth,
+                                                        threshold=config.graft_threshold),
+        settings=("max_breadth", "max_nodes", "ngram", "min_border_depth", "graft_threshold"),
+    ),
+)

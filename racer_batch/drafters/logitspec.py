@@ -18,6 +18,8 @@ import numpy as np
 
 from ..types import SOURCE_LASTLOGIT, SOURCE_NGRAM
 from .base import Draft, TrieBuilder, Verified
+from .literature_state import LiteratureState
+from .registry import DecodingMethod
 from .state import DraftState
 
 
@@ -151,3 +153,14 @@ class LogitSpecDrafter:
         if verified.last_node >= 0 and len(verified.node_topk):
             self.last_topk = np.asarray(verified.node_topk[verified.last_node])
         self.index.extend(verified.committed)
+
+
+DECODING_METHODS = (
+    DecodingMethod(
+        "logitspec", "LogitSpec: last-logit guesses for the root's children, extended by context n-gram lookup",
+        make_state=lambda config, *, scope, vocab_size, tokenizer: LiteratureState(scope=scope),
+        make_drafter=lambda config, state: LogitSpecDrafter(
+            state, max_ngram=config.logitspec_ngram, branch_tokens=config.logitspec_branch_tokens),
+        settings=("max_breadth", "logitspec_ngram", "logitspec_branch_tokens"),
+    ),
+)

@@ -1,17 +1,19 @@
-"""The drafters behind the engine's one interface: ar, pld, logits, retrieval and racer, and the literature's
-tr, logitspec, rest, sam and graft (their own modules)."""
+"""The drafters of ar, pld and RACER with its two ablations (logits, retrieval), and their DECODING_METHODS
+(registry.py); the literature's tr, logitspec, rest, sam and graft live in their own modules."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import numpy as np
 
 from ..types import SOURCE_LOGITS, SOURCE_PLD, SOURCE_RETRIEVAL, DecodingConfig
-from .automaton import prefill_automaton
+from .automaton import Automaton, prefill_automaton
 from .base import Draft, TrieBuilder, Verified
-from .copy_logits import grow_logits_tree
+from .copy_logits import CopyLogitStore, grow_logits_tree
 from .pld import prompt_lookup
+from .registry import DecodingMethod
 from .state import DraftState
 
 
@@ -108,91 +110,42 @@ class TreeDrafter:
                 st.automaton.advance(tok)
 
 
-LITERATURE_METHODS = ("tr", "logitspec", "rest", "sam", "graft")
+AUTOMATON_SETTINGS = ("max_nodes", "ngram", "min_border_depth")  # the automaton's DecodingConfig fields
 
 
-def make_state(config: DecodingConfig, *, vocab_size: int, scope: str | None = None, tokenizer=None) -> DraftState:
-    """A fresh DraftState holding what ``config.method`` needs.
-
-    ``tokenizer`` is needed only to read a text corpus (``corpus_path``) for rest and sam.
-
-    Raises:
-        ValueError: a corpus that cannot be read (rest, sam).
-    """
-    from .automaton import Automaton
-    from .copy_logits import CopyLogitStore
-
-    m = config.method
-    if m in LITERATURE_METHODS:
-        return _make_literature_state(config, vocab_size=vocab_size, scope=scope, tokenizer=tokenizer)
-    st = DraftState(scope=scope or config.scope)
-    if config.method in ("logits", "racer"):
+def _tree_state(config: DecodingConfig, *, scope: str, vocab_size: int, tokenizer, retrieval: bool,
+                logits: bool) -> DraftState:
+    """The DraftState of racer (both parts), retrieval (the automaton) or logits (the copy-logit store)."""
+    st = DraftState(scope=scope)
+    if logits:
         st.store = CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth)
-    if config.method in ("retrieval", "racer"):
+    if retrieval:
         st.automaton = Automaton(
             max_nodes=config.max_nodes, ngram=config.ngram, min_border_depth=config.min_border_depth
         )
     return st
 
 
-def _make_literature_state(config: DecodingConfig, *, vocab_size: int, scope: str | None, tokenizer) -> DraftState:
-    from .automaton import Automaton
-    from .copy_logits import CopyLogitStore
-    from .literature_state import LiteratureState
-    from .rest import RestDatastore, static_index
-    from .sam import static_corpus_sam
-
-    m = config.method
-    st = LiteratureState(scope=scope or config.scope)
-    if m in ("tr", "sam", "graft"):
-        st.store = CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth, with_probs=m == "graft")
-    if m == "graft":
-        st.automaton = Automaton(max_nodes=config.max_nodes, ngram=config.ngram, min_border_depth=config.min_border_depth)
-    if m == "rest":
-        static = None
-        if config.corpus_path:
-            static = static_index(config.corpus_path, tokenizer, max_tokens=config.corpus_max_tokens,
-                                  max_query=config.rest_max_query, vocab_size=vocab_size)
-        st.rest = RestDatastore(static=static, learn=config.rest_learn_outputs, max_tokens=config.corpus_max_tokens,
-                                max_query=config.rest_max_query)
-    if m == "sam" and config.corpus_path:
-        st.sam_corpus = static_corpus_sam(config.corpus_path, tokenizer, max_tokens=config.corpus_max_tokens,
-                                          vocab_size=vocab_size)
-    return st
+def _tree_drafter(config: DecodingConfig, state: DraftState, *, retrieval: bool, logits: bool) -> TreeDrafter:
+    return TreeDrafter(state, use_retrieval=retrieval, use_logits=logits, max_breadth=config.max_breadth)
 
 
-def make_drafter(config: DecodingConfig, state: DraftState):
-    """The drafter for one row under ``config.method``, bound to ``state``."""
-    m = config.method
-    if m == "ar":
-        return ArDrafter()
-    if m == "pld":
-        return PldDrafter(max_ngram=config.pld_max_ngram, num_tokens=config.pld_num_tokens)
-    if m in ("racer", "logits", "retrieval"):
-        return TreeDrafter(
-            state, use_retrieval=m in ("racer", "retrieval"), use_logits=m in ("racer", "logits"),
-            max_breadth=config.max_breadth,
-        )
-    if m == "tr":
-        from .token_recycling import TokenRecyclingDrafter
+def _tree_method(name: str, summary: str, *, retrieval: bool, logits: bool) -> DecodingMethod:
+    parts = dict(retrieval=retrieval, logits=logits)
+    return DecodingMethod(
+        name, summary, make_drafter=partial(_tree_drafter, **parts), make_state=partial(_tree_state, **parts),
+        settings=(("max_breadth",) if logits else ()) + (AUTOMATON_SETTINGS if retrieval else ()),
+    )
 
-        return TokenRecyclingDrafter(state)
-    if m == "logitspec":
-        from .logitspec import LogitSpecDrafter
 
-        return LogitSpecDrafter(state, max_ngram=config.logitspec_ngram, branch_tokens=config.logitspec_branch_tokens)
-    if m == "rest":
-        from .rest import RestDrafter
-
-        return RestDrafter(state, max_query=config.rest_max_query, min_query=config.rest_min_query,
-                           max_occurrences=config.rest_max_occurrences, depth=config.rest_depth)
-    if m == "sam":
-        from .sam import SamDrafter
-
-        return SamDrafter(state, min_match=config.sam_min_match, num_tokens=config.sam_num_tokens,
-                          max_breadth=config.max_breadth)
-    if m == "graft":
-        from .graft import GraftDrafter
-
-        return GraftDrafter(state, max_breadth=config.max_breadth, threshold=config.graft_threshold)
-    raise ValueError(f"unknown decoding method {m!r}")
+DECODING_METHODS = (
+    DecodingMethod("ar", "no draft: autoregressive decoding through the engine",
+               make_drafter=lambda config, state: ArDrafter()),
+    DecodingMethod(
+        "pld", "prompt lookup", settings=("pld_max_ngram", "pld_num_tokens"),
+        make_drafter=lambda config, state: PldDrafter(max_ngram=config.pld_max_ngram, num_tokens=config.pld_num_tokens),
+    ),
+    _tree_method("logits", "copy-logit tree only (RACER ablation)", retrieval=False, logits=True),
+    _tree_method("retrieval", "automaton retrieval only (RACER ablation)", retrieval=True, logits=False),
+    _tree_method("racer", "RACER: automaton retrieval, then the copy-logit tree", retrieval=True, logits=True),
+)

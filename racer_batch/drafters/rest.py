@@ -32,6 +32,8 @@ import numpy as np
 
 from ..types import SOURCE_CORPUS
 from .base import Draft, TrieBuilder, Verified
+from .literature_state import LiteratureState
+from .registry import DecodingMethod
 
 SEPARATOR = -1  # after every document; never part of a query
 
@@ -362,3 +364,39 @@ class RestDrafter:
 
     def update(self, verified: Verified) -> None:
         self.context.extend(int(t) for t in verified.committed)
+
+
+def _rest_state(config: Any, *, scope: str, vocab_size: int, tokenizer: Any) -> LiteratureState:
+    """The scope's datastores: the static corpus index (shared, built once per process) and a learning one.
+
+    Raises:
+        ValueError: a corpus file that cannot be read.
+    """
+    static = None
+    if config.corpus_path:
+        static = static_index(config.corpus_path, tokenizer, max_tokens=config.corpus_max_tokens,
+                              max_query=config.rest_max_query, vocab_size=vocab_size)
+    rest = RestDatastore(static=static, learn=config.rest_learn_outputs, max_tokens=config.corpus_max_tokens,
+                         max_query=config.rest_max_query)
+    return LiteratureState(scope=scope, rest=rest)
+
+
+def _rest_drafter(config: Any, state: Any) -> RestDrafter:
+    return RestDrafter(state, max_query=config.rest_max_query, min_query=config.rest_min_query,
+                       max_occurrences=config.rest_max_occurrences, depth=config.rest_depth)
+
+
+def _rest_has_a_source(config: Any) -> None:
+    if config.corpus_path is None and not config.rest_learn_outputs:
+        raise ValueError("method 'rest' with no corpus_path and rest_learn_outputs false has nothing to "
+                         "retrieve from (every step would draft nothing); set corpus_path or rest_learn_outputs")
+
+
+DECODING_METHODS = (
+    DecodingMethod(
+        "rest", "REST: frequent continuations of the context suffix in a corpus and the scope's earlier rows",
+        make_state=_rest_state, make_drafter=_rest_drafter, check_config=_rest_has_a_source,
+        settings=("corpus_path", "corpus_max_tokens", "rest_learn_outputs", "rest_max_query", "rest_min_query",
+                  "rest_max_occurrences", "rest_depth"),
+    ),
+)

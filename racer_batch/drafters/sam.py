@@ -22,7 +22,9 @@ import numpy as np
 
 from ..types import SOURCE_LOGITS, SOURCE_SAM
 from .base import Draft, TrieBuilder, Verified
-from .copy_logits import grow_logits_tree
+from .copy_logits import CopyLogitStore, grow_logits_tree
+from .literature_state import LiteratureState
+from .registry import DecodingMethod
 
 SAM_CORPUS_MAX_TOKENS = 200_000
 _SEP = -1  # document separator in a corpus SAM: never matched, never drafted
@@ -227,3 +229,27 @@ class SamDrafter:
         if len(verified.node_tokens):
             self.state.store.update(verified.node_tokens, verified.node_topk)
         self._push(verified.committed)
+
+
+def _sam_state(config: Any, *, scope: str, vocab_size: int, tokenizer: Any) -> LiteratureState:
+    """The copy-logit store of the fallback tree and, with ``corpus_path``, the shared corpus SAM.
+
+    Raises:
+        ValueError: a corpus file that cannot be read.
+    """
+    st = LiteratureState(scope=scope, store=CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth))
+    if config.corpus_path:
+        st.sam_corpus = static_corpus_sam(config.corpus_path, tokenizer, max_tokens=config.corpus_max_tokens,
+                                          vocab_size=vocab_size)
+    return st
+
+
+DECODING_METHODS = (
+    DecodingMethod(
+        "sam", "SAM-Decoding: suffix-automaton chain of the row (and a corpus), else the copy-logit tree",
+        make_state=_sam_state, settings=("max_breadth", "corpus_path", "corpus_max_tokens", "sam_min_match",
+                                         "sam_num_tokens"),
+        make_drafter=lambda config, state: SamDrafter(state, min_match=config.sam_min_match,
+                                                      num_tokens=config.sam_num_tokens, max_breadth=config.max_breadth),
+    ),
+)

@@ -17,12 +17,15 @@ with root 5 gives the draft 5 -> {7 -> {9}, 8 -> {6}}; with capacity 3 only 5 ->
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..types import SOURCE_TEMPLATE
 from .base import Draft, TrieBuilder, Verified
+from .copy_logits import CopyLogitStore
+from .literature_state import LiteratureState
+from .registry import DecodingMethod
 from .state import DraftState
 
 # 80 rank paths (81 nodes with the root), depth <= 6, layer widths 8, 20, 19, 15, 11, 7: wide near the root,
@@ -131,3 +134,14 @@ class TokenRecyclingDrafter:
     def update(self, verified: Verified) -> None:
         if len(verified.node_tokens):
             self.state.store.update(verified.node_tokens, verified.node_topk)
+
+
+def _tr_state(config: Any, *, scope: str, vocab_size: int, tokenizer: Any) -> LiteratureState:
+    return LiteratureState(scope=scope, store=CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth))
+
+
+DECODING_METHODS = (
+    DecodingMethod("tr", "Token Recycling: the copy-logit store drafted through a static tree template",
+               make_state=_tr_state, make_drafter=lambda config, state: TokenRecyclingDrafter(state),
+               settings=("max_breadth",)),
+)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..drafters.base import Verified
-from ..drafters.methods import make_drafter, make_state
+from ..drafters.registry import make_drafter, make_state
 from ..drafters.state import DraftState
 from ..models import ModelBundle
 from ..types import (

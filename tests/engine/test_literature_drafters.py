@@ -8,7 +8,7 @@ import pytest
 from helpers import tiny_bundle
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
-from racer_batch.drafters.methods import make_drafter
+from racer_batch.drafters import make_drafter
 
 NEW_METHODS = ["tr", "logitspec", "rest", "sam", "graft"]
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat"]

@@ -22,7 +22,7 @@ from racer_batch.drafters.graft import (
 )
 from racer_batch.drafters.literature_state import LiteratureState
 from racer_batch.drafters.logitspec import NgramIndex, logitspec_tree, rank_cut
-from racer_batch.drafters.methods import make_drafter, make_state
+from racer_batch.drafters import make_drafter, make_state
 from racer_batch.drafters.rest import (
     RestDatastore,
     SuffixIndex,
