@@ -140,7 +140,7 @@ def _tree_method(name: str, summary: str, *, retrieval: bool, logits: bool) -> D
 
 DECODING_METHODS = (
     DecodingMethod("ar", "no draft: autoregressive decoding through the engine",
-               make_drafter=lambda config, state: ArDrafter()),
+                   make_drafter=lambda config, state: ArDrafter(), drafts=False),
     DecodingMethod(
         "pld", "prompt lookup", settings=("pld_max_ngram", "pld_num_tokens"),
         make_drafter=lambda config, state: PldDrafter(max_ngram=config.pld_max_ngram, num_tokens=config.pld_num_tokens),

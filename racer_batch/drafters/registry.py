@@ -50,6 +50,8 @@ class DecodingMethod:
             acceptance, runner); each must be a field of DecodingConfig.
         check_config: ``(config) -> None``, run by DecodingConfig validation once ``method`` names this one;
             raises ``ValueError`` for a config the method cannot run; None: every config is accepted.
+        drafts: False for a method that never proposes a draft (ar): the engine then verifies one token per
+            step, warms up and times only T = 1 and runs no capacity tuner.
     """
 
     name: str
@@ -58,6 +60,7 @@ class DecodingMethod:
     make_state: Callable[..., "DraftState"] = plain_state
     settings: tuple[str, ...] = ()
     check_config: Optional[Callable[["DecodingConfig"], None]] = None
+    drafts: bool = True
 
 
 _methods: dict[str, DecodingMethod] = {}  # name -> method, in registration order (built-ins first)

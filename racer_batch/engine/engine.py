@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..drafters.base import Verified
-from ..drafters.registry import make_drafter, make_state
+from ..drafters.registry import get_method, make_drafter, make_state
 from ..drafters.state import DraftState
 from ..models import ModelBundle
 from ..types import (
@@ -109,7 +109,8 @@ class Engine:
         self.runner = make_runner(bundle, kind=self.config.runner, compile=self.config.compile)
         self._global_state: DraftState | None = None
         self.tuner: CapacityTuner | None = None
-        if self.config.method == "ar":
+        self.drafts = get_method(self.config.method).drafts
+        if not self.drafts:
             sizes = [1]
         elif self.config.capacity == "auto":
             # the configured candidates plus the sizes where this runner's cost steps up (a tree of 6 costs
@@ -120,7 +121,7 @@ class Engine:
             sizes = [int(self.config.capacity)]
         self.runner.warmup(sizes)  # static runner: pack weights / compile every tree size it will use
         self.warmup_s = time.perf_counter() - t_setup  # runner set-up (weight packing) + warm-up, seconds
-        if self.config.capacity == "auto" and self.config.method != "ar":
+        if self.config.capacity == "auto" and self.drafts:
             cands = sizes
             cost = measure_cost_curve(self.runner, cands)
             log.info("verify cost curve t(T)/t(1): %s", {t: round(ms / cost[1], 2) for t, ms in cost.items()})
@@ -147,7 +148,7 @@ class Engine:
         return encode_prompt(self.bundle.tokenizer, prompt, system_prompt=system_prompt)
 
     def _capacity(self) -> int:
-        if self.config.method == "ar":
+        if not self.drafts:
             return 1
         if self.tuner is not None:
             return self.tuner.capacity()
