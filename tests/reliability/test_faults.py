@@ -24,7 +24,9 @@ from racer_batch.service.spec import load_spec
 from racer_batch.service.submit import submit_job
 from racer_batch.service.worker import Worker
 
-from .util import BackgroundWorker, assert_each_id_once, overrides, wait_for, write_parquet
+from tests.fixtures import base_overrides, write_parquet
+
+from .util import BackgroundWorker, assert_each_id_once, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -40,7 +42,7 @@ def test_actor_process_sigkilled_mid_shard(ray_session, queue, redis_url, tmp_pa
     appears exactly once, and the killed shard's part file records attempt 2."""
     rows = [{"id": f"r{i:02d}", "prompt": f"prompt number {i}"} for i in range(12)]
     write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=15&mat=2",
+    spec = load_spec(None, base_overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=15&mat=2",
                                                   "generation.max_new_tokens": 10}))
     sub = submit_job(queue, spec)
     executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="oom")
@@ -79,7 +81,7 @@ def test_redis_restart_with_data_lost_recovers_from_manifest(ray_session, redis_
     q = JobQueue(connect(srv.url), prefix=prefix)
     rows = [{"id": f"r{i:02d}", "prompt": f"prompt {i}"} for i in range(24)]
     write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=20&mat=2",
+    spec = load_spec(None, base_overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=20&mat=2",
                                                   "generation.max_new_tokens": 10}))
     sub = submit_job(q, spec)
     executor = make_executor("ray", url=srv.url, prefix=prefix, name="survivor")
@@ -119,7 +121,7 @@ def test_cancel_during_a_long_row(ray_session, queue, redis_url, tmp_path):
     rows = [{"id": "short", "prompt": "quick one", "max_new_tokens": 2},
             {"id": "long", "prompt": "a very long answer", "max_new_tokens": 2000}]
     write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": f"stand-in?ms_per_step={step_ms}&mat=1",
+    spec = load_spec(None, base_overrides(tmp_path, **{"model.name": f"stand-in?ms_per_step={step_ms}&mat=1",
                                                   "output.shard_rows": 1}))
     sub = submit_job(queue, spec)
     executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="canceller")
@@ -156,7 +158,7 @@ def test_redis_down_when_the_job_ends(ray_session, redis_server_factory, tmp_pat
     q = JobQueue(connect(srv.url), prefix=prefix)
     rows = [{"id": f"r{i}", "prompt": f"prompt {i}"} for i in range(4)]
     write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=100&mat=2",
+    spec = load_spec(None, base_overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=100&mat=2",
                                                   "generation.max_new_tokens": 6}))
     sub = submit_job(q, spec)
     executor = make_executor("ray", url=srv.url, prefix=prefix, name="patient")
