@@ -20,8 +20,7 @@ from click.testing import CliRunner
 from racer_batch.service.output import read_manifest, read_output
 from racer_batch.service.schema import OUTPUT_SCHEMA
 
-from tests.fixtures import ROOT
-from tests.fixtures import write_parquet
+from tests.fixtures import ROOT, base_overrides, write_parquet
 
 pytestmark = pytest.mark.service
 
@@ -214,7 +213,6 @@ def test_output_folder_turns_read_only_after_submit(tmp_path, queue, redis_url):
     from racer_batch.service.submit import submit_job
     from racer_batch.service.worker import Worker
 
-    from tests.fixtures import base_overrides
 
     if shutil.which("chattr") is None:
         pytest.skip("chattr not available")
@@ -295,7 +293,6 @@ def test_shard_read_skips_whole_row_groups(tmp_path):
     from racer_batch.service.inputs import iter_raw_rows, plan_input
     from racer_batch.service.spec import load_spec
 
-    from tests.fixtures import base_overrides
 
     pq.write_table(pa.table({"id": [f"r{i:02d}" for i in range(35)], "prompt": ["p"] * 35}),
                    tmp_path / "in.parquet", row_group_size=10)

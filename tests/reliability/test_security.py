@@ -148,7 +148,8 @@ def test_remote_code_needs_spec_and_worker(queue, redis_url, tmp_path, spec_trus
     marker = tmp_path / "code-ran"
     model = _evil_model(tmp_path / f"evil-{uuid.uuid4().hex[:8]}", marker)
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
-    spec = load_spec(None, base_overrides(tmp_path, **{"model.name": str(model), "model.trust_remote_code": spec_trusts}))
+    spec = load_spec(None, base_overrides(tmp_path, **{"model.name": str(model),
+                                                       "model.trust_remote_code": spec_trusts}))
     sub = submit_job(queue, spec)
     ex = ThreadExecutor(redis_url, prefix=queue.prefix, allow_remote_code=worker_allows)
     try:
@@ -238,7 +239,7 @@ def test_password_redis_works_and_never_leaks(cli, ray_session, redis_server_fac
     # a worker process with debug logging, on a second job (thread executor: its log is all in one place)
     write_parquet(tmp_path / "in2.parquet", [{"id": "x", "prompt": "hello"}])
     spec2 = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "in2.parquet"),
-                                                   "output.path": str(tmp_path / "out2")}))
+                                                        "output.path": str(tmp_path / "out2")}))
     submit_job(q, spec2)
     proc = subprocess.run([sys.executable, "-m", "racer_batch.cli_service", "--log-level", "debug", "worker",
                            "--no-ray", "--max-jobs", "1", "--idle-exit", "10", "--redis-url", srv.url,

@@ -84,7 +84,8 @@ def test_output_schema_multiturn_and_manifest(queue, tmp_path):
     rows = [{"id": i, "prompt": f"p {i}", "turns": None} for i in range(9)]
     rows[4] = {"id": 4, "prompt": None, "turns": ["first question", "second", "third"]}
     spec, sub = submit_standin_job(queue, tmp_path, rows)
-    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
     parts = sorted((tmp_path / "out").glob("part-*.parquet"))
     assert [p.name for p in parts] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     for p in parts:
@@ -122,7 +123,8 @@ def test_runner_reuses_model_and_frees_job_state(tmp_path):
 
 def test_resubmit_resumes_and_other_spec_refused(queue, tmp_path):
     spec, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(6)])
-    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
     again = submit_job(queue, spec)
     assert again.job_id == sub.job_id and again.action == "resumed"
     with pytest.raises(OutputError, match="different spec"):
@@ -153,7 +155,8 @@ def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
     # re-submit: committed shards are skipped, the rest run, every id exactly once
     again = submit_job(queue, spec)
     assert again.job_id == sub.job_id
-    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
     ids = [r["id"] for r in read_output(spec.output.path).to_pylist()]
     assert sorted(ids, key=int) == [str(i) for i in range(12)]
     assert queue.status(sub.job_id).base_rows == committed_before  # rows/s counts this run only

@@ -55,7 +55,8 @@ def test_end_to_end_real_model(ray_session, queue, redis_url, tmp_path):
 def test_multiturn_and_job_scope_on_tiny_model(ray_session, queue, redis_url, tmp_path):
     """tiny-random model: multi-turn rows answered in order; two jobs reuse the actor's model."""
     rows = [{"id": i, "prompt": None, "turns": [f"question {i}", "follow-up", "and one more"]} for i in range(3)]
-    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "tiny-random", "generation.max_new_tokens": 6})
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "tiny-random",
+                                                             "generation.max_new_tokens": 6})
     assert run_until_done(queue, sub.job_id, url=redis_url, prefix=queue.prefix, executor_kind="ray").state == "done"
     t = read_output(spec.output.path).to_pylist()
     assert [len(r["turn_texts"]) for r in t] == [3, 3, 3]
