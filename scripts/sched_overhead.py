@@ -44,6 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from tests.standin import use_standin  # noqa: E402
+
+use_standin()  # `stand-in` model names: the test stand-in engine, here and in the workers started here
+
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 

@@ -42,6 +42,10 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.standin import use_standin  # noqa: E402
+
+use_standin()  # `stand-in` model names: the test stand-in engine, here and in the workers started here
+
 from racer_batch.service.local import init_local_ray, make_executor, shutdown_local_ray  # noqa: E402
 from racer_batch.service.queue import ROW_STREAM_MAXLEN, JobQueue, connect, resolve_url  # noqa: E402
 from racer_batch.service.spec import load_spec  # noqa: E402

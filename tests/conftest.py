@@ -5,7 +5,15 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+if str(Path(__file__).parents[1]) not in sys.path:  # the repository root: ``tests.standin``, ``tests.fixtures``
+    sys.path.append(str(Path(__file__).parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from tests.standin import use_standin  # noqa: E402
+
+use_standin()  # `stand-in` model names run on tests/standin.py, here and in the processes tests start
+
+from tests.fixtures import cli, prefix, queue, redis_server_factory, redis_url  # noqa: E402,F401 (shared fixtures)
 
 if os.environ.get("RACER_TEST_THREADS"):  # e.g. 1 on a machine shared with other busy processes
     import torch

@@ -1,12 +1,8 @@
-"""Test helpers shared by every tier: a character tokenizer for tiny random models (no download), and
-small input files and spec overrides for service-level tests on the stand-in engine."""
+"""Test helpers shared by every tier: a character tokenizer for tiny random models (no download). Input
+files, specs and Redis fixtures for service-level tests on the stand-in engine: tests/fixtures.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from racer_batch.models import ModelBundle, tiny_random_model
@@ -51,23 +47,3 @@ def tiny_bundle(*, vocab_size: int = 64, seed: int = 0, context_length: int = 51
     tok = CharTokenizer(vocab_size)
     return ModelBundle(model=model, tokenizer=tok, name=f"tiny-{vocab_size}-{seed}", eos_ids=[2] if eos else [],
                        context_length=context_length, device="cpu", dtype="float32")
-
-
-def write_parquet(path: Path, rows: list[dict], schema: pa.Schema | None = None) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-    return path
-
-
-def base_overrides(tmp_path: Path, **extra) -> dict:
-    """Spec keys (dotted, as for load_spec) of a small stand-in job reading tmp_path/in.parquet."""
-    d = {
-        "input.path": str(tmp_path / "in.parquet"),
-        "output.path": str(tmp_path / "out"),
-        "model.name": "stand-in?mat=2",
-        "generation.max_new_tokens": 8,
-        "output.shard_rows": 4,
-        "resources.num_actors": 1,
-    }
-    d.update(extra)
-    return d

@@ -73,27 +73,47 @@ class Report:
         return lines
 
 
-def build_report(data: JobData, *, by: str = "route", price_per_device_hour: Optional[float] = None,
-                 title: Optional[str] = None, n_boot: int = 2000, with_charts: bool = True) -> Report:
-    rows = data.rows.to_pylist()
+def _job_summary(data: JobData, rows: list[dict]) -> dict:
+    """The report's ``job`` block: identity, model, method, state and sizes, from the manifest and spec."""
+    m = data.manifest
     spec = data.spec
-    stats = aggregate(rows, by=by, spec=spec)
-    routes = {k: v.to_dict(price_per_device_hour) for k, v in stats.items()}
+    return {"job_id": data.job_id, "name": m.get("name") or spec.get("name"), "state": m.get("state"),
+            "model": m.get("model"), "dtype": m.get("dtype") or "default", "method": m.get("method"),
+            "config_hash": m.get("config_hash"), "spec_hash": m.get("spec_hash"), "rows": len(rows),
+            "output": str(data.out_dir), "decoding": spec.get("decoding"),
+            "max_new_tokens": (spec.get("generation") or {}).get("max_new_tokens"),
+            "devices": sorted({str(r.get("device")) for r in rows if r.get("device")}),
+            "acceptance": acceptance_rule(spec.get("decoding"))}
+
+
+def _shadow_dicts(data: JobData, rows: list[dict], *, by: str, n_boot: int) -> list[dict]:
+    """``ShadowResult.to_dict()`` per run and route; only the OVERALL ones when grouping by other than route
+    (shadow groups are routes)."""
     job_rows = {r["row_idx"]: r for r in rows}
     shadow = [r.to_dict(n_boot=n_boot)
-              for r in analyze(data.shadow.to_pylist(), job_rows=job_rows, decoding=spec.get("decoding"))]
+              for r in analyze(data.shadow.to_pylist(), job_rows=job_rows, decoding=data.spec.get("decoding"))]
     if by != "route":
-        shadow = [s for s in shadow if s["route"] == OVERALL]  # shadow groups are routes
+        shadow = [s for s in shadow if s["route"] == OVERALL]
+    return shadow
+
+
+def _timeline(data: JobData, rows: list[dict], *, by: str) -> tuple[list[float], dict[str, list[float]]]:
+    """``throughput_timeline`` of the job's rows, with the in-job shadow baseline rows as a side line."""
     in_job_baseline = [r for r in data.shadow.to_pylist() if r["run"] == "job" and r["side"] == "baseline"]
     label = f"shadow baseline rows ({in_job_baseline[0]['method']}, not job output)" if in_job_baseline else ""
-    centres, rates = throughput_timeline(rows, by=by, side_rows=in_job_baseline, side_label=label)
-    m = data.manifest
-    job = {"job_id": data.job_id, "name": m.get("name") or spec.get("name"), "state": m.get("state"),
-           "model": m.get("model"), "dtype": m.get("dtype") or "default", "method": m.get("method"), "config_hash": m.get("config_hash"),
-           "spec_hash": m.get("spec_hash"), "rows": len(rows), "output": str(data.out_dir),
-           "decoding": spec.get("decoding"), "max_new_tokens": (spec.get("generation") or {}).get("max_new_tokens"),
-           "devices": sorted({str(r.get("device")) for r in rows if r.get("device")}),
-           "acceptance": acceptance_rule(spec.get("decoding"))}
+    return throughput_timeline(rows, by=by, side_rows=in_job_baseline, side_label=label)
+
+
+def build_report(data: JobData, *, by: str = "route", price_per_device_hour: Optional[float] = None,
+                 title: Optional[str] = None, n_boot: int = 2000, with_charts: bool = True) -> Report:
+    """Numbers (and, with ``with_charts``, PNG charts) of one output folder, grouped ``by`` a row column;
+    ``price_per_device_hour`` (USD) turns device-hours into cost; ``n_boot``: bootstrap resamples of the CI."""
+    rows = data.rows.to_pylist()
+    stats = aggregate(rows, by=by, spec=data.spec)
+    routes = {k: v.to_dict(price_per_device_hour) for k, v in stats.items()}
+    shadow = _shadow_dicts(data, rows, by=by, n_boot=n_boot)
+    centres, rates = _timeline(data, rows, by=by)
+    job = _job_summary(data, rows)
     rep = Report(title=title or f"Job {job['name'] or ''} {data.job_id}".replace("  ", " ").strip(), job=job, by=by,
                  price_per_device_hour=price_per_device_hour, routes=routes, shadow=shadow,
                  timeline={"t_s": centres, "tokens_per_s": rates})

@@ -50,43 +50,58 @@ def acceptance_histograms(routes: dict[str, dict]) -> bytes:
     return _png(fig)
 
 
+def _ci_error_bars(shadow: list[dict], vals: list[float]) -> tuple[list[float], list[float]]:
+    """(below, above) error-bar lengths of each speed ratio from its 95% CI (0 where there is none)."""
+    lo = [max(0.0, v - s["speed_ratio_ci95"][0]) if s["speed_ratio_ci95"] else 0.0 for v, s in zip(vals, shadow)]
+    hi = [max(0.0, s["speed_ratio_ci95"][1] - v) if s["speed_ratio_ci95"] else 0.0 for v, s in zip(vals, shadow)]
+    return lo, hi
+
+
+def _speed_panel(ax, shadow: list[dict]) -> None:
+    """Measured speed ratio per shadow run and route with its 95% CI, or a note when there are no shadow rows."""
+    if not shadow:
+        ax.text(0.5, 0.5, "no shadow rows:\nspeedup not measured", ha="center", va="center", fontsize=11)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_title("Measured speedup", fontsize=10)
+        return
+    labels = [f"{'all' if s['route'] == OVERALL else s['route']}\n{_run_label(s)}" for s in shadow]
+    vals = [s["speed_ratio"] or 0.0 for s in shadow]
+    ax.bar(range(len(vals)), vals, yerr=list(_ci_error_bars(shadow, vals)), capsize=4, color="#4c72b0")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(vals)), labels, fontsize=8)
+    for i, v in enumerate(vals):
+        ax.annotate(f"{v:.2f}x", (i, v), textcoords="offset points", xytext=(8, 2), fontsize=8)
+    ax.set_ylabel("speed ratio vs baseline (x, token-weighted)")
+    ax.set_title("Measured speedup (shadow rows, 95% bootstrap CI)", fontsize=10)
+
+
+def _cost_panel(ax, routes: dict[str, dict], price: Optional[float]) -> None:
+    """Cost per million output tokens per route (USD, with a price) or device-hours per million tokens."""
+    names = [r for r in routes if r != OVERALL] + [OVERALL]
+    if price is not None:
+        vals = [routes[n]["cost_per_m_tokens"] or 0.0 for n in names]
+        ax.set_ylabel("cost per million output tokens (USD)")
+        ax.set_title(f"Cost per route at {price:g} USD per device-hour", fontsize=10)
+        fmt = "{:.2f}"
+    else:
+        vals = [routes[n]["device_hours_per_m_tokens"] or 0.0 for n in names]
+        ax.set_ylabel("device-hours per million output tokens (h)")
+        ax.set_title("Compute per route (no price given)", fontsize=10)
+        fmt = "{:.1f}"
+    ax.bar(range(len(names)), vals, color="#dd8452")
+    ax.set_xticks(range(len(names)), ["all" if n == OVERALL else n for n in names], fontsize=9)
+    ax.set_xlabel("route")
+    for i, v in enumerate(vals):
+        ax.annotate(fmt.format(v), (i, v), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
+
+
 def speed_and_cost(routes: dict[str, dict], shadow: list[dict], *, price: Optional[float]) -> bytes:
     """Left: measured speed ratio vs the baseline per route with 95% CI (shadow rows only).
     Right: cost per million output tokens (USD, with a price) or device-hours per million tokens."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10.5, 3.8))
-    if shadow:
-        labels = [f"{'all' if s['route'] == OVERALL else s['route']}\n{_run_label(s)}" for s in shadow]
-        vals = [s["speed_ratio"] or 0.0 for s in shadow]
-        lo = [max(0.0, v - s["speed_ratio_ci95"][0]) if s["speed_ratio_ci95"] else 0.0 for v, s in zip(vals, shadow)]
-        hi = [max(0.0, s["speed_ratio_ci95"][1] - v) if s["speed_ratio_ci95"] else 0.0 for v, s in zip(vals, shadow)]
-        ax1.bar(range(len(vals)), vals, yerr=[lo, hi], capsize=4, color="#4c72b0")
-        ax1.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax1.set_xticks(range(len(vals)), labels, fontsize=8)
-        for i, v in enumerate(vals):
-            ax1.annotate(f"{v:.2f}x", (i, v), textcoords="offset points", xytext=(8, 2), fontsize=8)
-        ax1.set_ylabel("speed ratio vs baseline (x, token-weighted)")
-        ax1.set_title("Measured speedup (shadow rows, 95% bootstrap CI)", fontsize=10)
-    else:
-        ax1.text(0.5, 0.5, "no shadow rows:\nspeedup not measured", ha="center", va="center", fontsize=11)
-        ax1.set_xticks([])
-        ax1.set_yticks([])
-        ax1.set_title("Measured speedup", fontsize=10)
-    names = [r for r in routes if r != OVERALL] + [OVERALL]
-    if price is not None:
-        vals2 = [routes[n]["cost_per_m_tokens"] or 0.0 for n in names]
-        ax2.set_ylabel("cost per million output tokens (USD)")
-        ax2.set_title(f"Cost per route at {price:g} USD per device-hour", fontsize=10)
-        fmt = "{:.2f}"
-    else:
-        vals2 = [routes[n]["device_hours_per_m_tokens"] or 0.0 for n in names]
-        ax2.set_ylabel("device-hours per million output tokens (h)")
-        ax2.set_title("Compute per route (no price given)", fontsize=10)
-        fmt = "{:.1f}"
-    ax2.bar(range(len(names)), vals2, color="#dd8452")
-    ax2.set_xticks(range(len(names)), ["all" if n == OVERALL else n for n in names], fontsize=9)
-    ax2.set_xlabel("route")
-    for i, v in enumerate(vals2):
-        ax2.annotate(fmt.format(v), (i, v), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
+    _speed_panel(ax1, shadow)
+    _cost_panel(ax2, routes, price)
     for ax in (ax1, ax2):
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

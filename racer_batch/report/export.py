@@ -24,10 +24,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from racer_batch.report.load import JobData, ReportError
-from racer_batch.service.inputs import InputPlan, iter_raw_rows, parse_row
+from racer_batch.service.inputs import RowTask, iter_raw_rows, parse_row
 from racer_batch.service.output import SHARD_META_KEY
 from racer_batch.service.schema import OUTPUT_SCHEMA
-from racer_batch.service.spec import JobSpec
 
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
 CHAT_SCHEMA = pa.schema([
@@ -59,20 +58,44 @@ def chat_messages(prompt_chat: Optional[list[dict]], *, raw: Optional[str], turn
     return msgs
 
 
+def _part_rows(part: Path) -> tuple[dict[int, dict], int, int]:
+    """One output part file: ({row_idx: output record}, row_start, row_stop) of its shard (the range from the
+    file's shard metadata, else from the rows it holds)."""
+    meta = json.loads((pq.read_schema(part).metadata or {}).get(SHARD_META_KEY, b"{}"))
+    out_rows = {r["row_idx"]: r for r in pq.read_table(part, schema=OUTPUT_SCHEMA).to_pylist()}
+    lo = meta.get("row_start", min(out_rows, default=0))
+    hi = meta.get("row_stop", max(out_rows, default=-1) + 1)
+    return out_rows, lo, hi
+
+
+def _samples(out: dict) -> list[dict]:
+    """An output row's samples; a row without a ``samples`` list is its own single sample 0."""
+    return out["samples"] or [{"sample": 0, "seed": out["seed"], "status": out["status"], "text": out["text"],
+                               "turn_texts": out["turn_texts"], "output_tokens": out["output_tokens"],
+                               "finish_reason": out["finish_reason"]}]
+
+
+def _chat_record(out: dict, s: dict, row: RowTask) -> dict:
+    """The chat record (CHAT_SCHEMA) of one sample ``s`` of output row ``out``, whose input is ``row``."""
+    answers = list(s["turn_texts"] or ([s["text"]] if s["text"] is not None else []))
+    return {"id": out["id"], "route": out["route"], "sample": s["sample"], "seed": s["seed"],
+            "finish_reason": s["finish_reason"], "output_tokens": s["output_tokens"],
+            "model": out["model"], "method": out["method"], "config_hash": out["config_hash"],
+            "job_id": out["job_id"],
+            "messages": chat_messages(row.chat, raw=row.raw, turns=row.turns, answers=answers)}
+
+
 def iter_chat_records(data: JobData, *, only_ok: bool = True, skipped: Optional[list[int]] = None
                       ) -> Iterator[dict]:
-    """Chat records in row order, shard by shard (output part file + the same rows of the input)."""
-    if not data.manifest.get("spec") or not data.manifest.get("input"):
-        raise ReportError(f"{data.out_dir}: the manifest lacks the job's spec or input plan")
-    spec = JobSpec.model_validate(data.manifest["spec"])
-    plan = InputPlan.from_dict(data.manifest["input"])
+    """Chat records in row order, shard by shard (output part file + the same rows of the input).
+
+    With ``only_ok``, rows or samples that are not ok are left out and counted in ``skipped[0]``.
+    Raises ReportError when the manifest lacks the spec or input plan."""
+    spec, plan = data.job_input()
     columns = list(spec.input.columns.model_dump().values())
     skipped = skipped if skipped is not None else [0]
     for part in sorted(data.out_dir.glob("part-*.parquet")):
-        meta = json.loads((pq.read_schema(part).metadata or {}).get(SHARD_META_KEY, b"{}"))
-        out_rows = {r["row_idx"]: r for r in pq.read_table(part, schema=OUTPUT_SCHEMA).to_pylist()}
-        lo = meta.get("row_start", min(out_rows, default=0))
-        hi = meta.get("row_stop", max(out_rows, default=-1) + 1)
+        out_rows, lo, hi = _part_rows(part)
         for row_idx, rec in iter_raw_rows(plan, lo, hi, columns):
             out = out_rows.get(row_idx)
             if out is None:
@@ -80,20 +103,11 @@ def iter_chat_records(data: JobData, *, only_ok: bool = True, skipped: Optional[
             row = parse_row(spec, row_idx, rec)
             assert row.id == out["id"], (
                 f"row {row_idx}: input id {row.id!r} != output id {out['id']!r} (input changed since the job ran?)")
-            samples = out["samples"] or [{"sample": 0, "seed": out["seed"], "status": out["status"],
-                                          "text": out["text"], "turn_texts": out["turn_texts"],
-                                          "output_tokens": out["output_tokens"],
-                                          "finish_reason": out["finish_reason"]}]
-            for s in samples:
+            for s in _samples(out):
                 if only_ok and (out["status"] != "ok" or s["status"] != "ok"):
                     skipped[0] += 1
                     continue
-                answers = list(s["turn_texts"] or ([s["text"]] if s["text"] is not None else []))
-                yield {"id": out["id"], "route": out["route"], "sample": s["sample"], "seed": s["seed"],
-                       "finish_reason": s["finish_reason"], "output_tokens": s["output_tokens"],
-                       "model": out["model"], "method": out["method"], "config_hash": out["config_hash"],
-                       "job_id": out["job_id"],
-                       "messages": chat_messages(row.chat, raw=row.raw, turns=row.turns, answers=answers)}
+                yield _chat_record(out, s, row)
 
 
 def export_chat(data: JobData, path: str | Path, *, fmt: str = "jsonl", only_ok: bool = True) -> tuple[int, int]:

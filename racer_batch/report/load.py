@@ -9,8 +9,10 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
+from racer_batch.service.inputs import InputPlan
 from racer_batch.service.output import read_manifest, read_output
 from racer_batch.service.shadow import read_shadow
+from racer_batch.service.spec import JobSpec
 
 
 class ReportError(ValueError):
@@ -34,6 +36,16 @@ class JobData:
     @property
     def spec(self) -> dict:
         return self.manifest.get("spec") or {}
+
+    def job_input(self) -> tuple[JobSpec, InputPlan]:
+        """The job's validated spec and its input plan, from the manifest (to read the input rows again).
+
+        Raises:
+            ReportError: the manifest lacks the spec or the input plan.
+        """
+        if not self.manifest.get("spec") or not self.manifest.get("input"):
+            raise ReportError(f"{self.out_dir}: the manifest lacks the job's spec or input plan")
+        return JobSpec.model_validate(self.manifest["spec"]), InputPlan.from_dict(self.manifest["input"])
 
 
 def load_output(out_dir: str | Path) -> JobData:

@@ -231,6 +231,7 @@ class ShadowResult:
         return out
 
     def to_dict(self, *, n_boot: int = 2000) -> dict:
+        """Every number of the comparison as plain JSON types (the report's ``shadow`` entries)."""
         ratio = speed_ratio(self.pairs)
         ci = bootstrap_ci(self.pairs, n_boot=n_boot)
         ms = sum(p.method_steps for p in self.pairs)
@@ -238,29 +239,38 @@ class ShadowResult:
         mt = sum(p.method_tokens for p in self.pairs)
         bt = sum(p.baseline_tokens for p in self.pairs)
         sp = self.sampled_pairs
-        sampling = None
-        if sp:
-            sampling = {
-                "pairs": len(sp),
-                "mean_tokens_method": sum(p.method_tokens for p in sp) / len(sp),
-                "mean_tokens_baseline": sum(p.baseline_tokens for p in sp) / len(sp),
-                "finish_method": dict(collections.Counter(p.method_finish for p in sp)),
-                "finish_baseline": dict(collections.Counter(p.baseline_finish for p in sp)),
-            }
         return {
             "run": self.run, "route": self.route, "method": self.method, "baseline": self.baseline,
             "sampled_rows": self.sampled_rows, "pairs_ok": len(self.pairs),
             "greedy_pairs": len(self.greedy_pairs), "greedy_exact_match_rate": exact_match_rate(self.greedy_pairs),
-            "sampled_exact_match_rate": exact_match_rate(sp), "sampling": sampling,
+            "sampled_exact_match_rate": exact_match_rate(sp), "sampling": _sampling_summary(sp),
             "mismatches": [{"id": rid, "turn": d[0], "char": d[1]} for rid, d in self.mismatches()],
             "speed_ratio": ratio, "speed_ratio_ci95": list(ci) if ci else None,
-            "mat_method": mt / ms if ms else None, "mat_baseline": bt / bs if bs else None,
+            "mat_method": _ratio(mt, ms), "mat_baseline": _ratio(bt, bs),
             "method_ms": sum(p.method_ms for p in self.pairs), "baseline_ms": sum(p.baseline_ms for p in self.pairs),
             "method_tokens": mt, "baseline_tokens": bt,
             "job_text_matches": self.job_text_matches, "job_text_compared": self.job_text_compared,
             "relaxed": self.acceptance is not None, "acceptance_rule": self.acceptance,
             "capability": capability_summary(self.pairs),
         }
+
+
+def _ratio(num: float, den: float) -> Optional[float]:
+    """num / den; None when den is 0 (MAT of a side without steps)."""
+    return num / den if den else None
+
+
+def _sampling_summary(sp: Sequence[Pair]) -> Optional[dict]:
+    """Lengths and finish reasons of the sampled (non-greedy) pairs; None without any."""
+    if not sp:
+        return None
+    return {
+        "pairs": len(sp),
+        "mean_tokens_method": sum(p.method_tokens for p in sp) / len(sp),
+        "mean_tokens_baseline": sum(p.baseline_tokens for p in sp) / len(sp),
+        "finish_method": dict(collections.Counter(p.method_finish for p in sp)),
+        "finish_baseline": dict(collections.Counter(p.baseline_finish for p in sp)),
+    }
 
 
 def _texts(rec: dict) -> tuple[str, ...]:
@@ -272,6 +282,35 @@ def _texts(rec: dict) -> tuple[str, ...]:
 
 def _gen_ms(rec: dict) -> float:
     return float(rec.get("prefill_ms") or 0.0) + float(rec.get("decode_ms") or 0.0)
+
+
+def _int(rec: dict, key: str) -> int:
+    """An integer field of a shadow record, 0 when null or absent."""
+    return int(rec.get(key) or 0)
+
+
+def _pair(m: dict, b: dict) -> Pair:
+    """The Pair of one row's method record ``m`` and baseline record ``b`` (both status ok)."""
+    return Pair(
+        id=str(m["id"]), route=m["route"], method_ms=_gen_ms(m), baseline_ms=_gen_ms(b),
+        method_tokens=_int(m, "output_tokens"), baseline_tokens=_int(b, "output_tokens"),
+        method_steps=_int(m, "steps"), baseline_steps=_int(b, "steps"),
+        method_texts=_texts(m), baseline_texts=_texts(b), method_finish=m.get("finish_reason"),
+        baseline_finish=b.get("finish_reason"), greedy=float(m.get("temperature") or 0.0) == 0.0,
+        references=tuple(m.get("reference") or b.get("reference") or ()),
+    )
+
+
+def _observe(res: ShadowResult, m: dict, b: dict, *, job_row: Optional[dict]) -> None:
+    """Add one sampled row to a group: its pair when both sides are ok, and, with the job's own output record
+    ``job_row`` (post-hoc runs only), whether the method side reproduced the job's answer."""
+    res.sampled_rows += 1
+    if m["status"] == "ok" and b["status"] == "ok":
+        res.pairs.append(_pair(m, b))
+    if job_row is not None and m["status"] == "ok":
+        res.job_text_compared += 1
+        same = _texts(job_row) == _texts(m)
+        res.job_text_matches = (res.job_text_matches or 0) + int(same)
 
 
 def analyze(records: Iterable[dict], *, job_rows: Optional[dict[int, dict]] = None,
@@ -292,24 +331,12 @@ def analyze(records: Iterable[dict], *, job_rows: Optional[dict[int, dict]] = No
         m, b = sides.get("method"), sides.get("baseline")
         if m is None or b is None:
             continue
+        job_row = job_rows.get(row_idx) if job_rows is not None and run != "job" else None
         for route in (m["route"], OVERALL):
             res = groups.get((run, route))
             if res is None:
                 res = groups[(run, route)] = ShadowResult(run=run, route=route, method=str(m.get("method")),
                                                           baseline=str(b.get("method")), sampled_rows=0,
                                                           acceptance=rule)
-            res.sampled_rows += 1
-            if m["status"] == "ok" and b["status"] == "ok":
-                res.pairs.append(Pair(
-                    id=str(m["id"]), route=m["route"], method_ms=_gen_ms(m), baseline_ms=_gen_ms(b),
-                    method_tokens=int(m.get("output_tokens") or 0), baseline_tokens=int(b.get("output_tokens") or 0),
-                    method_steps=int(m.get("steps") or 0), baseline_steps=int(b.get("steps") or 0),
-                    method_texts=_texts(m), baseline_texts=_texts(b), method_finish=m.get("finish_reason"),
-                    baseline_finish=b.get("finish_reason"), greedy=float(m.get("temperature") or 0.0) == 0.0,
-                    references=tuple(m.get("reference") or b.get("reference") or ()),
-                ))
-            if job_rows is not None and run != "job" and row_idx in job_rows and m["status"] == "ok":
-                res.job_text_compared += 1
-                same = _texts(job_rows[row_idx]) == _texts(m)
-                res.job_text_matches = (res.job_text_matches or 0) + int(same)
+            _observe(res, m, b, job_row=job_row)
     return [groups[k] for k in sorted(groups, key=lambda k: (k[0], k[1] == OVERALL, k[1]))]

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import yaml
 
 from racer_batch.report.load import JobData, ReportError
-from racer_batch.service.inputs import InputPlan, iter_raw_rows, parse_row
+from racer_batch.service.inputs import InputPlan, RowTask, iter_raw_rows, parse_row
 from racer_batch.service.runner import RowRunner
 from racer_batch.service.shadow import shadow_path, shadow_selected, write_shadow
 from racer_batch.service.spec import JobSpec, ShadowSpec, SpecError, resolve_preset
@@ -38,24 +38,9 @@ def baseline_config(name_or_path: str) -> DecodingConfig:
     return DecodingConfig.model_validate(dec)
 
 
-def run_posthoc_shadow(job: JobData, *, baseline: str, fraction: float, seed: int = 0,
-                       max_rows: Optional[int] = None, device: Optional[str] = None,
-                       on_row: Optional[Callable[[int, int, str], None]] = None,
-                       runner: Optional[RowRunner] = None) -> tuple[Path, int]:
-    """Shadow the sampled rows of a finished job. Returns (shadow file, rows shadowed)."""
-    if not 0 < fraction <= 1:
-        raise ReportError(f"--fraction must be in (0, 1], got {fraction}")
-    if not job.manifest.get("spec") or not job.manifest.get("input"):
-        raise ReportError(f"{job.out_dir}: the manifest lacks the job's spec or input plan")
-    spec = JobSpec.model_validate(job.manifest["spec"])
-    plan = InputPlan.from_dict(job.manifest["input"])
-    for f in plan.files:
-        if not Path(f).is_file():
-            raise ReportError(f"job {job.job_id}: input file {f} is not on this machine")
-    shadow_spec = spec.model_copy(update={
-        "n_samples": 1,
-        "shadow": ShadowSpec(config=baseline_config(baseline), name=baseline, fraction=1.0, seed=seed),
-    })
+def _pick_rows(spec: JobSpec, plan: InputPlan, *, fraction: float, seed: int,
+               max_rows: Optional[int]) -> list[RowTask]:
+    """The good input rows the shadow sample selects (``shadow_selected``), in row order, at most ``max_rows``."""
     columns = list(spec.input.columns.model_dump().values())
     picked = []
     for row_idx, rec in iter_raw_rows(plan, 0, plan.num_rows, columns):
@@ -64,18 +49,22 @@ def run_posthoc_shadow(job: JobData, *, baseline: str, fraction: float, seed: in
             picked.append(row)
         if max_rows is not None and len(picked) >= max_rows:
             break
-    if not picked:
-        raise ReportError(f"job {job.job_id}: no row selected at fraction {fraction} (seed {seed}); raise it")
-    runner = runner or RowRunner(worker_name="shadow", device=device)
-    run = f"posthoc:{baseline}"
-    state_key = f"shadow-run:{job.job_id}:{time.time_ns()}"
+    return picked
+
+
+def _answer_pairs(runner: RowRunner, spec: JobSpec, shadow_spec: JobSpec, picked: list[RowTask], *,
+                  job_id: str, run: str, device: Optional[str],
+                  on_row: Optional[Callable[[int, int, str], None]]) -> list[dict]:
+    """Answer each picked row by both sides (``shadow_spec``) in one draft-state scope, ended at the end.
+    Returns the shadow records, two per row, tagged with ``run``."""
+    state_key = f"shadow-run:{job_id}:{time.time_ns()}"
     records: list[dict] = []
     try:
         for i, row in enumerate(picked):
             base = {"id": row.id, "row_idx": row.row_idx, "shard": None, "route": row.route, "seed": row.seed,
                     "worker": runner.worker_name, "device": device or "cpu", "model": spec.model.name,
                     "method": spec.decoding.method, "config_hash": spec.decoding.config_hash(),
-                    "job_id": job.job_id}
+                    "job_id": job_id}
             _, pair = runner.answer_row(shadow_spec, row, base, job_id=state_key)
             assert len(pair) == 2, f"row {row.id}: expected a method and a baseline record, got {len(pair)}"
             for r in pair:
@@ -85,6 +74,38 @@ def run_posthoc_shadow(job: JobData, *, baseline: str, fraction: float, seed: in
                 on_row(i + 1, len(picked), row.id)
     finally:
         runner.end_job(state_key)
+    return records
+
+
+def _check_input_here(job: JobData, plan: InputPlan) -> None:
+    """Raise ReportError when an input file of the job is missing on this machine."""
+    for f in plan.files:
+        if not Path(f).is_file():
+            raise ReportError(f"job {job.job_id}: input file {f} is not on this machine")
+
+
+def run_posthoc_shadow(job: JobData, *, baseline: str, fraction: float, seed: int = 0,
+                       max_rows: Optional[int] = None, device: Optional[str] = None,
+                       on_row: Optional[Callable[[int, int, str], None]] = None,
+                       runner: Optional[RowRunner] = None) -> tuple[Path, int]:
+    """Shadow the sampled rows of a finished job. Returns (shadow file, rows shadowed).
+
+    ``on_row(done, total, row id)`` is called after each row. Raises ReportError for a fraction outside
+    (0, 1], a manifest without spec or input plan, a missing input file, or a sample that selects no row."""
+    if not 0 < fraction <= 1:
+        raise ReportError(f"--fraction must be in (0, 1], got {fraction}")
+    spec, plan = job.job_input()
+    _check_input_here(job, plan)
+    shadow_spec = spec.model_copy(update={
+        "n_samples": 1,
+        "shadow": ShadowSpec(config=baseline_config(baseline), name=baseline, fraction=1.0, seed=seed),
+    })
+    picked = _pick_rows(spec, plan, fraction=fraction, seed=seed, max_rows=max_rows)
+    if not picked:
+        raise ReportError(f"job {job.job_id}: no row selected at fraction {fraction} (seed {seed}); raise it")
+    runner = runner or RowRunner(worker_name="shadow", device=device)
+    records = _answer_pairs(runner, spec, shadow_spec, picked, job_id=job.job_id, run=f"posthoc:{baseline}",
+                            device=device, on_row=on_row)
     tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(baseline).stem)
     path = write_shadow(shadow_path(job.out_dir, f"posthoc-{tag}-s{seed}"), records,
                         meta={"job_id": job.job_id, "baseline": baseline, "fraction": fraction, "seed": seed})

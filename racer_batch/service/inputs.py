@@ -24,7 +24,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
-from racer_batch.service.spec import InputSpec, JobSpec
+from racer_batch.service.spec import ColumnMap, InputSpec, JobSpec
 
 Chat = list[dict[str, str]]
 BATCH_ROWS = 1024
@@ -207,42 +207,98 @@ def _records(batch: pa.RecordBatch) -> list[dict]:
     return [dict(zip(names, vals)) for vals in zip(*cols)]
 
 
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_floating(t) or pa.types.is_integer(t)
+
+
+def _is_id(t: pa.DataType) -> bool:
+    return _is_text(t) or pa.types.is_integer(t)
+
+
+def _is_text_list(t: pa.DataType) -> bool:
+    return _is_list(t) and (_is_text(t.value_type) or pa.types.is_null(t.value_type))
+
+
+def _is_stop(t: pa.DataType) -> bool:
+    return _is_text(t) or _is_text_list(t)
+
+
+def _is_reference(t: pa.DataType) -> bool:
+    vt = t.value_type if _is_list(t) else t
+    return _is_text(vt) or _is_number(vt) or pa.types.is_null(vt)
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    if not _is_list(t):
+        return False
+    vt = t.value_type
+    return pa.types.is_struct(vt) and {vt.field(i).name for i in range(vt.num_fields)} >= {"role", "content"}
+
+
+# canonical column -> (Arrow type check, the expected type in words for the error message)
+_COLUMN_TYPES: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
+    "id": (_is_id, "string or integer"),
+    "prompt": (_is_text, "string"),
+    "route": (_is_text, "string"),
+    "max_new_tokens": (pa.types.is_integer, "integer"),
+    "seed": (pa.types.is_integer, "integer"),
+    "temperature": (_is_number, "number"),
+    "top_p": (_is_number, "number"),
+    "turns": (_is_text_list, "list of strings"),
+    "stop": (_is_stop, "string or list of strings"),
+    "messages": (_is_messages, "list of {role, content}"),
+    "reference": (_is_reference, "string, number, or a list of them"),
+}
+
+
 def _type_ok(canonical: str, t: pa.DataType) -> bool:
+    """Whether a column of Arrow type ``t`` can feed ``canonical``; an all-null column fits anything but the id."""
     if pa.types.is_null(t):
         return canonical != "id"
-    if canonical == "id":
-        return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
-    if canonical in ("prompt", "route"):
-        return pa.types.is_string(t) or pa.types.is_large_string(t)
-    if canonical in ("max_new_tokens", "seed"):
-        return pa.types.is_integer(t)
-    if canonical in ("temperature", "top_p"):
-        return pa.types.is_floating(t) or pa.types.is_integer(t)
-    if canonical in ("turns", "stop"):
-        if canonical == "stop" and (pa.types.is_string(t) or pa.types.is_large_string(t)):
-            return True
-        return (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
-            pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)
-            or pa.types.is_null(t.value_type))
-    if canonical == "reference":
-        if pa.types.is_list(t) or pa.types.is_large_list(t):
-            t = t.value_type
-        return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
-                or pa.types.is_floating(t) or pa.types.is_null(t))
-    if canonical == "messages":
-        if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
-            return False
-        vt = t.value_type
-        return pa.types.is_struct(vt) and {vt.field(i).name for i in range(vt.num_fields)} >= {"role", "content"}
-    return True
+    check = _COLUMN_TYPES.get(canonical)
+    return check is None or check[0](t)
 
 
-_EXPECTED = {
-    "id": "string or integer", "prompt": "string", "route": "string", "max_new_tokens": "integer",
-    "seed": "integer", "temperature": "number", "top_p": "number", "turns": "list of strings",
-    "stop": "string or list of strings", "messages": "list of {role, content}",
-    "reference": "string, number, or a list of them",
-}
+def _read_schema(path: str, fmt: str) -> tuple[pa.Schema, int]:
+    """(schema, row count) of one input file. Raises InputError naming the file."""
+    try:
+        dset = _file_dataset(path, fmt)
+        return dset.schema, dset.count_rows()
+    except (pa.ArrowInvalid, OSError) as exc:
+        hint = ""
+        if fmt == "jsonl" and "changed from" in str(exc):
+            hint = ("; in JSONL every row must give a column the same JSON type (for `reference`: a list on "
+                    "every row, e.g. [\"18\"] for a one-turn row, or a string on every row)")
+        raise InputError(f"cannot read input file {path}: {exc}{hint}") from None
+
+
+def _check_columns(path: str, schema: pa.Schema, num_rows: int, cols: dict[str, str]) -> set[str]:
+    """The canonical columns one file has; ``cols`` maps canonical -> source name. Raises InputError when a
+    non-empty file lacks the id or every prompt column, or a column has the wrong type."""
+    names = set(schema.names)
+    if num_rows > 0 and cols["id"] not in names:
+        raise InputError(f"{path}: missing id column {cols['id']!r} (columns: {sorted(names)})")
+    if num_rows > 0 and not names & {cols["prompt"], cols["messages"], cols["turns"]}:
+        raise InputError(
+            f"{path}: needs one of the columns {cols['prompt']!r}, {cols['messages']!r} or {cols['turns']!r}"
+            f" (columns: {sorted(names)})"
+        )
+    here = set()
+    for canonical, source in cols.items():
+        if source in names:
+            t = schema.field(source).type
+            if not _type_ok(canonical, t):
+                raise InputError(f"{path}: column {source!r} has type {t}, expected {_COLUMN_TYPES[canonical][1]}")
+            here.add(canonical)
+    return here
 
 
 def plan_input(spec: InputSpec) -> InputPlan:
@@ -250,46 +306,21 @@ def plan_input(spec: InputSpec) -> InputPlan:
     files = _list_files(spec.path)
     fmt = _format_of(files, spec.format)
     cols = spec.columns.model_dump()
-    present: Optional[set[str]] = None
+    present: set[str] = set()
     file_rows = []
     hasher = hashlib.sha256()
     for f in files:
         if fmt == "jsonl" and _blank_jsonl(f):
             file_rows.append(0)
+            # "\00" is one NUL (an octal escape), not NUL + "0": kept so existing fingerprints stay the same
             hasher.update(f"{os.path.abspath(f)}\0{os.path.getsize(f)}\00\n".encode())
             continue
-        try:
-            dset = _file_dataset(f, fmt)
-            schema = dset.schema
-            n = dset.count_rows()
-        except (pa.ArrowInvalid, OSError) as exc:
-            hint = ""
-            if fmt == "jsonl" and "changed from" in str(exc):
-                hint = ("; in JSONL every row must give a column the same JSON type (for `reference`: a list on "
-                        "every row, e.g. [\"18\"] for a one-turn row, or a string on every row)")
-            raise InputError(f"cannot read input file {f}: {exc}{hint}") from None
-        names = set(schema.names)
-        if n > 0 and cols["id"] not in names:
-            raise InputError(f"{f}: missing id column {cols['id']!r} (columns: {sorted(names)})")
-        if n > 0 and not names & {cols["prompt"], cols["messages"], cols["turns"]}:
-            raise InputError(
-                f"{f}: needs one of the columns {cols['prompt']!r}, {cols['messages']!r} or {cols['turns']!r}"
-                f" (columns: {sorted(names)})"
-            )
-        here = set()
-        for canonical, source in cols.items():
-            if source in names:
-                t = schema.field(source).type
-                if not _type_ok(canonical, t):
-                    raise InputError(
-                        f"{f}: column {source!r} has type {t}, expected {_EXPECTED[canonical]}"
-                    )
-                here.add(canonical)
-        present = here if present is None else present | here
+        schema, n = _read_schema(f, fmt)
+        present |= _check_columns(f, schema, n, cols)
         file_rows.append(n)
         hasher.update(f"{os.path.abspath(f)}\0{os.path.getsize(f)}\0{n}\n".encode())
     return InputPlan(
-        files=tuple(files), format=fmt, file_rows=tuple(file_rows), columns=tuple(sorted(present or ())),
+        files=tuple(files), format=fmt, file_rows=tuple(file_rows), columns=tuple(sorted(present)),
         fingerprint=hasher.hexdigest()[:16],
     )
 
@@ -474,6 +505,81 @@ def parse_reference(value: Any, *, n_turns: int) -> Optional[list[Optional[str]]
     return refs if any(r is not None for r in refs) else None
 
 
+_ROW_PARAM_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")
+
+
+def _check_utf8(rec: dict, reference_col: str) -> None:
+    """Raise ValueError for the first column (but the reference's) whose text is not valid UTF-8."""
+    bad = next((v for k, v in rec.items() if isinstance(v, InvalidText) and k != reference_col), None)
+    if bad is not None:
+        raise ValueError(f"column {bad.column!r} is not valid UTF-8 ({bad.detail})")
+
+
+def _row_overrides(rec: dict, cols: ColumnMap) -> dict[str, Any]:
+    """The per-row generation parameters the record sets, by GenerationParams field name."""
+    overrides: dict[str, Any] = {}
+    for name in _ROW_PARAM_FIELDS:
+        v = rec.get(getattr(cols, name))
+        if v is not None:
+            overrides[name] = v
+    stop = rec.get(cols.stop)
+    if stop is not None:
+        overrides["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    return overrides
+
+
+def _row_params(job: JobSpec, overrides: dict[str, Any], *, seed: int) -> Any:
+    """``job.row_params``, with a pydantic error turned into a ValueError naming the field and value."""
+    try:
+        return job.row_params(overrides, seed=seed)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        field_name = ".".join(str(p) for p in e["loc"])
+        raise ValueError(f"invalid per-row {field_name} = {e.get('input')!r}: {e['msg']}") from None
+
+
+def _messages_chat(messages: Any, head: Chat) -> Chat:
+    """A messages row as the chat to answer: ``head`` (the system prompt) first unless the row has its own."""
+    if not messages:
+        raise ValueError("messages is empty")
+    chat: Chat = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"messages[{i}].role = {role!r}: expected system, user or assistant")
+        chat.append({"role": role, "content": _clean_str(m.get("content"), f"messages[{i}].content")})
+    if chat[-1]["role"] != "user":
+        raise ValueError("the last message must be from the user")
+    return (head if chat[0]["role"] != "system" else []) + chat
+
+
+def _set_prompt(task: RowTask, job: JobSpec, rec: dict) -> None:
+    """Fill ``task.raw``, ``task.chat`` or ``task.turns`` from the one prompt field the record sets.
+    Raises ValueError when none or several are set, or the one set is malformed."""
+    cols = job.input.columns
+    system = job.generation.system_prompt
+    head: Chat = [{"role": "system", "content": system}] if system else []
+    prompt, messages, turns = rec.get(cols.prompt), rec.get(cols.messages), rec.get(cols.turns)
+    given = [n for n, v in (("prompt", prompt), ("messages", messages), ("turns", turns)) if v is not None]
+    if not given:
+        raise ValueError("no prompt: prompt, messages and turns are all null")
+    if len(given) > 1:
+        raise ValueError(f"several prompt fields set ({', '.join(given)}); set exactly one")
+    if prompt is not None:
+        text = _clean_str(prompt, "prompt")
+        if job.input.prompt_format == "raw":
+            task.raw = text
+        else:
+            task.chat = head + [{"role": "user", "content": text}]
+    elif messages is not None:
+        task.chat = _messages_chat(messages, head)
+    else:
+        if not turns:
+            raise ValueError("turns is empty")
+        task.turns = [_clean_str(t, f"turns[{i}]") for i, t in enumerate(turns)]
+        task.chat = head
+
+
 def parse_row(job: JobSpec, row_idx: int, rec: dict) -> RowTask:
     """Normalise one input record; a bad row comes back with ``error`` set (never raises).
 
@@ -484,55 +590,10 @@ def parse_row(job: JobSpec, row_idx: int, rec: dict) -> RowTask:
     route = job.route if not route or isinstance(route, InvalidText) else route
     task = RowTask(row_idx=row_idx, id=str(rid), route=str(route), seed=(job.seed + row_idx) % (2**63))
     try:
-        bad = next((v for k, v in rec.items() if isinstance(v, InvalidText) and k != cols.reference), None)
-        if bad is not None:
-            raise ValueError(f"column {bad.column!r} is not valid UTF-8 ({bad.detail})")
-        overrides: dict[str, Any] = {}
-        for name in ("max_new_tokens", "temperature", "top_p", "seed"):
-            v = rec.get(getattr(cols, name))
-            if v is not None:
-                overrides[name] = v
-        stop = rec.get(cols.stop)
-        if stop is not None:
-            overrides["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        try:
-            task.params = job.row_params(overrides, seed=task.seed)
-        except ValidationError as exc:
-            e = exc.errors()[0]
-            field_name = ".".join(str(p) for p in e["loc"])
-            raise ValueError(f"invalid per-row {field_name} = {e.get('input')!r}: {e['msg']}") from None
+        _check_utf8(rec, cols.reference)
+        task.params = _row_params(job, _row_overrides(rec, cols), seed=task.seed)
         task.seed = task.params.seed
-        system = job.generation.system_prompt
-        head: Chat = [{"role": "system", "content": system}] if system else []
-        prompt, messages, turns = rec.get(cols.prompt), rec.get(cols.messages), rec.get(cols.turns)
-        given = [n for n, v in (("prompt", prompt), ("messages", messages), ("turns", turns)) if v is not None]
-        if not given:
-            raise ValueError("no prompt: prompt, messages and turns are all null")
-        if len(given) > 1:
-            raise ValueError(f"several prompt fields set ({', '.join(given)}); set exactly one")
-        if prompt is not None:
-            text = _clean_str(prompt, "prompt")
-            if job.input.prompt_format == "raw":
-                task.raw = text
-            else:
-                task.chat = head + [{"role": "user", "content": text}]
-        elif messages is not None:
-            if not messages:
-                raise ValueError("messages is empty")
-            chat: Chat = []
-            for i, m in enumerate(messages):
-                role = m.get("role") if isinstance(m, dict) else None
-                if role not in ("system", "user", "assistant"):
-                    raise ValueError(f"messages[{i}].role = {role!r}: expected system, user or assistant")
-                chat.append({"role": role, "content": _clean_str(m.get("content"), f"messages[{i}].content")})
-            if chat[-1]["role"] != "user":
-                raise ValueError("the last message must be from the user")
-            task.chat = (head if chat[0]["role"] != "system" else []) + chat
-        else:
-            if not turns:
-                raise ValueError("turns is empty")
-            task.turns = [_clean_str(t, f"turns[{i}]") for i, t in enumerate(turns)]
-            task.chat = head
+        _set_prompt(task, job, rec)
         task.reference = parse_reference(rec.get(cols.reference), n_turns=len(task.turns) if task.turns else 1)
     except ValueError as exc:
         task.error = str(exc)

@@ -26,7 +26,7 @@ from racer_batch.service.queue import ShardSummary
 from racer_batch.service.schema import RowAccumulator, error_record, now_utc
 from racer_batch.service.shadow import baseline_first, sample_seed, shadow_path, shadow_record, shadow_selected, write_shadow
 from racer_batch.service.spec import JobSpec, ModelSpec
-from racer_batch.service.standin import StandInEngine, is_standin, load_standin
+from racer_batch.service.engine_hook import hooked_bundle, hooked_engine
 from racer_batch.types import DecodingConfig
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,11 @@ class ShardTask:
 
 
 def default_loader(model: ModelSpec, *, allow_remote_code: bool, device: Optional[str]) -> Any:
-    """Load a bundle: the stand-in engine's, or a real model through racer_batch.load_model."""
-    if is_standin(model.name):
-        return load_standin(model.name)
+    """Load a bundle: the engine hook's when one is set and claims the name (engine_hook.py; tests only), else a
+    real model through racer_batch.load_model."""
+    bundle = hooked_bundle(model.name)
+    if bundle is not None:
+        return bundle
     if model.trust_remote_code and not allow_remote_code:
         raise ValueError(
             "model.trust_remote_code is set but this worker was not started with --allow-remote-code"
@@ -85,8 +87,10 @@ def default_loader(model: ModelSpec, *, allow_remote_code: bool, device: Optiona
 
 
 def default_engine(bundle: Any, decoding: DecodingConfig) -> Any:
-    if isinstance(bundle, type(load_standin("stand-in"))):
-        return StandInEngine(bundle, decoding)
+    """The engine of a bundle: the engine hook's for a bundle it loaded, else racer_batch.engine.Engine."""
+    engine = hooked_engine(bundle, decoding)
+    if engine is not None:
+        return engine
     from racer_batch.engine import Engine
 
     return Engine(bundle, decoding)

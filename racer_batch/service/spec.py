@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from racer_batch.types import DecodingConfig, GenerationParams, check_relaxed_allowed
 
@@ -95,6 +96,10 @@ class GenerationDefaults(BaseModel):
     system_prompt: Optional[str] = Field(None, description="system message put first in chat rows (None = none)")
 
 
+# Resources field -> (lowest, highest) allowed number; the field may also be "auto"
+_RESOURCE_RANGES = {"num_actors": (1, 4096), "torch_threads": (1, 512), "gpus_per_actor": (0, 16)}
+
+
 class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -110,25 +115,12 @@ class Resources(BaseModel):
         "auto", description="intra-op torch threads per actor (auto: 1; more actors beat more threads for small models)"
     )
 
-    @field_validator("torch_threads")
+    @field_validator("torch_threads", "num_actors", "gpus_per_actor")
     @classmethod
-    def _threads_range(cls, v: Union[int, str]) -> Union[int, str]:
-        if isinstance(v, int) and not 1 <= v <= 512:
-            raise ValueError(f"torch_threads must be in 1..512 or 'auto', got {v}")
-        return v
-
-    @field_validator("num_actors")
-    @classmethod
-    def _actors_range(cls, v: Union[int, str]) -> Union[int, str]:
-        if isinstance(v, int) and not 1 <= v <= 4096:
-            raise ValueError(f"num_actors must be in 1..4096 or 'auto', got {v}")
-        return v
-
-    @field_validator("gpus_per_actor")
-    @classmethod
-    def _gpus_range(cls, v: Union[float, str]) -> Union[float, str]:
-        if not isinstance(v, str) and not 0 <= v <= 16:
-            raise ValueError(f"gpus_per_actor must be in 0..16 or 'auto', got {v}")
+    def _in_range_or_auto(cls, v: Union[int, float, str], info: ValidationInfo) -> Union[int, float, str]:
+        lo, hi = _RESOURCE_RANGES[info.field_name]
+        if not isinstance(v, str) and not lo <= v <= hi:
+            raise ValueError(f"{info.field_name} must be in {lo}..{hi} or 'auto', got {v}")
         return v
 
 

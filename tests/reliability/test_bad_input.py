@@ -20,8 +20,7 @@ from click.testing import CliRunner
 from racer_batch.service.output import read_manifest, read_output
 from racer_batch.service.schema import OUTPUT_SCHEMA
 
-from .conftest import ROOT
-from .util import write_parquet
+from tests.fixtures import ROOT, base_overrides, write_parquet
 
 pytestmark = pytest.mark.service
 
@@ -214,12 +213,11 @@ def test_output_folder_turns_read_only_after_submit(tmp_path, queue, redis_url):
     from racer_batch.service.submit import submit_job
     from racer_batch.service.worker import Worker
 
-    from .util import overrides
 
     if shutil.which("chattr") is None:
         pytest.skip("chattr not available")
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": "x"} for i in range(3)])
-    spec = load_spec(None, overrides(tmp_path))
+    spec = load_spec(None, base_overrides(tmp_path))
     sub = submit_job(queue, spec)
     if subprocess.run(["chattr", "+i", spec.output.path], capture_output=True).returncode != 0:
         pytest.skip("cannot set the immutable attribute here")
@@ -295,11 +293,10 @@ def test_shard_read_skips_whole_row_groups(tmp_path):
     from racer_batch.service.inputs import iter_raw_rows, plan_input
     from racer_batch.service.spec import load_spec
 
-    from .util import overrides
 
     pq.write_table(pa.table({"id": [f"r{i:02d}" for i in range(35)], "prompt": ["p"] * 35}),
                    tmp_path / "in.parquet", row_group_size=10)
-    spec = load_spec(None, overrides(tmp_path))
+    spec = load_spec(None, base_overrides(tmp_path))
     plan = plan_input(spec.input)
     got = [(i, r["id"]) for i, r in iter_raw_rows(plan, 15, 27, ["id", "prompt"])]
     assert got == [(i, f"r{i:02d}") for i in range(15, 27)]

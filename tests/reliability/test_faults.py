@@ -20,11 +20,12 @@ import pytest
 from racer_batch.service.local import make_executor
 from racer_batch.service.output import part_path, read_manifest, read_output
 from racer_batch.service.queue import JobQueue, connect
-from racer_batch.service.spec import load_spec
 from racer_batch.service.submit import submit_job
 from racer_batch.service.worker import Worker
 
-from .util import BackgroundWorker, assert_each_id_once, overrides, wait_for, write_parquet
+from tests.fixtures import submit_standin_job
+
+from .util import BackgroundWorker, assert_each_id_once, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -39,10 +40,8 @@ def test_actor_process_sigkilled_mid_shard(ray_session, queue, redis_url, tmp_pa
     the worker restarts the actor, the shard is redone from its first row, the job completes, every id
     appears exactly once, and the killed shard's part file records attempt 2."""
     rows = [{"id": f"r{i:02d}", "prompt": f"prompt number {i}"} for i in range(12)]
-    write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=15&mat=2",
-                                                  "generation.max_new_tokens": 10}))
-    sub = submit_job(queue, spec)
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=15&mat=2",
+                                                             "generation.max_new_tokens": 10})
     executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="oom")
     executor.prepare(spec.resources)  # same shape as the job's: the worker keeps this pool
     pid_before = int(ray_session.ray.get(executor.actors[0].describe.remote())["worker"].rsplit(":", 1)[1])
@@ -78,10 +77,8 @@ def test_redis_restart_with_data_lost_recovers_from_manifest(ray_session, redis_
     prefix = "rbrel-restart:"
     q = JobQueue(connect(srv.url), prefix=prefix)
     rows = [{"id": f"r{i:02d}", "prompt": f"prompt {i}"} for i in range(24)]
-    write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=20&mat=2",
-                                                  "generation.max_new_tokens": 10}))
-    sub = submit_job(q, spec)
+    spec, sub = submit_standin_job(q, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=20&mat=2",
+                                                         "generation.max_new_tokens": 10})
     executor = make_executor("ray", url=srv.url, prefix=prefix, name="survivor")
     worker = Worker(q, executor, name="survivor", lease_s=3, poll_s=0.2)
     bg = BackgroundWorker(worker).start()
@@ -118,10 +115,9 @@ def test_cancel_during_a_long_row(ray_session, queue, redis_url, tmp_path):
     step_ms = 200
     rows = [{"id": "short", "prompt": "quick one", "max_new_tokens": 2},
             {"id": "long", "prompt": "a very long answer", "max_new_tokens": 2000}]
-    write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": f"stand-in?ms_per_step={step_ms}&mat=1",
-                                                  "output.shard_rows": 1}))
-    sub = submit_job(queue, spec)
+    spec, sub = submit_standin_job(queue, tmp_path, rows,
+                                   **{"model.name": f"stand-in?ms_per_step={step_ms}&mat=1",
+                                      "output.shard_rows": 1})
     executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="canceller")
     bg = BackgroundWorker(Worker(queue, executor, name="canceller", lease_s=10), max_jobs=1, idle_exit_s=30).start()
     try:
@@ -155,10 +151,8 @@ def test_redis_down_when_the_job_ends(ray_session, redis_server_factory, tmp_pat
     prefix = "rbrel-down-at-end:"
     q = JobQueue(connect(srv.url), prefix=prefix)
     rows = [{"id": f"r{i}", "prompt": f"prompt {i}"} for i in range(4)]
-    write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": "stand-in?ms_per_step=100&mat=2",
-                                                  "generation.max_new_tokens": 6}))
-    sub = submit_job(q, spec)
+    spec, sub = submit_standin_job(q, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=100&mat=2",
+                                                         "generation.max_new_tokens": 6})
     executor = make_executor("ray", url=srv.url, prefix=prefix, name="patient")
     worker = Worker(q, executor, name="patient", lease_s=3, poll_s=0.2)
     bg = BackgroundWorker(worker).start()

@@ -25,8 +25,8 @@ from racer_batch.service.spec import load_spec
 from racer_batch.service.submit import submit_job
 from racer_batch.service.worker import Worker
 
-from .conftest import ROOT
-from .util import overrides, write_parquet
+from tests.fixtures import ROOT
+from tests.fixtures import base_overrides, write_parquet
 
 pytestmark = pytest.mark.service
 
@@ -99,7 +99,7 @@ def test_redis_holds_only_json(queue, redis_url, tmp_path):
     from racer_batch.service.local import run_until_done
 
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": "p" if i else ""} for i in range(5)])
-    spec = load_spec(None, overrides(tmp_path))
+    spec = load_spec(None, base_overrides(tmp_path))
     sub = submit_job(queue, spec)
     assert run_until_done(queue, sub.job_id, url=redis_url, prefix=queue.prefix, executor_kind="thread").state == "done"
     r = queue.r
@@ -148,7 +148,8 @@ def test_remote_code_needs_spec_and_worker(queue, redis_url, tmp_path, spec_trus
     marker = tmp_path / "code-ran"
     model = _evil_model(tmp_path / f"evil-{uuid.uuid4().hex[:8]}", marker)
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": str(model), "model.trust_remote_code": spec_trusts}))
+    spec = load_spec(None, base_overrides(tmp_path, **{"model.name": str(model),
+                                                       "model.trust_remote_code": spec_trusts}))
     sub = submit_job(queue, spec)
     ex = ThreadExecutor(redis_url, prefix=queue.prefix, allow_remote_code=worker_allows)
     try:
@@ -169,7 +170,7 @@ def test_worker_command_refuses_remote_code_by_default(queue, redis_url, tmp_pat
     marker = tmp_path / "code-ran"
     model = _evil_model(tmp_path / f"evil-{uuid.uuid4().hex[:8]}", marker)
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
-    spec = load_spec(None, overrides(tmp_path, **{"model.name": str(model), "model.trust_remote_code": True}))
+    spec = load_spec(None, base_overrides(tmp_path, **{"model.name": str(model), "model.trust_remote_code": True}))
     sub = submit_job(queue, spec)
     out = subprocess.run([sys.executable, "-m", "racer_batch.cli_service", "worker", "--no-ray", "--max-jobs", "1",
                           "--idle-exit", "10", "--redis-url", redis_url, "--prefix", queue.prefix],
@@ -237,8 +238,8 @@ def test_password_redis_works_and_never_leaks(cli, ray_session, redis_server_fac
 
     # a worker process with debug logging, on a second job (thread executor: its log is all in one place)
     write_parquet(tmp_path / "in2.parquet", [{"id": "x", "prompt": "hello"}])
-    spec2 = load_spec(None, overrides(tmp_path, **{"input.path": str(tmp_path / "in2.parquet"),
-                                                   "output.path": str(tmp_path / "out2")}))
+    spec2 = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "in2.parquet"),
+                                                        "output.path": str(tmp_path / "out2")}))
     submit_job(q, spec2)
     proc = subprocess.run([sys.executable, "-m", "racer_batch.cli_service", "--log-level", "debug", "worker",
                            "--no-ray", "--max-jobs", "1", "--idle-exit", "10", "--redis-url", srv.url,
@@ -310,7 +311,7 @@ def test_actor_job_states_are_isolated(ray_session, queue, redis_url, tmp_path):
     write_parquet(tmp_path / "in.parquet", rows)
     specs = {}
     for name, prio in (("a", 9), ("b", 1)):
-        specs[name] = load_spec(None, overrides(tmp_path, **{
+        specs[name] = load_spec(None, base_overrides(tmp_path, **{
             "model.name": "tiny-random", "generation.max_new_tokens": 24, "output.path": str(tmp_path / name),
             "priority": prio, "decoding.capacity": 8}))
         submit_job(queue, specs[name])

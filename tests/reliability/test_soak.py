@@ -10,7 +10,7 @@ import pytest
 
 from racer_batch.service.queue import ROW_STREAM_MAXLEN, ShardSummary
 
-from .conftest import ROOT
+from tests.fixtures import ROOT
 
 pytestmark = pytest.mark.service
 

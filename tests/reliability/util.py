@@ -1,4 +1,5 @@
-"""Helpers shared by the reliability tests: input files, specs, a worker on a background thread, waits."""
+"""Helpers of the reliability tests: a worker on a background thread, waits, output checks (input files and
+specs: tests/fixtures.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-
-from helpers import base_overrides, write_parquet  # noqa: F401  (shared with the other tiers)
 from racer_batch.service.output import read_output
-
-
-overrides = base_overrides  # spec keys of a small stand-in job reading tmp_path/in.parquet
 
 
 def wait_for(cond: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:

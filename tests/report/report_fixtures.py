@@ -1,6 +1,6 @@
 """Report-test helpers (re-exported from tests/helpers.py; a conftest.py cannot be imported by name)."""
 
-from helpers import base_overrides, write_parquet
+from tests.fixtures import base_overrides, write_parquet
 
 from racer_batch.service.inputs import plan_input
 from racer_batch.service.output import write_manifest

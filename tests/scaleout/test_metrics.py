@@ -21,7 +21,7 @@ from racer_batch.service.local import free_port
 from racer_batch.service.metrics import MeteredExecutor, ShardCounts, WorkerMetrics
 from racer_batch.service.output import read_output
 from racer_batch.service.spec import load_spec
-from racer_batch.service.standin import RAISE_MARKER
+from tests.standin import RAISE_MARKER
 from racer_batch.service.submit import submit_job
 from racer_batch.service.worker import Worker
 

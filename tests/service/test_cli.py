@@ -7,26 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import click
 import pytest
 from click.testing import CliRunner
-from service_helpers import write_parquet
+from tests.fixtures import write_parquet
 
-from racer_batch.cli_service import register
 from racer_batch.service.queue import redact_url
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture()
-def cli():
-    @click.group()
-    def main() -> None:
-        """test harness"""
-
-    register(main)
-    return main
 
 
 def _spec(tmp_path: Path, rows: list[dict]) -> Path:

@@ -8,7 +8,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from service_helpers import base_overrides, write_parquet
+from tests.fixtures import base_overrides, queue_url, submit_standin_job, write_parquet
 
 from racer_batch.service.actors import RedisSink
 from racer_batch.service.local import run_until_done
@@ -16,20 +16,14 @@ from racer_batch.service.output import OutputError, read_manifest, read_output
 from racer_batch.service.runner import RowRunner, ShardTask
 from racer_batch.service.schema import OUTPUT_SCHEMA
 from racer_batch.service.spec import load_spec
-from racer_batch.service.standin import RAISE_MARKER
+from tests.standin import RAISE_MARKER
 from racer_batch.service.submit import submit_job
 
 pytestmark = pytest.mark.service
 
 
-def _job(queue, tmp_path, rows, **over):
-    write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, base_overrides(tmp_path, **over))
-    return spec, submit_job(queue, spec)
-
-
 def test_lease_claim_renew_reclaim(queue, tmp_path):
-    _, sub = _job(queue, tmp_path, [{"id": 1, "prompt": "x"}])
+    _, sub = submit_standin_job(queue, tmp_path, [{"id": 1, "prompt": "x"}])
     a = queue.claim(consumer="A", lease_ms=400, block_ms=0)
     assert a is not None and a.job_id == sub.job_id and not a.reclaimed
     assert queue.claim(consumer="B", lease_ms=400, block_ms=0) is None  # A holds a fresh lease
@@ -69,8 +63,8 @@ def test_bad_rows_never_kill_the_job(queue, tmp_path):
         {"id": "model-error", "prompt": f"x {RAISE_MARKER}", "max_new_tokens": None, "top_p": None},
         {"id": "ok-2", "prompt": "bye", "max_new_tokens": 3, "top_p": None},
     ]
-    spec, sub = _job(queue, tmp_path, rows, **{"model.name": "stand-in?context=500"})
-    run = run_until_done(queue, sub.job_id, url=_url(queue),
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "stand-in?context=500"})
+    run = run_until_done(queue, sub.job_id, url=queue_url(queue),
                          prefix=queue.prefix, executor_kind="thread")
     assert run.state == "done"
     out = {r["id"]: r for r in read_output(spec.output.path).to_pylist()}
@@ -86,16 +80,12 @@ def test_bad_rows_never_kill_the_job(queue, tmp_path):
     assert {e["id"] for e in queue.errors(sub.job_id)} == set(expect)
 
 
-def _url(queue) -> str:
-    kw = queue.r.connection_pool.connection_kwargs
-    return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
-
-
 def test_output_schema_multiturn_and_manifest(queue, tmp_path):
     rows = [{"id": i, "prompt": f"p {i}", "turns": None} for i in range(9)]
     rows[4] = {"id": 4, "prompt": None, "turns": ["first question", "second", "third"]}
-    spec, sub = _job(queue, tmp_path, rows)
-    assert run_until_done(queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    spec, sub = submit_standin_job(queue, tmp_path, rows)
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
     parts = sorted((tmp_path / "out").glob("part-*.parquet"))
     assert [p.name for p in parts] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     for p in parts:
@@ -132,8 +122,9 @@ def test_runner_reuses_model_and_frees_job_state(tmp_path):
 
 
 def test_resubmit_resumes_and_other_spec_refused(queue, tmp_path):
-    spec, sub = _job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(6)])
-    assert run_until_done(queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    spec, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(6)])
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
     again = submit_job(queue, spec)
     assert again.job_id == sub.job_id and again.action == "resumed"
     with pytest.raises(OutputError, match="different spec"):
@@ -142,11 +133,11 @@ def test_resubmit_resumes_and_other_spec_refused(queue, tmp_path):
 
 def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
     rows = [{"id": i, "prompt": f"p {i}"} for i in range(12)]
-    spec, sub = _job(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=15",
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=15",
                                                 "generation.max_new_tokens": 20})
     result = {}
     th = threading.Thread(target=lambda: result.setdefault("run", run_until_done(
-        queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread")))
+        queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix, executor_kind="thread")))
     th.start()
     deadline = time.time() + 30
     while queue.status(sub.job_id).shards_done < 1 and time.time() < deadline:
@@ -164,7 +155,8 @@ def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
     # re-submit: committed shards are skipped, the rest run, every id exactly once
     again = submit_job(queue, spec)
     assert again.job_id == sub.job_id
-    assert run_until_done(queue, sub.job_id, url=_url(queue), prefix=queue.prefix, executor_kind="thread").state == "done"
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
     ids = [r["id"] for r in read_output(spec.output.path).to_pylist()]
     assert sorted(ids, key=int) == [str(i) for i in range(12)]
     assert queue.status(sub.job_id).base_rows == committed_before  # rows/s counts this run only
@@ -175,7 +167,7 @@ def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
 def test_turns_see_earlier_answers(tmp_path):
     """Each turn is generated on the conversation so far, including the model's own earlier answers."""
     from racer_batch.service.inputs import plan_input
-    from racer_batch.service.standin import StandInEngine
+    from tests.standin import StandInEngine
 
     seen: list = []
 
@@ -209,7 +201,7 @@ def test_sigterm_hands_the_job_back(queue, redis_url, tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    spec, sub = _job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(40)],
+    spec, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(40)],
                      **{"model.name": "stand-in?ms_per_step=20", "generation.max_new_tokens": 10})
     proc = subprocess.Popen(
         [sys.executable, "-m", "racer_batch.cli_service", "worker", "--no-ray", "--lease-s", "600",
@@ -240,14 +232,14 @@ def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_pat
     """A fault that is not a row's (here: the engine cannot make a draft state) fails the job with its
     message after retries; no row is marked as an error for it."""
     from racer_batch.service.actors import ThreadExecutor
-    from racer_batch.service.standin import StandInEngine
+    from tests.standin import StandInEngine
     from racer_batch.service.worker import Worker
 
     class Broken(StandInEngine):
         def new_state(self):
             raise TypeError("draft state cannot be built")
 
-    spec, sub = _job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(3)])
+    spec, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(3)])
     ex = ThreadExecutor(redis_url, prefix=queue.prefix,
                         runner_options={"engine_factory": lambda bundle, cfg: Broken(bundle, cfg)})
     w = Worker(queue, ex, name="w", lease_s=5)

@@ -28,7 +28,7 @@ def test_relaxed_with_lossless_shadow_is_accepted_and_lossless_needs_nothing():
 
 
 def test_relaxed_with_an_empty_shadow_sample_is_refused_at_submit(tmp_path):
-    from service_helpers import write_parquet
+    from tests.fixtures import write_parquet
 
     from racer_batch.service.inputs import InputError
     from racer_batch.service.shadow import shadow_selected
@@ -51,7 +51,7 @@ def test_relaxed_with_an_empty_shadow_sample_is_refused_at_submit(tmp_path):
 
 
 def test_corpus_path_is_resolved_from_the_job_file_and_checked_at_submit(tmp_path):
-    from service_helpers import write_parquet
+    from tests.fixtures import write_parquet
 
     from racer_batch.service.inputs import InputError
     from racer_batch.service.spec import load_spec

@@ -10,7 +10,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from service_helpers import base_overrides, write_parquet
+from tests.fixtures import base_overrides, queue_url, write_parquet
 
 from racer_batch.service.local import run_until_done
 from racer_batch.service.output import LEGACY_MANIFEST, MANIFEST, ROWS_META_KEY, SHARD_META_KEY, part_path, read_output
@@ -21,14 +21,9 @@ from racer_batch.service.submit import submit_job
 pytestmark = pytest.mark.service
 
 
-def _url(queue) -> str:
-    kw = queue.r.connection_pool.connection_kwargs
-    return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
-
-
 def _run(queue, spec):
     sub = submit_job(queue, spec)
-    assert run_until_done(queue, sub.job_id, url=_url(queue), prefix=queue.prefix,
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
                           executor_kind="thread").state == "done"
     return sub
 
@@ -67,7 +62,7 @@ def test_edited_appended_removed_and_reordered_rows_get_current_answers(queue, t
     assert (again.shards_kept, again.shards_total) == (1, 4)
     assert any("shard 1" in n and "'5'" in n for n in again.notes), again.notes
     assert any("shard 2" in n and "'9'" in n and "'8'" in n for n in again.notes), again.notes
-    assert run_until_done(queue, again.job_id, url=_url(queue), prefix=queue.prefix,
+    assert run_until_done(queue, again.job_id, url=queue_url(queue), prefix=queue.prefix,
                           executor_kind="thread").state == "done"
     texts = _texts(spec.output.path)
     assert texts == _oracle(queue, tmp_path, rows, "oracle2")
@@ -79,7 +74,7 @@ def test_edited_appended_removed_and_reordered_rows_get_current_answers(queue, t
     write_parquet(tmp_path / "in.parquet", rows)
     third = submit_job(queue, spec)
     assert (third.shards_kept, third.shards_total) == (2, 3)
-    assert run_until_done(queue, third.job_id, url=_url(queue), prefix=queue.prefix,
+    assert run_until_done(queue, third.job_id, url=queue_url(queue), prefix=queue.prefix,
                           executor_kind="thread").state == "done"
     assert not part_path(spec.output.path, 3).exists()
     texts = _texts(spec.output.path)
@@ -131,7 +126,7 @@ def test_old_layout_folder_resumes_and_becomes_a_dataset(queue, tmp_path):
     assert (out / MANIFEST).exists() and not (out / LEGACY_MANIFEST).exists()
     assert not legacy_shadow.exists() and shadow_path(out, "00000").exists()
     assert read_shadow(out).num_rows == 0
-    assert run_until_done(queue, again.job_id, url=_url(queue), prefix=queue.prefix,
+    assert run_until_done(queue, again.job_id, url=queue_url(queue), prefix=queue.prefix,
                           executor_kind="thread").state == "done"
     assert sorted(_texts(out), key=int) == [str(i) for i in range(6)]
     assert pq.read_table(out).num_rows == 6

@@ -11,23 +11,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from service_helpers import base_overrides, write_parquet
+from tests.fixtures import submit_standin_job
 
 from racer_batch.service.local import make_executor, run_until_done
 from racer_batch.service.output import read_output
 from racer_batch.service.schema import OUTPUT_SCHEMA
-from racer_batch.service.spec import load_spec
-from racer_batch.service.submit import submit_job
 from racer_batch.service.worker import Worker
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _submit(queue, tmp_path, rows, **over):
-    write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec(None, base_overrides(tmp_path, **over))
-    return spec, submit_job(queue, spec)
 
 
 def test_end_to_end_real_model(ray_session, queue, redis_url, tmp_path):
@@ -39,7 +31,7 @@ def test_end_to_end_real_model(ray_session, queue, redis_url, tmp_path):
          "turns": ["Name a primary colour.", "Now name another one."]},
         {"id": "empty", "route": "chat", "prompt": "", "turns": None},
     ]
-    spec, sub = _submit(queue, tmp_path, rows, **{"model.name": "smollm2-135m", "preset": "racer-cpu",
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "smollm2-135m", "preset": "racer-cpu",
                                                     "generation.max_new_tokens": 8, "output.shard_rows": 2})
     run = run_until_done(queue, sub.job_id, url=redis_url, prefix=queue.prefix, executor_kind="ray")
     assert run.state == "done"
@@ -63,7 +55,8 @@ def test_end_to_end_real_model(ray_session, queue, redis_url, tmp_path):
 def test_multiturn_and_job_scope_on_tiny_model(ray_session, queue, redis_url, tmp_path):
     """tiny-random model: multi-turn rows answered in order; two jobs reuse the actor's model."""
     rows = [{"id": i, "prompt": None, "turns": [f"question {i}", "follow-up", "and one more"]} for i in range(3)]
-    spec, sub = _submit(queue, tmp_path, rows, **{"model.name": "tiny-random", "generation.max_new_tokens": 6})
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "tiny-random",
+                                                             "generation.max_new_tokens": 6})
     assert run_until_done(queue, sub.job_id, url=redis_url, prefix=queue.prefix, executor_kind="ray").state == "done"
     t = read_output(spec.output.path).to_pylist()
     assert [len(r["turn_texts"]) for r in t] == [3, 3, 3]
@@ -74,7 +67,7 @@ def test_resume_after_killing_worker(ray_session, queue, redis_url, tmp_path):
     """A worker process is SIGKILLed mid-job; a second worker reclaims the expired lease and finishes.
     Every input id appears exactly once."""
     rows = [{"id": f"r{i:02d}", "prompt": f"prompt {i}"} for i in range(24)]
-    spec, sub = _submit(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=20",
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=20",
                                                     "generation.max_new_tokens": 10})
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
@@ -111,7 +104,7 @@ def test_actor_killed_mid_shard_is_retried(ray_session, queue, redis_url, tmp_pa
     import threading
 
     rows = [{"id": i, "prompt": f"p {i}"} for i in range(12)]
-    spec, sub = _submit(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=10",
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=10",
                                                     "generation.max_new_tokens": 10})
     executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="victim")
     w = Worker(queue, executor, name="victim", lease_s=10)
@@ -121,7 +114,7 @@ def test_actor_killed_mid_shard_is_retried(ray_session, queue, redis_url, tmp_pa
         deadline = time.time() + 60
         while queue.status(sub.job_id).rows_done < 6 and time.time() < deadline:
             time.sleep(0.02)
-        ray_session.kill(executor.actors[0], no_restart=True)
+        ray_session.ray.kill(executor.actors[0], no_restart=True)
         th.join(timeout=90)
     finally:
         executor.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from service_helpers import base_overrides, write_parquet
+from tests.fixtures import base_overrides, write_parquet
 
 from racer_batch.service.inputs import InputError, InvalidText, check_ids, parse_row, plan_input
 from racer_batch.service.spec import SpecError, load_spec

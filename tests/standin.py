@@ -1,5 +1,10 @@
 """A stand-in engine with a fixed cost per step, for service tests and scheduling-overhead benchmarks.
 
+Not part of the shipped package: the service reaches it through the engine hook
+(racer_batch/service/engine_hook.py). ``use_standin()`` sets ``RACER_BATCH_ENGINE_HOOK`` to this module's
+``STANDIN_HOOK`` and adds the repository root to ``PYTHONPATH``, so worker subprocesses and Ray actors
+started afterwards find it too; tests/conftest.py calls it for every test run.
+
 Model name ``stand-in`` (options as a query string: ``stand-in?ms_per_step=2&mat=2&context=512``). It
 speaks the Engine interface the service uses (``encode``, ``generate``, ``new_state``, ``free_state``,
 ``bundle``), "tokenises" by whitespace, and answers with deterministic words derived from the prompt.
@@ -10,18 +15,24 @@ raises RuntimeError, standing in for a model error. No torch, no weights.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
+from racer_batch.service.engine_hook import ENGINE_HOOK_ENV
 from racer_batch.types import DecodingConfig, GenerationParams, GenerationResult, RowStats, StepRecord
 
 STANDIN_PREFIX = "stand-in"
 RAISE_MARKER = "[[stand-in:raise]]"
+HOOK_TARGET = "tests.standin:STANDIN_HOOK"  # the RACER_BATCH_ENGINE_HOOK value naming this module's hook
+ROOT = Path(__file__).resolve().parents[1]  # the repository root: ``tests.standin`` is importable from it
 
 
 def is_standin(name: str) -> bool:
+    """Whether a model name is the stand-in's: ``stand-in`` or ``stand-in?<options>``."""
     return name == STANDIN_PREFIX or name.startswith(STANDIN_PREFIX + "?")
 
 
@@ -37,6 +48,7 @@ class StandInBundle:
 
 
 def load_standin(name: str) -> StandInBundle:
+    """The bundle of a stand-in model name; raises ValueError naming a bad option value."""
     q = urllib.parse.parse_qs(name.partition("?")[2])
     try:
         return StandInBundle(
@@ -123,3 +135,33 @@ class StandInEngine:
             prompt_tokens=n_prompt, output_tokens=len(words), prefill_ms=prefill_ms,
             decode_ms=max(0.0, total_ms - prefill_ms), stats=stats,
         )
+
+
+class StandInHook:
+    """The engine hook (racer_batch/service/engine_hook.py EngineHook) serving ``stand-in`` model names."""
+
+    def claims(self, model_name: str) -> bool:
+        return is_standin(model_name)
+
+    def load(self, model_name: str) -> StandInBundle:
+        return load_standin(model_name)
+
+    def owns(self, bundle: Any) -> bool:
+        return isinstance(bundle, StandInBundle)
+
+    def engine(self, bundle: StandInBundle, decoding: DecodingConfig) -> StandInEngine:
+        return StandInEngine(bundle, decoding)
+
+
+STANDIN_HOOK = StandInHook()
+
+
+def use_standin() -> None:
+    """Serve ``stand-in`` model names with the stand-in engine in this process and in every process it starts
+    afterwards (worker subprocesses, a local Ray's actors): sets ``RACER_BATCH_ENGINE_HOOK`` (unless already
+    set) and adds the repository root at the end of ``PYTHONPATH`` (unless already there), so that
+    ``tests.standin`` imports there without changing which ``racer_batch`` they import."""
+    os.environ.setdefault(ENGINE_HOOK_ENV, HOOK_TARGET)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT)])

@@ -1,0 +1,221 @@
+"""Fixtures and builders shared by the service, reliability, scale-out and report tests (one module).
+
+tests/conftest.py imports the fixtures below, so every test folder sees them:
+
+- ``redis_url``: the real Redis at ``$REDIS_URL`` (default 127.0.0.1:6379/0); the test is skipped without it.
+- ``prefix``: a private key prefix ``rbtest-<folder>-<10 hex>:``; every key under it is deleted after the test.
+- ``queue``: a JobQueue on ``redis_url`` under ``prefix``.
+- ``redis_server_factory``: ``make(password=None, persist=False)`` starts a private redis-server on a free
+  port (a ``RedisServer``: stop and start it again on the same port); all are killed after the test.
+- ``cli``: the service commands in a click group, for click's CliRunner.
+
+A folder that wants one local Ray for many tests defines its own ``ray_session`` fixture (its scope is the
+folder's choice) around ``local_ray``. The builders ``write_parquet``, ``base_overrides``,
+``submit_standin_job`` and ``queue_url`` make small jobs on the stand-in engine (tests/standin.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+# ---- Redis: the shared server under a private prefix
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """``REDIS_URL`` when Redis answers there; skips the test otherwise."""
+    from racer_batch.service.queue import QueueUnavailable, connect
+
+    try:
+        connect(REDIS_URL, timeout_s=2.0)
+    except QueueUnavailable as exc:
+        pytest.skip(f"these tests need Redis: {exc}")
+    return REDIS_URL
+
+
+def drop_prefix(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix`` on the Redis at ``url``."""
+    from racer_batch.service.queue import connect
+
+    r = connect(url)
+    keys = list(r.scan_iter(f"{prefix}*", count=1000))
+    if keys:
+        r.delete(*keys)
+
+
+@pytest.fixture()
+def prefix(redis_url: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A private key prefix on the shared Redis, named after the test's folder; its keys are deleted after."""
+    p = f"rbtest-{request.path.parent.name}-{uuid.uuid4().hex[:10]}:"
+    yield p
+    drop_prefix(redis_url, p)
+
+
+@pytest.fixture()
+def queue(redis_url: str, prefix: str):
+    from racer_batch.service.queue import JobQueue
+
+    return JobQueue.from_url(redis_url, prefix=prefix)
+
+
+def queue_url(queue: Any) -> str:
+    """The Redis URL (no password) a JobQueue is connected to, e.g. ``redis://127.0.0.1:6379/0``."""
+    kw = queue.r.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+
+
+# ---- Redis: private servers that a test may stop, restart or protect with a password
+@dataclass
+class RedisServer:
+    """A redis-server of our own on a fixed free port: it can be stopped and started again (same port)."""
+
+    port: int
+    password: Optional[str]
+    workdir: str
+    persist: bool = False  # append-only file with fsync at every write: a kill loses nothing
+    proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def url_without_password(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start it and wait until it answers; raises QueueUnavailable after ``timeout_s`` seconds."""
+        from racer_batch.service.queue import QueueUnavailable, connect
+
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        args = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", self.workdir, "--daemonize", "no",
+                "--loglevel", "warning", "--logfile", os.path.join(self.workdir, "redis.log")]
+        if self.persist:
+            args[args.index("--appendonly") + 1] = "yes"
+            args += ["--appendfsync", "always"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                connect(self.url, timeout_s=0.5)
+                return
+            except QueueUnavailable:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGKILL: without persistence its data is lost; with it, the append-only file keeps every write."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture()
+def redis_server_factory() -> Iterator:
+    """``make(password=None, persist=False)`` starts a private redis-server on a free port."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on the PATH")
+    from racer_batch.service.local import free_port
+
+    servers: list[RedisServer] = []
+
+    def make(password: Optional[str] = None, persist: bool = False) -> RedisServer:
+        srv = RedisServer(port=free_port(), password=password, workdir=tempfile.mkdtemp(prefix="rbtest-redis-"),
+                          persist=persist)
+        srv.start()
+        servers.append(srv)
+        return srv
+
+    yield make
+    for srv in servers:
+        srv.stop()
+        shutil.rmtree(srv.workdir, ignore_errors=True)
+
+
+# ---- Ray and the CLI
+@dataclass
+class RaySession:
+    ray: Any  # the ray module
+    temp_dir: str  # Ray's session folder (logs included)
+
+
+def local_ray(tag: str) -> Iterator[RaySession]:
+    """Body of a ``ray_session`` fixture: a local Ray with 2 CPUs and a private temp folder ``/tmp/<tag>*``,
+    shut down and removed when the fixture ends."""
+    import ray
+
+    from racer_batch.service.local import init_local_ray
+
+    tmp = tempfile.mkdtemp(prefix=tag, dir="/tmp")
+    if ray.is_initialized():
+        ray.shutdown()
+    init_local_ray(num_cpus=2, temp_dir=tmp)
+    yield RaySession(ray=ray, temp_dir=tmp)
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture()
+def cli():
+    """The service commands in a click group, for click's CliRunner."""
+    import click
+
+    from racer_batch.cli_service import register
+
+    @click.group()
+    def main() -> None:
+        """test harness"""
+
+    register(main)
+    return main
+
+
+# ---- small jobs on the stand-in engine
+def write_parquet(path: Path, rows: list[dict], schema: Optional[pa.Schema] = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+def base_overrides(tmp_path: Path, **extra) -> dict:
+    """Spec keys (dotted, as for load_spec) of a small stand-in job reading tmp_path/in.parquet."""
+    d = {
+        "input.path": str(tmp_path / "in.parquet"),
+        "output.path": str(tmp_path / "out"),
+        "model.name": "stand-in?mat=2",
+        "generation.max_new_tokens": 8,
+        "output.shard_rows": 4,
+        "resources.num_actors": 1,
+    }
+    d.update(extra)
+    return d
+
+
+def submit_standin_job(queue: Any, tmp_path: Path, rows: list[dict], **over) -> tuple[Any, Any]:
+    """Write ``rows`` to tmp_path/in.parquet and submit a stand-in job over them (``base_overrides`` updated
+    with ``over``). Returns (JobSpec, the submit result)."""
+    from racer_batch.service.spec import load_spec
+    from racer_batch.service.submit import submit_job
+
+    write_parquet(tmp_path / "in.parquet", rows)
+    spec = load_spec(None, base_overrides(tmp_path, **over))
+    return spec, submit_job(queue, spec)
