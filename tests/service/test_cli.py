@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from service_helpers import write_parquet
 
-from racer_batch.cli_service import register
+from racer_batch.cli.service import register
 from racer_batch.service.queue import redact_url
 
 pytestmark = pytest.mark.service

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from .types import METHODS
+from ..types import METHODS
 
 EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_MODEL, EXIT_SERVICE, EXIT_JOB_FAILED = 0, 1, 2, 3, 4, 5
 
@@ -115,7 +115,7 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
     """Generate an answer to PROMPT and print it with its decoding statistics."""
     from pydantic import ValidationError
 
-    from . import DecodingConfig, Engine, GenerationParams, ModelLoadError, load_model
+    from .. import DecodingConfig, Engine, GenerationParams, ModelLoadError, load_model
 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
@@ -191,9 +191,9 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
 
     from pydantic import ValidationError
 
-    from . import ModelLoadError, load_model
-    from .bench import HF_METHODS, decoding_config, parse_method, run_bench, summarize, write_results
-    from .benchdata import parse_sample, sample_prompts
+    from .. import ModelLoadError, load_model
+    from ..bench import HF_METHODS, decoding_config, parse_method, run_bench, summarize, write_results
+    from ..benchdata import parse_sample, sample_prompts
 
     if torch_threads:
         import torch
@@ -252,13 +252,13 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
 
 
 def _register_service_commands() -> None:
-    from .cli_service import register
+    from .service import register
 
     register(main)
 
 
 def _register_report_commands() -> None:
-    from .cli_report import register
+    from .report import register
 
     register(main)
 
