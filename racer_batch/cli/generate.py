@@ -1,73 +1,53 @@
-"""The ``racer-batch`` command line (click). Flags become config objects here; nothing below imports click.
+"""``racer-batch generate`` and ``racer-batch bench``: one prompt, and the methods side by side.
 
-Exit codes:
-  0  success
-  1  unexpected internal error (a bug: please report it with the traceback shown by --log-level debug)
-  2  bad usage or invalid input (unknown option, bad value, empty prompt, prompt too long, bad job spec)
-  3  the model could not be loaded (unknown name, missing files, unsupported architecture)
-  4  a service the command needs is unreachable (Redis, Ray)
-  5  a job ended failed or was cancelled (submit --wait); rows with status=error do not count
-  130  interrupted (Ctrl-C)
+Flags become a DecodingConfig / GenerationParams (generate) or a list of MethodSpec (bench) here; the work is
+done by racer_batch.engine and racer_batch.bench, which never import click.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 import click
 
-from ..types import METHODS
+from racer_batch.types import METHODS
 
-EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_MODEL, EXIT_SERVICE, EXIT_JOB_FAILED = 0, 1, 2, 3, 4, 5
+from .exit_codes import CliExit, ExitCode, epilog
+from .options import parse_capacity, pydantic_message, set_torch_threads
 
-_EPILOG = """\b
-Exit codes:
-  0  success
-  1  unexpected internal error
-  2  bad usage or invalid input (option, value, prompt, job spec)
-  3  the model could not be loaded
-  4  a service the command needs is unreachable (Redis, Ray)
-  5  a job ended failed or was cancelled (submit --wait)
-  130  interrupted (Ctrl-C)
-"""
+if TYPE_CHECKING:
+    from racer_batch.bench import MethodSpec
+
+_GENERATE_EPILOG = epilog(
+    ExitCode.OK,
+    ExitCode.INTERNAL,
+    (ExitCode.INPUT, "option, value, empty prompt, prompt too long"),
+    (ExitCode.MODEL, "unknown name, missing files, unsupported architecture"),
+    ExitCode.INTERRUPTED,
+)
+_BENCH_EPILOG = epilog(
+    ExitCode.OK,
+    ExitCode.INTERNAL,
+    (ExitCode.INPUT, "option, value, --methods / --variant / --sample, benchmark data not found"),
+    (ExitCode.MODEL, "unknown name, missing files, unsupported architecture"),
+    (ExitCode.INTERRUPTED, "the results so far are in --out"),
+)
 
 
-def _pydantic_message(exc: Any) -> str:
-    """One line per error: ``field = value: reason`` (no pydantic boilerplate)."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "value"
-        parts.append(f"{loc} = {err.get('input')!r}: {err.get('msg')}")
-    return "; ".join(parts)
+def _load_model(model: str, **kwargs: Any) -> Any:
+    """``load_model`` with a ModelLoadError turned into ``error: ...`` on stderr and exit 3."""
+    from racer_batch import ModelLoadError, load_model
 
-
-def _capacity(value: str) -> Any:
-    if value == "auto":
-        return "auto"
     try:
-        return int(value)
-    except ValueError:
-        raise click.BadParameter(f"capacity must be an integer or 'auto', got {value!r}", param_hint="--capacity") from None
-
-
-@click.group(epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]), help="Logging verbosity (stderr).")
-@click.version_option(package_name="racer-batch")
-def main(log_level: str) -> None:
-    """racer-batch: batch LLM generation with RACER lossless speculative decoding."""
-    from rich.console import Console
-    from rich.logging import RichHandler
-
-    # logs go to stderr: stdout carries only results (a job id, --json), so scripts can capture it
-    handler = RichHandler(show_path=False, console=Console(stderr=True, soft_wrap=True))
-    logging.basicConfig(level=log_level.upper(), format="%(message)s", handlers=[handler])
-    for noisy in ("transformers", "accelerate", "filelock", "urllib3"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+        return load_model(model, **kwargs)
+    except ModelLoadError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(ExitCode.MODEL)
 
 
 def _decoding_options(f):
@@ -89,7 +69,7 @@ def _decoding_options(f):
     return f
 
 
-@main.command(epilog=_EPILOG)
+@click.command(epilog=_GENERATE_EPILOG)
 @click.argument("prompt")
 @click.option("--model", default="smollm2-135m", show_default=True,
               help="Built-in name (smollm2-135m, tiny-random), local model folder, or hub id.")
@@ -109,56 +89,67 @@ def _decoding_options(f):
 @click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
               help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
 def generate(prompt: str, model: str, method: str, capacity: str, scope: str, runner: str, compile_mode: str,
-             dtype: str | None, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, seed: int, stop: tuple[str, ...], system_prompt: str | None,
-             raw: bool, trust_remote_code: bool, as_json: bool, torch_threads: int) -> None:
+             dtype: Optional[str], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
+             stop: tuple[str, ...], system_prompt: Optional[str], raw: bool, trust_remote_code: bool,
+             as_json: bool, torch_threads: int) -> None:
     """Generate an answer to PROMPT and print it with its decoding statistics."""
-    from pydantic import ValidationError
-
-    from .. import DecodingConfig, Engine, GenerationParams, ModelLoadError, load_model
+    from racer_batch import Engine
 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
-    if torch_threads:
-        import torch
-
-        torch.set_num_threads(torch_threads)
-    try:
-        cfg = DecodingConfig(method=method, capacity=_capacity(capacity), scope=scope, runner=runner,
-                             compile=compile_mode)
-        params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, seed=seed, stop=list(stop))
-    except ValidationError as exc:
-        raise click.UsageError(_pydantic_message(exc)) from None
-    try:
-        bundle = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
-    except ModelLoadError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_MODEL)
+    set_torch_threads(torch_threads)
+    cfg, params = _generate_configs(
+        decoding=dict(method=method, capacity=parse_capacity(capacity), scope=scope, runner=runner,
+                      compile=compile_mode),
+        generation=dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                        seed=seed, stop=list(stop)))
+    bundle = _load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     engine = Engine(bundle, cfg)
     chat_input: Any = prompt if raw else [{"role": "user", "content": prompt}]
     try:
         res = engine.generate(chat_input, params, system_prompt=None if raw else system_prompt)
     except ValueError as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_INPUT)
-    s = res.stats
+        sys.exit(ExitCode.INPUT)
     if as_json:
         out = res.to_dict()
         out.update(model=bundle.name, method=method, config_hash=cfg.config_hash(), dtype=bundle.dtype,
                    runner=engine.runner.kind)
         click.echo(json.dumps(out))
         return
+    s = res.stats
     click.echo(res.text)
     click.echo(
-        f"\n[{bundle.name} {bundle.dtype} | {method} cap={s.capacity} | {engine.runner.kind} runner] {res.output_tokens} tokens, finish={res.finish_reason}, "
+        f"\n[{bundle.name} {bundle.dtype} | {method} cap={s.capacity} | {engine.runner.kind} runner] "
+        f"{res.output_tokens} tokens, finish={res.finish_reason}, "
         f"steps={s.steps}, MAT={s.mat:.2f}, prefill={res.prefill_ms:.0f} ms, decode={res.decode_ms:.0f} ms, "
         f"{res.tokens_per_s:.1f} tokens/s",
         err=True,
     )
 
 
-@main.command(epilog=_EPILOG)
+def _generate_configs(*, decoding: dict[str, Any], generation: dict[str, Any]) -> tuple[Any, Any]:
+    """Flag values -> (DecodingConfig, GenerationParams); a pydantic error is a usage error (exit 2)."""
+    from pydantic import ValidationError
+
+    from racer_batch import DecodingConfig, GenerationParams
+
+    try:
+        return DecodingConfig(**decoding), GenerationParams(**generation)
+    except ValidationError as exc:
+        raise click.UsageError(pydantic_message(exc)) from None
+
+
+@dataclass(frozen=True)
+class _BenchPlan:
+    """What ``bench`` runs, from its flags: the rows (MethodSpec), the capacity and the prompt sample."""
+
+    specs: list["MethodSpec"]
+    capacity: Any  # int or "auto"
+    counts: Optional[dict[str, int]]
+
+
+@click.command(epilog=_BENCH_EPILOG)
 @click.option("--model", default="smollm2-135m", show_default=True)
 @click.option("--methods", default="hf_pld,ar,pld,logits,retrieval,racer", show_default=True,
               help="Comma-separated; HF generate greedy (the baseline) always runs.")
@@ -183,55 +174,16 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
 @click.option("--system", "system_prompt", default=None,
               help="System message before every conversation (default: none, as in jobs and generate; the data's "
               "protocol used \"You are a helpful assistant.\").")
-def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, sample: str | None,
-          variants: tuple[str, ...], corpus: str | None, dtype: str | None, out_dir: str, torch_threads: int,
-          system_prompt: str | None) -> None:
+def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, sample: Optional[str],
+          variants: tuple[str, ...], corpus: Optional[str], dtype: Optional[str], out_dir: str, torch_threads: int,
+          system_prompt: Optional[str]) -> None:
     """Run the decoding methods side by side on the smoke prompts and write JSON + Markdown results."""
-    from pathlib import Path
+    from racer_batch.bench import run_bench, summarize, write_results
+    from racer_batch.benchdata import sample_prompts
 
-    from pydantic import ValidationError
-
-    from .. import ModelLoadError, load_model
-    from ..bench import HF_METHODS, decoding_config, parse_method, run_bench, summarize, write_results
-    from ..benchdata import parse_sample, sample_prompts
-
-    if torch_threads:
-        import torch
-
-        torch.set_num_threads(torch_threads)
-    names = [m.strip() for m in methods.split(",") if m.strip()]
-    bad = [m for m in names if m not in (*METHODS, *HF_METHODS)]
-    if bad:
-        raise click.BadParameter(f"unknown method(s) {bad}; choose from {[*HF_METHODS, *METHODS]}", param_hint="--methods")
-    specs = [parse_method(m) for m in names]
-    for v in variants:
-        try:
-            spec = parse_method(v)
-            if spec.method not in HF_METHODS:
-                decoding_config(spec, capacity=_capacity(capacity), corpus=corpus)
-        except ValidationError as exc:
-            e = exc.errors()[0]
-            key = str(e["loc"][0]) if e["loc"] else "settings"  # a union field adds its branch: keep the name
-            raise click.BadParameter(f"{v!r}: {key} = {e.get('input')!r}: {e['msg']}", param_hint="--variant") from None
-        except ValueError as exc:  # parse_method's messages already quote the variant
-            raise click.BadParameter(str(exc), param_hint="--variant") from None
-        specs.append(spec)
-    labels = [s.label for s in specs]
-    dup = sorted({x for x in labels if labels.count(x) > 1})
-    if dup:
-        raise click.BadParameter(f"row labels must be unique; repeated: {dup}",
-                                 param_hint="--variant" if variants else "--methods")
-    try:
-        bundle = load_model(model, dtype=dtype)
-    except ModelLoadError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_MODEL)
-    counts = None
-    if sample:
-        try:
-            counts = parse_sample(sample)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--sample") from None
+    set_torch_threads(torch_threads)
+    plan = _bench_plan(methods=methods, variants=variants, capacity=capacity, corpus=corpus, sample=sample)
+    bundle = _load_model(model, dtype=dtype)
     command = "racer-batch " + " ".join(sys.argv[1:])
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
@@ -239,45 +191,76 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
         write_results(summarize(res), Path(out_dir), command=command, stamp=stamp)
 
     try:
-        items = sample_prompts(counts) if counts else None
-        res = run_bench(bundle, methods=specs, capacity=_capacity(capacity), max_new_tokens=max_new_tokens,
+        items = sample_prompts(plan.counts) if plan.counts else None
+        res = run_bench(bundle, methods=plan.specs, capacity=plan.capacity, max_new_tokens=max_new_tokens,
                         per_set=per_set, corpus=corpus, items=items, on_item=partial, system_prompt=system_prompt)
     except FileNotFoundError as exc:
         click.echo(f"error: benchmark data not found ({exc}); set RACER_BATCH_DATA to the shared/data folder", err=True)
-        sys.exit(EXIT_INPUT)
-    summary = summarize(res)
-    jpath, mpath = write_results(summary, Path(out_dir), command=command, stamp=stamp)
+        sys.exit(ExitCode.INPUT)
+    except KeyboardInterrupt:
+        raise CliExit(f"interrupted; the results of the items done so far are in {out_dir}",
+                      ExitCode.INTERRUPTED) from None
+    jpath, mpath = write_results(summarize(res), Path(out_dir), command=command, stamp=stamp)
     click.echo(mpath.read_text())
     click.echo(f"wrote {jpath} and {mpath}", err=True)
 
 
-def _register_service_commands() -> None:
-    from .service import register
+def _bench_plan(*, methods: str, variants: tuple[str, ...], capacity: str, corpus: Optional[str],
+                sample: Optional[str]) -> _BenchPlan:
+    """bench's flags -> a _BenchPlan; every bad value is a ``click.BadParameter`` naming its flag (exit 2)."""
+    from racer_batch.bench import parse_method
+    from racer_batch.benchdata import parse_sample
 
-    register(main)
-
-
-def _register_report_commands() -> None:
-    from .report import register
-
-    register(main)
-
-
-_register_service_commands()
-_register_report_commands()
-
-
-def run() -> None:
-    """Console entry point with the documented exit codes for uncaught errors."""
+    specs = [parse_method(m) for m in _method_names(methods)]
+    cap = parse_capacity(capacity)
+    specs += [_variant(v, capacity=cap, corpus=corpus) for v in variants]
+    labels = [s.label for s in specs]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise click.BadParameter(f"row labels must be unique; repeated: {dup}",
+                                 param_hint="--variant" if variants else "--methods")
     try:
-        main.main(standalone_mode=True)
-    except SystemExit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - last-resort handler turns a crash into exit code 1
-        logging.getLogger(__name__).exception("internal error")
-        click.echo(f"internal error: {exc!r}", err=True)
-        sys.exit(EXIT_INTERNAL)
+        counts = parse_sample(sample) if sample else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sample") from None
+    return _BenchPlan(specs=specs, capacity=cap, counts=counts)
 
 
-if __name__ == "__main__":
-    run()
+def _method_names(methods: str) -> list[str]:
+    """``--methods "ar, racer"`` -> ["ar", "racer"]; an unknown name is a ``click.BadParameter``."""
+    from racer_batch.bench import HF_METHODS
+
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    bad = [m for m in names if m not in (*METHODS, *HF_METHODS)]
+    if bad:
+        raise click.BadParameter(f"unknown method(s) {bad}; choose from {[*HF_METHODS, *METHODS]}",
+                                 param_hint="--methods")
+    return names
+
+
+def _variant(text: str, *, capacity: Any, corpus: Optional[str]) -> "MethodSpec":
+    """One ``--variant`` -> MethodSpec, its settings checked by building its DecodingConfig."""
+    from pydantic import ValidationError
+
+    from racer_batch.bench import HF_METHODS, decoding_config, parse_method
+
+    try:
+        spec = parse_method(text)
+        if spec.method not in HF_METHODS:
+            decoding_config(spec, capacity=capacity, corpus=corpus)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        key = str(e["loc"][0]) if e["loc"] else "settings"  # a union field adds its branch: keep the name
+        raise click.BadParameter(f"{text!r}: {key} = {e.get('input')!r}: {e['msg']}", param_hint="--variant") from None
+    except ValueError as exc:  # parse_method's messages already quote the variant
+        raise click.BadParameter(str(exc), param_hint="--variant") from None
+    return spec
+
+
+COMMANDS = (generate, bench)
+
+
+def register(group: click.Group) -> None:
+    """Add generate and bench to a click group (the top-level ``racer-batch`` one)."""
+    for cmd in COMMANDS:
+        group.add_command(cmd)

@@ -1,17 +1,14 @@
 """Service commands of the ``racer-batch`` CLI: submit, status, list, cancel, errors, worker.
 
-``register(main)`` adds them to the top-level click group (racer_batch/cli.py). Flags become a JobSpec /
-plain arguments here and are handed to racer_batch.service, which never imports click.
-
-Exit codes (same numbers as the main CLI; each command's --help lists only its own): 0 success; 2 invalid
-spec, flag or input (nothing queued), or no such job; 4 Redis or Ray unreachable; 5 the job ended failed or
-cancelled (submit --wait); 1 anything unexpected.
+``register(group)`` adds them to a click group (the top-level one in racer_batch/cli/__init__.py). Flags
+become a JobSpec / plain arguments here and are handed to racer_batch.service, which never imports click.
+What they print is in render.py; their exit codes are the table in exit_codes.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -20,8 +17,6 @@ import time
 from typing import Any, Optional
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Column, Table
 
 from racer_batch.service import queue as q
@@ -30,191 +25,54 @@ from racer_batch.service.output import OutputError
 from racer_batch.service.spec import SpecError, load_spec, parse_override
 from racer_batch.types import METHODS
 
-EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_SERVICE, EXIT_JOB_FAILED = 0, 1, 2, 4, 5
-EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
-PREFIX_ENV = "RACER_BATCH_PREFIX"
-PLAIN_PROGRESS_S = 10.0  # without a terminal: one progress line at most this often
+from .exit_codes import CliExit, ExitCode, epilog
+from .options import redis_options
+from .render import JobProgress, err_console, fmt, plural, print_table, status_table, summary_lines
 
-_EPILOG = """\b
-Exit codes:
-  0  success
-  2  invalid job spec, flag or input (nothing queued)
-  4  Redis or Ray unreachable
-  5  the job ended failed or cancelled (with --wait)
-  130  interrupted (Ctrl-C); a --local job goes back to the queue
-"""
+_REDIS = (ExitCode.SERVICE, "Redis")
+_NO_JOB = (ExitCode.INPUT, "no such job")
+_SUBMIT_EPILOG = epilog(
+    ExitCode.OK, ExitCode.INTERNAL,
+    (ExitCode.INPUT, "invalid job spec, flag or input (nothing queued)"),
+    (ExitCode.SERVICE, "Redis or Ray"),
+    (ExitCode.JOB_FAILED, "with --wait or --local"),
+    (ExitCode.INTERRUPTED, "a --local job goes back to the queue; a watched one goes on"),
+)
+_STATUS_EPILOG = epilog(ExitCode.OK, ExitCode.INTERNAL, _NO_JOB, _REDIS,
+                        (ExitCode.INTERRUPTED, "while watching; the job goes on"))
+_JOB_EPILOG = epilog(ExitCode.OK, ExitCode.INTERNAL, _NO_JOB, _REDIS, ExitCode.INTERRUPTED)
+_LIST_EPILOG = epilog(ExitCode.OK, ExitCode.INTERNAL, (ExitCode.INPUT, "bad option value"), _REDIS,
+                      ExitCode.INTERRUPTED)
+_WORKER_EPILOG = epilog(
+    (ExitCode.OK, "stopped after --max-jobs, --idle-exit, SIGTERM or Ctrl-C (the current job goes back to the "
+                  "queue)"),
+    ExitCode.INTERNAL,
+    (ExitCode.INPUT, "bad option value"),
+    (ExitCode.SERVICE, "Redis or Ray, or the metrics port cannot be bound"),
+    (ExitCode.INTERRUPTED, "during start-up, before it waits for jobs"),
+)
 
-_STATUS_EPILOG = """\b
-Exit codes:
-  0  success
-  2  no such job
-  4  Redis unreachable
-  130  interrupted (Ctrl-C) while watching; the job goes on
-"""
-
-_JOB_EPILOG = """\b
-Exit codes:
-  0  success
-  2  no such job
-  4  Redis unreachable
-"""
-
-_LIST_EPILOG = """\b
-Exit codes:
-  0  success
-  4  Redis unreachable
-"""
-
-_WORKER_EPILOG = """\b
-Exit codes:
-  0  stopped after --max-jobs, --idle-exit, SIGTERM or Ctrl-C (the current job goes back to the queue)
-  4  Redis or Ray unreachable, or the metrics port cannot be bound
-"""
-
-err_console = Console(stderr=True, soft_wrap=True)
-out_console = Console()
-
-
-class ServiceExit(click.ClickException):
-    """A clean one-line error with a documented exit code."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.exit_code = code
-
-
-def _redis_options(f):
-    f = click.option("--prefix", envvar=PREFIX_ENV, default=q.DEFAULT_PREFIX, show_default=True,
-                     help=f"Redis key prefix (env {PREFIX_ENV}); separates deployments sharing one Redis.")(f)
-    f = click.option("--redis-url", default=None,
-                     help="Redis URL (redis://[:password@]host:port/db, rediss:// for TLS); default: the "
-                          "spec's redis_url, then REDIS_URL, then redis://127.0.0.1:6379/0.")(f)
-    return f
+_redis_options = redis_options(
+    url_help="Redis URL (redis://[:password@]host:port/db, rediss:// for TLS); default: the spec's redis_url, "
+             "then REDIS_URL, then redis://127.0.0.1:6379/0.",
+    prefix_help="; separates deployments sharing one Redis.")
 
 
 def _queue(url: str, prefix: str) -> q.JobQueue:
     try:
         return q.JobQueue.from_url(url, prefix=prefix)
     except q.QueueUnavailable as exc:
-        raise ServiceExit(str(exc), EXIT_SERVICE) from None
+        raise CliExit(str(exc), ExitCode.SERVICE) from None
 
 
-# ---- rendering
-def _fmt(v: Optional[float], spec: str = ".2f", none: str = "-") -> str:
-    return none if v is None else format(v, spec)
-
-
-def _eta(s: Optional[float]) -> str:
-    if s is None:
-        return "-"
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def status_table(st: q.JobStatus) -> Table:
-    t = Table(title=f"job {st.job_id}" + (f" ({st.name})" if st.name else ""), show_header=False, box=None)
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("state", st.state + (f"  ({st.message})" if st.message else ""))
-    if st.stalled:
-        t.add_row("owner", st.stall_note)
-    t.add_row("model / method", f"{st.model} / {st.method}")
-    t.add_row("rows", f"{st.rows_done}/{st.rows_total}  ok {st.totals.ok}  error {st.totals.error}  "
-                      f"cancelled {st.cancelled_rows}")
-    if st.totals.error:
-        t.add_row("errors", f"racer-batch errors {st.job_id}")
-    t.add_row("shards", f"{st.shards_done}/{st.shards_total}")
-    t.add_row("output tokens", f"{st.totals.output_tokens}  (steps {st.totals.steps}, MAT {_fmt(st.mat)})")
-    t.add_row("throughput", f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
-                            f"elapsed {_eta(st.elapsed_s)}, ETA {_eta(st.eta_s)}")
-    for route, r in st.route_mat().items():
-        t.add_row(f"route {route}", f"rows {r['rows']}, tokens {r['output_tokens']}, MAT {_fmt(r['mat'])}")
-    if st.output:
-        t.add_row("output", st.output)
-    return t
-
-
-def summary_lines(st: q.JobStatus) -> list[str]:
-    gen_s = st.totals.gen_ms / 1000.0
-    resumed = f", {st.base_rows} done before this run" if st.base_rows else ""
-    lines = [
-        f"job {st.job_id}: {st.state}" + (f" ({st.message})" if st.message else ""),
-        f"rows: {st.rows_done}/{st.rows_total} (ok {st.totals.ok}, error {st.totals.error}, "
-        f"cancelled {st.cancelled_rows}{resumed})",
-        f"tokens: {st.totals.output_tokens} output tokens in {st.totals.steps} steps, MAT {_fmt(st.mat)}",
-        f"speed: {st.tokens_per_s:.1f} tokens/s over this run's wall time ({st.elapsed_s:.1f} s, start-up included); "
-        f"{(st.totals.output_tokens / gen_s) if gen_s > 0 else 0:.1f} tokens/s while generating",
-    ]
-    for route, r in st.route_mat().items():
-        lines.append(f"  route {route}: {r['rows']} rows, {r['output_tokens']} tokens, MAT {_fmt(r['mat'])}")
-    if st.totals.error:
-        lines.append(f"errors: {_n(st.totals.error, 'row')} failed; see them with: racer-batch errors {st.job_id}")
-    lines.append(f"output: {st.output}")
-    return lines
-
-
-def _print_table(t: Table) -> None:
-    """A table on stdout; in a pipe or a file at its full width, never cut at 80 columns."""
-    if out_console.is_terminal:
-        out_console.print(t)
-    else:
-        Console(width=100_000).print(t, soft_wrap=False)
-
-
-def _n(count: int, noun: str) -> str:
-    """``_n(1, "shard")`` -> "1 shard", ``_n(3, "shard")`` -> "3 shards"."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), console=err_console)
-
-
-class _JobProgress:
-    """A rich progress bar on a terminal; plain lines (at most one per PLAIN_PROGRESS_S, and the last one) in a
-    log or pipe, where a live bar would print nothing until the end."""
-
-    def __init__(self, job_id: str, total: int, *, plain: Optional[bool] = None) -> None:
-        self.job_id = job_id
-        self.total = total
-        self.plain = (not err_console.is_terminal) if plain is None else plain
-        self._prog: Optional[Progress] = None
-        self._last_line = -1.0
-        self._last_text = ""
-
-    def __enter__(self) -> "_JobProgress":
-        if not self.plain:
-            self._prog = _progress().__enter__()
-            self._task = self._prog.add_task(self.job_id, total=self.total, info="")
-        return self
-
-    def update(self, st: q.JobStatus, *, force: bool = False) -> None:
-        if self._prog is not None:
-            self._prog.update(self._task, completed=st.rows_done, info=_progress_info(st))
-            return
-        text = f"{self.job_id}: {st.rows_done}/{st.rows_total} rows  {_progress_info(st)}"
-        now = time.monotonic()
-        if (force and text != self._last_text) or now - self._last_line >= PLAIN_PROGRESS_S:
-            err_console.print(text, highlight=False, soft_wrap=True)
-            self._last_line, self._last_text = now, text
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._prog is not None:
-            self._prog.__exit__(*exc)
-
-
-def _progress_info(st: q.JobStatus) -> str:
-    if st.stalled:
-        return f"{st.state}  {st.stall_note}"
-    return (f"{st.state}  MAT {_fmt(st.mat)}  {st.rows_per_s:.2f} rows/s  {st.tokens_per_s:.1f} tok/s  "
-            f"ETA {_eta(st.eta_s)}")
+def _no_job(job_id: str, prefix: str) -> CliExit:
+    return CliExit(f"no job {job_id!r} (prefix {prefix!r})", ExitCode.INPUT)
 
 
 def _watch(queue: q.JobQueue, job_id: str, *, interval_s: float = 1.0) -> q.JobStatus:
     """Progress bar until the job ends; returns the final status."""
     st = queue.status(job_id)
-    with _JobProgress(job_id, st.rows_total) as prog:
+    with JobProgress(job_id, st.rows_total) as prog:
         try:
             while True:
                 st = queue.status(job_id)
@@ -224,18 +82,24 @@ def _watch(queue: q.JobQueue, job_id: str, *, interval_s: float = 1.0) -> q.JobS
                     return st
                 time.sleep(interval_s)
         except KeyboardInterrupt:
-            raise ServiceExit(f"interrupted; job {job_id} goes on (racer-batch status {job_id})",
-                              EXIT_INTERRUPTED) from None
+            raise CliExit(f"interrupted; job {job_id} goes on (racer-batch status {job_id})",
+                          ExitCode.INTERRUPTED) from None
 
 
-# ---- commands
-_FLAG_KEYS = (("--input", "input.path"), ("--output", "output.path"), ("--model", "model.name"),
-              ("--preset", "preset"), ("--method", "decoding.method"), ("--capacity", "decoding.capacity"),
-              ("--max-new-tokens", "generation.max_new_tokens"), ("--num-actors", "resources.num_actors"),
-              ("--shard-rows", "output.shard_rows"), ("--priority", "priority"), ("--seed", "seed"))
+# ---- submit
+# submit's override flags: click parameter name -> (flag, spec key)
+_OVERRIDE_FLAGS = {
+    "input_path": ("--input", "input.path"), "output_path": ("--output", "output.path"),
+    "model": ("--model", "model.name"), "preset": ("--preset", "preset"),
+    "method": ("--method", "decoding.method"), "capacity": ("--capacity", "decoding.capacity"),
+    "max_new_tokens": ("--max-new-tokens", "generation.max_new_tokens"),
+    "num_actors": ("--num-actors", "resources.num_actors"), "shard_rows": ("--shard-rows", "output.shard_rows"),
+    "priority": ("--priority", "priority"), "seed": ("--seed", "seed"),
+}
+_INT_OR_AUTO = ("--capacity", "--num-actors")
 
 
-@click.command(epilog=_EPILOG)
+@click.command(epilog=_SUBMIT_EPILOG)
 @click.argument("spec_file", metavar="[SPEC]", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--local", is_flag=True, help="Run the job here: local Ray + Redis (private redis-server if none).")
 @click.option("--wait", is_flag=True, help="Wait for the job to end and print a summary (implied by --local).")
@@ -257,11 +121,8 @@ _FLAG_KEYS = (("--input", "input.path"), ("--output", "output.path"), ("--model"
               help="With --local: Ray actors, or threads of this process.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON (with --wait/--local).")
 @_redis_options
-def submit(spec_file: Optional[str], local: bool, wait: bool, job_id: Optional[str], input_path: Optional[str],
-           output_path: Optional[str], model: Optional[str], preset: Optional[str], method: Optional[str],
-           capacity: Optional[str], max_new_tokens: Optional[int], num_actors: Optional[str],
-           shard_rows: Optional[int], priority: Optional[int], seed: Optional[int], sets: tuple[str, ...],
-           executor: str, as_json: bool, redis_url: Optional[str], prefix: str) -> None:
+def submit(spec_file: Optional[str], local: bool, wait: bool, job_id: Optional[str], sets: tuple[str, ...],
+           executor: str, as_json: bool, redis_url: Optional[str], prefix: str, **flags: Any) -> None:
     """Validate a job and its input, queue it, print its id.
 
     SPEC is a job YAML (docs/service.md). Without it the flags say everything: --input is required, the
@@ -269,67 +130,20 @@ def submit(spec_file: Optional[str], local: bool, wait: bool, job_id: Optional[s
     (model smollm2-135m, RACER with the default decoding settings, 256 new tokens, greedy, shards of 64
     rows, the model's own chat template with no system prompt).
     """
-    if spec_file is None and input_path is None:
-        raise ServiceExit("without a SPEC file, --input is required (--output defaults to "
-                          "out/<input file name>)", EXIT_INPUT)
-    if spec_file is None and output_path is None:
-        output_path = os.path.join("out", _stem(input_path))
-    overrides: dict[str, Any] = {}
-    labels: dict[str, str] = {}
-    try:
-        for s in sets:
-            k, v = parse_override(s)
-            overrides[k] = v
-            labels[k] = f"--set {k}"
-    except SpecError as exc:
-        raise ServiceExit(str(exc), EXIT_INPUT) from None
-    values = dict(zip((f for f, _ in _FLAG_KEYS), (input_path, output_path, model, preset, method, capacity,
-                                                     max_new_tokens, num_actors, shard_rows, priority, seed)))
-    for flag, key in _FLAG_KEYS:
-        val = values[flag]
-        if val is None:
-            continue
-        if flag in ("--capacity", "--num-actors") and val != "auto":
-            val = _int(val, flag)
-        overrides[key] = val
-        labels[key] = flag
-    from racer_batch.service.submit import submit_job
-
-    try:
-        spec = load_spec(spec_file, overrides, override_labels=labels)
-    except SpecError as exc:
-        raise ServiceExit(str(exc), EXIT_INPUT) from None
-    url = q.resolve_url(redis_url, spec.redis_url)
-    private = None
-    ray_started = False
-    if local:
-        from racer_batch.service.local import ensure_redis
-
-        try:
-            url, private = ensure_redis(url)
-        except q.QueueUnavailable as exc:
-            raise ServiceExit(str(exc), EXIT_SERVICE) from None
-        if private is not None:
-            err_console.print(f"no Redis answered; started a private redis-server at {q.redact_url(url)} "
-                              "for this run (its state is dropped at the end; the output folder keeps the results)")
-    try:
+    spec = _submit_spec(spec_file, sets=sets, flags=flags)
+    with contextlib.ExitStack() as cleanup:  # stops what this command started, last first
+        url = q.resolve_url(redis_url, spec.redis_url)
+        if local:
+            url = _ensure_redis(url, cleanup)
         queue = _queue(url, prefix)
-        try:
-            outcome = submit_job(queue, spec, job_id=job_id)
-        except (InputError, OutputError) as exc:
-            raise ServiceExit(f"nothing queued: {exc}", EXIT_INPUT) from None
-        click.echo(outcome.job_id)
-        kept = f", {outcome.shards_kept} already done" if outcome.shards_kept else ""
-        err_console.print(f"{outcome.action}: {outcome.plan.num_rows} rows in "
-                          f"{_n(outcome.shards_total, 'shard')}{kept} -> {spec.output.path}", highlight=False)
-        for note in outcome.notes:
-            err_console.print(note, highlight=False)
+        outcome = _queue_job(queue, spec, job_id=job_id)
         if not (local or wait):
             return
         if local:
             # nothing left to run: the embedded worker only marks the job done, so no Ray to start
             kind = executor if outcome.shards_left else "thread"
-            ray_started = kind == "ray"
+            if kind == "ray":
+                cleanup.callback(_shutdown_local_ray)
             st = _run_local(queue, outcome.job_id, url=url, prefix=prefix, executor=kind)
         else:
             st = _watch(queue, outcome.job_id)
@@ -338,15 +152,77 @@ def submit(spec_file: Optional[str], local: bool, wait: bool, job_id: Optional[s
         else:
             for line in summary_lines(st):
                 err_console.print(line, highlight=False)
-        if st.state != "done":
-            sys.exit(EXIT_JOB_FAILED)
-    finally:
-        if ray_started:
-            from racer_batch.service.local import shutdown_local_ray
+    if st.state != "done":
+        sys.exit(ExitCode.JOB_FAILED)
 
-            shutdown_local_ray()
-        if private is not None:
-            private.stop()
+
+def _submit_spec(spec_file: Optional[str], *, sets: tuple[str, ...], flags: dict[str, Any]) -> Any:
+    """The JobSpec from SPEC (or none), ``--set KEY=VALUE`` and the override flags (flags beat --set beat the
+    file); any error is a CliExit with exit 2 whose message names the flag or the file."""
+    assert set(flags) == set(_OVERRIDE_FLAGS), f"submit flags without a spec key: {set(flags) ^ set(_OVERRIDE_FLAGS)}"
+    if spec_file is None and flags["input_path"] is None:
+        raise CliExit("without a SPEC file, --input is required (--output defaults to out/<input file name>)",
+                      ExitCode.INPUT)
+    if spec_file is None and flags["output_path"] is None:
+        flags = dict(flags, output_path=os.path.join("out", _stem(flags["input_path"])))
+    overrides, labels = _set_overrides(sets)
+    for name, (flag, key) in _OVERRIDE_FLAGS.items():
+        val = flags[name]
+        if val is None:
+            continue
+        overrides[key] = _int(val, flag) if flag in _INT_OR_AUTO and val != "auto" else val
+        labels[key] = flag
+    try:
+        return load_spec(spec_file, overrides, override_labels=labels)
+    except SpecError as exc:
+        raise CliExit(str(exc), ExitCode.INPUT) from None
+
+
+def _set_overrides(sets: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``--set KEY=VALUE`` flags -> ({key: value}, {key: "--set KEY"}); a bad one is a CliExit (exit 2)."""
+    overrides: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    try:
+        for s in sets:
+            k, v = parse_override(s)
+            overrides[k] = v
+            labels[k] = f"--set {k}"
+    except SpecError as exc:
+        raise CliExit(str(exc), ExitCode.INPUT) from None
+    return overrides, labels
+
+
+def _ensure_redis(url: str, cleanup: contextlib.ExitStack) -> str:
+    """``submit --local``: the URL of a Redis that answers; a private redis-server (stopped by ``cleanup``) when
+    none does at ``url``."""
+    from racer_batch.service.local import ensure_redis
+
+    try:
+        url, private = ensure_redis(url)
+    except q.QueueUnavailable as exc:
+        raise CliExit(str(exc), ExitCode.SERVICE) from None
+    if private is not None:
+        cleanup.callback(private.stop)
+        err_console.print(f"no Redis answered; started a private redis-server at {q.redact_url(url)} "
+                          "for this run (its state is dropped at the end; the output folder keeps the results)")
+    return url
+
+
+def _queue_job(queue: q.JobQueue, spec: Any, *, job_id: Optional[str]) -> Any:
+    """Queue (or resume) the job; prints its id on stdout and what was planned on stderr."""
+    from racer_batch.service.submit import submit_job
+
+    try:
+        outcome = submit_job(queue, spec, job_id=job_id)
+    except (InputError, OutputError) as exc:
+        raise CliExit(f"nothing queued: {exc}", ExitCode.INPUT) from None
+    click.echo(outcome.job_id)
+    kept = f", {outcome.shards_kept} already done" if outcome.shards_kept else ""
+    err_console.print(f"{outcome.action}: {outcome.plan.num_rows} rows in "
+                      f"{plural(outcome.shards_total, 'shard')}{kept} -> {spec.output.path}", highlight=False)
+    for note in outcome.notes:
+        err_console.print(note, highlight=False)
+    return outcome
 
 
 def _stem(path: str) -> str:
@@ -359,7 +235,13 @@ def _int(v: str, flag: str) -> int:
     try:
         return int(v)
     except ValueError:
-        raise ServiceExit(f"{flag} must be an integer or auto, got {v!r}", EXIT_INPUT) from None
+        raise CliExit(f"{flag} must be an integer or auto, got {v!r}", ExitCode.INPUT) from None
+
+
+def _shutdown_local_ray() -> None:
+    from racer_batch.service.local import shutdown_local_ray
+
+    shutdown_local_ray()
 
 
 def _run_local(queue: q.JobQueue, job_id: str, *, url: str, prefix: str, executor: str) -> q.JobStatus:
@@ -370,18 +252,19 @@ def _run_local(queue: q.JobQueue, job_id: str, *, url: str, prefix: str, executo
         try:
             init_local_ray()
         except Exception as exc:  # noqa: BLE001 - Ray raises many types at start; all mean "unavailable"
-            raise ServiceExit(f"cannot start local Ray: {exc}", EXIT_SERVICE) from None
+            raise CliExit(f"cannot start local Ray: {exc}", ExitCode.SERVICE) from None
     st = queue.status(job_id)
-    with _JobProgress(job_id, st.rows_total) as prog:
+    with JobProgress(job_id, st.rows_total) as prog:
         try:
             run_until_done(queue, job_id, url=url, prefix=prefix, executor_kind=executor,
                            on_tick=lambda: prog.update(queue.status(job_id)))
         except KeyboardInterrupt:
-            raise ServiceExit(f"interrupted; job {job_id} handed back to the queue", EXIT_INTERRUPTED) from None
+            raise CliExit(f"interrupted; job {job_id} handed back to the queue", ExitCode.INTERRUPTED) from None
         prog.update(queue.status(job_id), force=True)
     return queue.status(job_id)
 
 
+# ---- read commands
 @click.command(epilog=_STATUS_EPILOG)
 @click.argument("job_id", metavar="JOB")
 @click.option("--watch", is_flag=True, help="Show a progress bar until the job ends.")
@@ -393,11 +276,11 @@ def status(job_id: str, watch: bool, as_json: bool, redis_url: Optional[str], pr
     try:
         st = _watch(queue, job_id) if watch else queue.status(job_id)
     except KeyError:
-        raise ServiceExit(f"no job {job_id!r} (prefix {prefix!r})", EXIT_INPUT) from None
+        raise _no_job(job_id, prefix) from None
     if as_json:
         click.echo(json.dumps(st.to_dict()))
     else:
-        _print_table(status_table(st))
+        print_table(status_table(st))
 
 
 @click.command("list", epilog=_LIST_EPILOG)
@@ -415,8 +298,8 @@ def list_jobs(limit: int, as_json: bool, redis_url: Optional[str], prefix: str) 
     t.columns.insert(0, Column("job", no_wrap=True, min_width=22))
     for j in jobs:
         t.add_row(j.job_id, j.name or "", j.state, f"{j.rows_done}/{j.rows_total}", str(j.totals.error),
-                  _fmt(j.mat), f"{j.model}/{j.method}", j.output or "")
-    _print_table(t)
+                  fmt(j.mat), f"{j.model}/{j.method}", j.output or "")
+    print_table(t)
 
 
 @click.command(epilog=_JOB_EPILOG)
@@ -428,7 +311,7 @@ def cancel(job_id: str, redis_url: Optional[str], prefix: str) -> None:
     try:
         state = queue.cancel(job_id)
     except KeyError:
-        raise ServiceExit(f"no job {job_id!r} (prefix {prefix!r})", EXIT_INPUT) from None
+        raise _no_job(job_id, prefix) from None
     click.echo(f"{job_id}: {state}")
 
 
@@ -443,7 +326,7 @@ def errors(job_id: str, limit: int, as_json: bool, redis_url: Optional[str], pre
     try:
         queue.job_fields(job_id)
     except KeyError:
-        raise ServiceExit(f"no job {job_id!r} (prefix {prefix!r})", EXIT_INPUT) from None
+        raise _no_job(job_id, prefix) from None
     rows = queue.errors(job_id, limit)
     if as_json:
         click.echo(json.dumps(rows))
@@ -454,9 +337,10 @@ def errors(job_id: str, limit: int, as_json: bool, redis_url: Optional[str], pre
     t = Table("row", "id", "route", "error")
     for r in rows:
         t.add_row(str(r.get("row_idx")), str(r.get("id")), str(r.get("route")), str(r.get("error")))
-    _print_table(t)
+    print_table(t)
 
 
+# ---- worker
 @click.command(epilog=_WORKER_EPILOG)
 @click.option("--ray-address", default=None, help="Join this Ray cluster (default: start a local Ray).")
 @click.option("--no-ray", is_flag=True, help="Run shards on threads of this process instead of Ray actors.")
@@ -481,65 +365,51 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
     url = q.resolve_url(redis_url)
     queue = _queue(url, prefix)
     name = name or worker_id()
-    if not no_ray:
-        try:
-            init_local_ray(address=ray_address, num_cpus=num_cpus)
-        except Exception as exc:  # noqa: BLE001 - any Ray start/connect failure
-            raise ServiceExit(f"cannot start or reach Ray: {exc}", EXIT_SERVICE) from None
-    executor = make_executor("thread" if no_ray else "ray", url=url, prefix=prefix, name=name,
-                             allow_remote_code=allow_remote_code)
-    metrics = None
-    if metrics_port is not None:
-        from racer_batch.service.metrics import MeteredExecutor, WorkerMetrics
-
-        metrics = WorkerMetrics(worker=name)
-        try:
-            bound = metrics.serve(metrics_port, host=metrics_host)
-        except OSError as exc:
-            executor.shutdown()
-            raise ServiceExit(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}", EXIT_SERVICE) from None
-        executor = MeteredExecutor(executor, metrics)
-        err_console.print(f"metrics: http://{metrics_host}:{bound}/metrics")
-    # one line per job taken, shard committed and job ended, at every log level (stderr)
-    w = Worker(queue, executor, name=name, lease_s=lease_s,
-               report=lambda line: err_console.print(f"{time.strftime('%H:%M:%S')} {line}", highlight=False))
-    stopping = threading.Event()
-    # SIGTERM (Kubernetes, systemd): stop taking jobs, hand the current one back to the queue at once.
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
-    err_console.print(f"worker {name} on {q.redact_url(url)} prefix {prefix!r}: waiting for jobs")
-    try:
-        n = w.run(max_jobs=max_jobs, idle_exit_s=idle_exit, stop=stopping.is_set)
-    except KeyboardInterrupt:
-        n = w.jobs_run
-    finally:
-        executor.shutdown()
-        if metrics is not None:
-            metrics.close()
+    with contextlib.ExitStack() as cleanup:  # stops what this command started, last first
         if not no_ray:
-            from racer_batch.service.local import shutdown_local_ray
-
-            shutdown_local_ray()
+            try:
+                init_local_ray(address=ray_address, num_cpus=num_cpus)
+            except Exception as exc:  # noqa: BLE001 - any Ray start/connect failure
+                raise CliExit(f"cannot start or reach Ray: {exc}", ExitCode.SERVICE) from None
+            cleanup.callback(_shutdown_local_ray)
+        executor = make_executor("thread" if no_ray else "ray", url=url, prefix=prefix, name=name,
+                                 allow_remote_code=allow_remote_code)
+        if metrics_port is not None:
+            executor = _metered(executor, cleanup, worker=name, port=metrics_port, host=metrics_host)
+        cleanup.callback(executor.shutdown)
+        # one line per job taken, shard committed and job ended, at every log level (stderr)
+        w = Worker(queue, executor, name=name, lease_s=lease_s,
+                   report=lambda line: err_console.print(f"{time.strftime('%H:%M:%S')} {line}", highlight=False))
+        stopping = threading.Event()
+        # SIGTERM (Kubernetes, systemd): stop taking jobs, hand the current one back to the queue at once.
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
+        err_console.print(f"worker {name} on {q.redact_url(url)} prefix {prefix!r}: waiting for jobs")
+        try:
+            n = w.run(max_jobs=max_jobs, idle_exit_s=idle_exit, stop=stopping.is_set)
+        except KeyboardInterrupt:
+            n = w.jobs_run
     err_console.print(f"worker {name}: {n} job(s) run")
+
+
+def _metered(executor: Any, cleanup: contextlib.ExitStack, *, worker: str, port: int, host: str) -> Any:
+    """``worker --metrics-port``: serve Prometheus metrics (closed by ``cleanup``) and count through them."""
+    from racer_batch.service.metrics import MeteredExecutor, WorkerMetrics
+
+    metrics = WorkerMetrics(worker=worker)
+    try:
+        bound = metrics.serve(port, host=host)
+    except OSError as exc:
+        executor.shutdown()
+        raise CliExit(f"cannot serve metrics on {host}:{port}: {exc}", ExitCode.SERVICE) from None
+    cleanup.callback(metrics.close)
+    err_console.print(f"metrics: http://{host}:{bound}/metrics")
+    return MeteredExecutor(executor, metrics)
 
 
 COMMANDS = (submit, status, list_jobs, cancel, errors, worker)
 
 
-def register(main: click.Group) -> None:
-    """Add the service commands to the top-level ``racer-batch`` group."""
+def register(group: click.Group) -> None:
+    """Add the service commands to a click group (the top-level ``racer-batch`` one)."""
     for cmd in COMMANDS:
-        main.add_command(cmd)
-
-
-@click.group()
-@click.option("--log-level", default="warning", type=click.Choice(["debug", "info", "warning", "error"]))
-def standalone(log_level: str) -> None:
-    """The service commands alone (``python -m racer_batch.cli_service``)."""
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-
-
-register(standalone)
-
-if __name__ == "__main__":
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    standalone()
+        group.add_command(cmd)
