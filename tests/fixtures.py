@@ -179,7 +179,7 @@ def cli():
     """The service commands in a click group, for click's CliRunner."""
     import click
 
-    from racer_batch.cli_service import register
+    from racer_batch.cli.service import register
 
     @click.group()
     def main() -> None:

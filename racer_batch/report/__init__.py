@@ -1,6 +1,6 @@
 """Reports on finished jobs: per-route statistics and charts, shadow comparisons, chat-format export.
 
-Layering: ``cli_report`` -> ``report`` -> ``service`` (reads output folders, runs ``RowRunner`` for post-hoc
+Layering: ``cli.report`` -> ``report`` -> ``service`` (reads output folders, runs ``RowRunner`` for post-hoc
 shadows); nothing here imports click. Names are resolved lazily so that the CLI does not import matplotlib
 until a report is drawn.
 """

@@ -1,6 +1,6 @@
 """The batch service: job specs, input planning, the Redis queue, shard runners, workers, Parquet output.
 
-Layering (STYLE.md habit 1): ``cli_service`` -> ``service`` -> ``engine``; nothing here imports click.
+Layering (STYLE.md habit 1): ``cli.service`` -> ``service`` -> ``engine``; nothing here imports click.
 """
 
 from racer_batch.service.inputs import InputError, InputPlan, check_ids, parse_row, plan_input

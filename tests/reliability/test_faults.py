@@ -222,7 +222,7 @@ def test_a_killed_workers_own_ray_dies_with_it(redis_url, prefix, tmp_path):
     root = Path(__file__).resolve().parents[2]
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log_fh:
-        proc = subprocess.Popen([sys.executable, "-m", "racer_batch.cli_service", "worker", "--num-cpus", "1",
+        proc = subprocess.Popen([sys.executable, "-m", "racer_batch", "worker", "--num-cpus", "1",
                                  "--idle-exit", "600", "--redis-url", redis_url, "--prefix", prefix],
                                 env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL,
                                 stderr=log_fh)

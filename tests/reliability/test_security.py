@@ -73,7 +73,7 @@ _FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
 def test_service_code_has_no_pickle_eval_or_unsafe_yaml():
     """Static check of the service and its CLI: values are JSON, YAML is safe_load, nothing is evaluated.
     (Ray pickles task arguments between our own processes; nothing a user submits is unpickled.)"""
-    files = sorted((ROOT / "racer_batch" / "service").glob("*.py")) + [ROOT / "racer_batch" / "cli_service.py"]
+    files = sorted((ROOT / "racer_batch" / "service").glob("*.py")) + sorted((ROOT / "racer_batch" / "cli").glob("*.py"))
     problems = []
     for f in files:
         tree = ast.parse(f.read_text(), filename=str(f))
@@ -172,7 +172,7 @@ def test_worker_command_refuses_remote_code_by_default(queue, redis_url, tmp_pat
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
     spec = load_spec(None, base_overrides(tmp_path, **{"model.name": str(model), "model.trust_remote_code": True}))
     sub = submit_job(queue, spec)
-    out = subprocess.run([sys.executable, "-m", "racer_batch.cli_service", "worker", "--no-ray", "--max-jobs", "1",
+    out = subprocess.run([sys.executable, "-m", "racer_batch", "worker", "--no-ray", "--max-jobs", "1",
                           "--idle-exit", "10", "--redis-url", redis_url, "--prefix", queue.prefix],
                          capture_output=True, text=True, cwd=ROOT, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -241,7 +241,7 @@ def test_password_redis_works_and_never_leaks(cli, ray_session, redis_server_fac
     spec2 = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "in2.parquet"),
                                                         "output.path": str(tmp_path / "out2")}))
     submit_job(q, spec2)
-    proc = subprocess.run([sys.executable, "-m", "racer_batch.cli_service", "--log-level", "debug", "worker",
+    proc = subprocess.run([sys.executable, "-m", "racer_batch", "--log-level", "debug", "worker",
                            "--no-ray", "--max-jobs", "1", "--idle-exit", "10", "--redis-url", srv.url,
                            "--prefix", prefix], capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))

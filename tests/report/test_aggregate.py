@@ -133,16 +133,16 @@ def test_report_without_shadow_says_so_and_writes_formats(hand_folder, tmp_path)
 
 
 def test_cli_report_on_a_folder(hand_folder, tmp_path):
-    from racer_batch.cli_report import standalone
+    from racer_batch.cli import main
 
-    res = CliRunner().invoke(standalone, ["report", str(hand_folder), "--format", "json", "--out",
+    res = CliRunner().invoke(main, ["report", str(hand_folder), "--format", "json", "--out",
                                           str(tmp_path / "r"), "--price-per-gpu-hour", "3.6"])
     assert res.exit_code == 0, res.output
     js = json.loads((tmp_path / "r" / "report.json").read_text())
     assert js["routes"][OVERALL]["output_tokens"] == 114
-    bad = CliRunner().invoke(standalone, ["report", str(tmp_path / "nope"), "--redis-url", "redis://127.0.0.1:1/0"])
+    bad = CliRunner().invoke(main, ["report", str(tmp_path / "nope"), "--redis-url", "redis://127.0.0.1:1/0"])
     assert bad.exit_code == 4 and "Redis" in bad.output
-    by = CliRunner().invoke(standalone, ["report", str(hand_folder), "--by", "nope"])
+    by = CliRunner().invoke(main, ["report", str(hand_folder), "--by", "nope"])
     assert by.exit_code == 2 and "not an output column" in by.output
 
 
@@ -154,7 +154,7 @@ def test_schema_of_hand_parquet_is_the_declared_one(hand_folder):
 def test_cli_report_by_job_id_from_redis(hand_folder, tmp_path):
     import uuid
 
-    from racer_batch.cli_report import standalone
+    from racer_batch.cli import main
     from racer_batch.service.queue import QueueUnavailable, connect
 
     url = "redis://127.0.0.1:6379/0"
@@ -165,11 +165,11 @@ def test_cli_report_by_job_id_from_redis(hand_folder, tmp_path):
     prefix = f"rbtest-report-{uuid.uuid4().hex[:8]}:"
     try:
         r.hset(f"{prefix}job:job-42", mapping={"output": str(hand_folder), "spec": "{}"})
-        res = CliRunner().invoke(standalone, ["report", "job-42", "--redis-url", url, "--prefix", prefix,
+        res = CliRunner().invoke(main, ["report", "job-42", "--redis-url", url, "--prefix", prefix,
                                               "--format", "json", "--out", str(tmp_path / "r")])
         assert res.exit_code == 0, res.output
         assert json.loads((tmp_path / "r" / "report.json").read_text())["job"]["job_id"] == "hand"
-        res = CliRunner().invoke(standalone, ["report", "job-43", "--redis-url", url, "--prefix", prefix])
+        res = CliRunner().invoke(main, ["report", "job-43", "--redis-url", url, "--prefix", prefix])
         assert res.exit_code == 2 and "neither an output folder nor a known job id" in res.output
     finally:
         r.delete(*r.keys(f"{prefix}*") or ["-"])

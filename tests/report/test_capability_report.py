@@ -14,7 +14,7 @@ from helpers import tiny_bundle
 from report_fixtures import finished_job
 
 from racer_batch.capability import answer_correct, repeated_ngram_rate, text_units
-from racer_batch.cli_report import standalone
+from racer_batch.cli import main
 from racer_batch.report.aggregate import OVERALL
 from racer_batch.report.build import build_report, render_html, render_md, write_report
 from racer_batch.report.load import load_output
@@ -142,7 +142,7 @@ def test_reference_column_reaches_in_job_and_posthoc_shadow_records(tmp_path):
     path, n = run_posthoc_shadow(load_output(spec.output.path), baseline="ar", fraction=1.0)
     post = {(r["id"], r["side"]): r["reference"] for r in pq.read_table(path).to_pylist()}
     assert n == 4 and post == got
-    res = CliRunner().invoke(standalone, ["shadow", spec.output.path, "--baseline", "ar", "--fraction", "1"])
+    res = CliRunner().invoke(main, ["shadow", spec.output.path, "--baseline", "ar", "--fraction", "1"])
     assert res.exit_code == 0, res.output
     assert "(2 scored turns)" in res.stderr and "relaxed" not in res.stderr
 

@@ -74,9 +74,9 @@ def test_single_sample_parquet_and_cli(tmp_path):
     assert table.schema.equals(CHAT_SCHEMA) and n == table.num_rows == 4 and skipped == 0
     assert [r["sample"] for r in table.to_pylist()] == [0, 0, 0, 0]
 
-    from racer_batch.cli_report import standalone
+    from racer_batch.cli import main
 
-    res = CliRunner().invoke(standalone, ["export", spec.output.path, "--format", "jsonl"])
+    res = CliRunner().invoke(main, ["export", spec.output.path, "--format", "jsonl"])
     assert res.exit_code == 0, res.output
     path = res.output.strip().splitlines()[-1]
     assert path.endswith("/_chat.jsonl") and len(open(path).read().splitlines()) == 3

@@ -204,7 +204,7 @@ def test_sigterm_hands_the_job_back(queue, redis_url, tmp_path):
     spec, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(40)],
                      **{"model.name": "stand-in?ms_per_step=20", "generation.max_new_tokens": 10})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "racer_batch.cli_service", "worker", "--no-ray", "--lease-s", "600",
+        [sys.executable, "-m", "racer_batch", "worker", "--no-ray", "--lease-s", "600",
          "--redis-url", redis_url, "--prefix", queue.prefix, "--name", "polite"],
         env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -71,7 +71,7 @@ def test_resume_after_killing_worker(ray_session, queue, redis_url, tmp_path):
                                                     "generation.max_new_tokens": 10})
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "racer_batch.cli_service", "worker", "--no-ray", "--lease-s", "3",
+        [sys.executable, "-m", "racer_batch", "worker", "--no-ray", "--lease-s", "3",
          "--redis-url", redis_url, "--prefix", queue.prefix, "--name", "doomed"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

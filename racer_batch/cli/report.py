@@ -1,16 +1,13 @@
 """Report commands of the ``racer-batch`` CLI: report, shadow, export.
 
-``register(main)`` adds them to the top-level click group. JOB_OR_OUTPUT is an output folder, or a job id
-looked up in Redis (``--redis-url`` / ``--prefix`` as for the service commands). Flags become plain arguments
-here and are handed to racer_batch.report, which never imports click.
-
-Exit codes: 0 success; 2 bad input (unknown job, not an output folder, bad option value); 3 the model could not
-be loaded (shadow); 4 Redis unreachable (only when a job id must be looked up); 1 anything unexpected.
+``register(group)`` adds them to a click group (the top-level one). JOB_OR_OUTPUT is an output folder, or a
+job id looked up in Redis (``--redis-url`` / ``--prefix`` as for the service commands). Flags become plain
+arguments here and are handed to racer_batch.report, which never imports click. Exit codes: the table in
+exit_codes.py; each command's --help lists its own.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -20,50 +17,48 @@ from rich.console import Console
 from racer_batch.report.load import ReportError, load_output, resolve_output
 from racer_batch.service import queue as q
 
-EXIT_INPUT, EXIT_MODEL, EXIT_SERVICE = 2, 3, 4
-PREFIX_ENV = "RACER_BATCH_PREFIX"
+from .exit_codes import CliExit, ExitCode, epilog
+from .options import redis_options, set_torch_threads
 
-_EPILOG = """\b
-Exit codes:
-  0  success
-  2  bad input (unknown job id, not an output folder, bad value)
-  3  the model could not be loaded (shadow)
-  4  Redis unreachable (looking up a job id)
-"""
+_LOOKUP = (ExitCode.SERVICE, "Redis, to look up a job id")
+_REPORT_EPILOG = epilog(ExitCode.OK, ExitCode.INTERNAL,
+                        (ExitCode.INPUT, "unknown job id, not an output folder, unknown --by column, bad value"),
+                        _LOOKUP, ExitCode.INTERRUPTED)
+_SHADOW_EPILOG = epilog(ExitCode.OK, ExitCode.INTERNAL,
+                        (ExitCode.INPUT, "unknown job id, not an output folder, bad baseline or value"),
+                        (ExitCode.MODEL, "the job's model"), _LOOKUP, ExitCode.INTERRUPTED)
+_EXPORT_EPILOG = epilog(ExitCode.OK, ExitCode.INTERNAL,
+                        (ExitCode.INPUT, "unknown job id, not an output folder, bad value"),
+                        _LOOKUP, ExitCode.INTERRUPTED)
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
-
-class ReportExit(click.ClickException):
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.exit_code = code
+_redis_options = redis_options(
+    url_help="Redis URL to look up a job id (default: REDIS_URL, then redis://127.0.0.1:6379/0).",
+    prefix_help=", used to look up a job id.")
 
 
 def _job_options(f):
-    f = click.option("--prefix", envvar=PREFIX_ENV, default=q.DEFAULT_PREFIX, show_default=True,
-                     help=f"Redis key prefix (env {PREFIX_ENV}), used to look up a job id.")(f)
-    f = click.option("--redis-url", default=None,
-                     help="Redis URL to look up a job id (default: REDIS_URL, then redis://127.0.0.1:6379/0).")(f)
-    f = click.argument("job", metavar="JOB_OR_OUTPUT")(f)
-    return f
+    f = _redis_options(f)
+    return click.argument("job", metavar="JOB_OR_OUTPUT")(f)
 
 
 def _load(job: str, redis_url: Optional[str], prefix: str):
+    """JOB_OR_OUTPUT -> the loaded output folder (racer_batch.report.load); exit 2 or 4 when it cannot be."""
     def queue() -> q.JobQueue:
         try:
             return q.JobQueue.from_url(q.resolve_url(redis_url), prefix=prefix)
         except q.QueueUnavailable as exc:
-            raise ReportExit(f"{job!r} is not a folder, and Redis is needed to look it up: {exc}",
-                             EXIT_SERVICE) from None
+            raise CliExit(f"{job!r} is not a folder, and Redis is needed to look it up: {exc}",
+                          ExitCode.SERVICE) from None
 
     try:
         return load_output(resolve_output(job, queue=queue))
     except ReportError as exc:
-        raise ReportExit(str(exc), EXIT_INPUT) from None
+        raise CliExit(str(exc), ExitCode.INPUT) from None
 
 
-@click.command(epilog=_EPILOG)
+@click.command(epilog=_REPORT_EPILOG)
 @_job_options
 @click.option("--by", default="route", show_default=True,
               help="Output column to group rows by (route, model, method, worker, ...).")
@@ -81,8 +76,8 @@ def report(job: str, redis_url: Optional[str], prefix: str, by: str, price: Opti
 
     data = _load(job, redis_url, prefix)
     if by not in data.rows.column_names:
-        raise ReportExit(f"--by {by!r}: not an output column (columns: {', '.join(data.rows.column_names)})",
-                         EXIT_INPUT)
+        raise CliExit(f"--by {by!r}: not an output column (columns: {', '.join(data.rows.column_names)})",
+                      ExitCode.INPUT)
     rep = build_report(data, by=by, price_per_device_hour=price, title=title)
     out = Path(out_dir) if out_dir else data.out_dir / "_report"
     written = write_report(rep, out, formats=formats or ("md", "html", "json"))
@@ -92,7 +87,7 @@ def report(job: str, redis_url: Optional[str], prefix: str, by: str, price: Opti
         click.echo(str(p))
 
 
-@click.command(epilog=_EPILOG)
+@click.command(epilog=_SHADOW_EPILOG)
 @_job_options
 @click.option("--baseline", required=True, help="Baseline preset (configs/<name>.yaml, e.g. ar) or YAML path.")
 @click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=0.05, show_default=True,
@@ -110,12 +105,7 @@ def shadow(job: str, redis_url: Optional[str], prefix: str, baseline: str, fract
     from racer_batch.report.shadow_run import run_posthoc_shadow
 
     data = _load(job, redis_url, prefix)
-    try:
-        import torch
-
-        torch.set_num_threads(torch_threads)
-    except ImportError:  # the stand-in model needs no torch
-        pass
+    set_torch_threads(torch_threads)
 
     def on_row(i: int, n: int, rid: str) -> None:
         err_console.print(f"  shadowed {i}/{n}: {rid}")
@@ -124,9 +114,9 @@ def shadow(job: str, redis_url: Optional[str], prefix: str, baseline: str, fract
         path, n = run_posthoc_shadow(data, baseline=baseline, fraction=fraction, seed=seed, max_rows=max_rows,
                                      device=device, on_row=on_row)
     except ReportError as exc:
-        raise ReportExit(str(exc), EXIT_INPUT) from None
+        raise CliExit(str(exc), ExitCode.INPUT) from None
     except ModelLoadError as exc:
-        raise ReportExit(f"cannot load the job's model: {exc}", EXIT_MODEL) from None
+        raise CliExit(f"cannot load the job's model: {exc}", ExitCode.MODEL) from None
     import pyarrow.parquet as pq
 
     job_rows = {r["row_idx"]: r for r in data.rows.to_pylist()}
@@ -147,7 +137,7 @@ def shadow(job: str, redis_url: Optional[str], prefix: str, baseline: str, fract
     click.echo(str(path))
 
 
-@click.command(epilog=_EPILOG)
+@click.command(epilog=_EXPORT_EPILOG)
 @_job_options
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
@@ -163,7 +153,7 @@ def export(job: str, redis_url: Optional[str], prefix: str, fmt: str, out_path: 
     try:
         n, skipped = export_chat(data, out, fmt=fmt, only_ok=not all_status)
     except ReportError as exc:
-        raise ReportExit(str(exc), EXIT_INPUT) from None
+        raise CliExit(str(exc), ExitCode.INPUT) from None
     err_console.print(f"{n} chat records written ({skipped} rows or samples skipped: not ok)")
     click.echo(str(out))
 
@@ -179,19 +169,7 @@ def _num(v: Optional[float]) -> str:
 COMMANDS = (report, shadow, export)
 
 
-def register(main: click.Group) -> None:
-    """Add the report commands to the top-level ``racer-batch`` group."""
+def register(group: click.Group) -> None:
+    """Add the report commands to a click group (the top-level ``racer-batch`` one)."""
     for cmd in COMMANDS:
-        main.add_command(cmd)
-
-
-@click.group()
-def standalone() -> None:
-    """The report commands alone (``python -m racer_batch.cli_report``)."""
-
-
-register(standalone)
-
-if __name__ == "__main__":
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    standalone()
+        group.add_command(cmd)
