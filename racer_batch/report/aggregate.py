@@ -129,7 +129,29 @@ def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "rout
     Example: one row of 100 tokens generated from t=0 to t=10 s, 2 bins -> centres [2.5, 7.5],
     rates [10.0, 10.0].
     """
-    spans = []  # (start s, end s, tokens, group, counts toward the total)
+    spans = _spans(rows, by=by, side_rows=side_rows, side_label=side_label)
+    if not spans:
+        return [], {}
+    t0 = min(sp[0] for sp in spans)
+    width = max(max(sp[1] for sp in spans) - t0, 1e-6) / bins
+    series: dict[str, list[float]] = {}
+    total = [0.0] * bins
+    for s, e, tok, g, in_total in spans:
+        arr = series.setdefault(g, [0.0] * bins)
+        for b, frac in enumerate(_bin_shares(s, e, t0=t0, width=width, bins=bins)):
+            arr[b] += tok * frac
+            if in_total:
+                total[b] += tok * frac
+    centres = [(b + 0.5) * width for b in range(bins)]
+    rates = {g: [v / width for v in arr] for g, arr in sorted(series.items())}
+    rates[OVERALL] = [v / width for v in total]
+    return centres, rates
+
+
+def _spans(rows: Iterable[dict], *, by: str, side_rows: Iterable[dict], side_label: str
+           ) -> list[tuple[float, float, int, str, bool]]:
+    """(start s, end s, tokens, group, counts toward the total) of every row that generated tokens."""
+    spans = []
     for source, is_side in ((rows, False), (side_rows, True)):
         for row in source:
             fin = epoch_s(row.get("finished_at"))
@@ -138,26 +160,17 @@ def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "rout
             if fin is None or tok == 0:
                 continue
             spans.append((fin - gen_s, fin, tok, side_label if is_side else str(row.get(by)), not is_side))
-    if not spans:
-        return [], {}
-    t0 = min(sp[0] for sp in spans)
-    t1 = max(sp[1] for sp in spans)
-    width = max(t1 - t0, 1e-6) / bins
-    series: dict[str, list[float]] = {}
-    total = [0.0] * bins
-    for s, e, tok, g, in_total in spans:
-        arr = series.setdefault(g, [0.0] * bins)
-        dur = e - s
-        for b in range(bins):
-            lo, hi = t0 + b * width, t0 + (b + 1) * width
-            if dur <= 0:
-                frac = 1.0 if lo <= e < hi or (b == bins - 1 and e == hi) else 0.0
-            else:
-                frac = max(0.0, min(e, hi) - max(s, lo)) / dur
-            arr[b] += tok * frac
-            if in_total:
-                total[b] += tok * frac
-    centres = [(b + 0.5) * width for b in range(bins)]
-    rates = {g: [v / width for v in arr] for g, arr in sorted(series.items())}
-    rates[OVERALL] = [v / width for v in total]
-    return centres, rates
+    return spans
+
+
+def _bin_shares(s: float, e: float, *, t0: float, width: float, bins: int) -> list[float]:
+    """The share of the span [s, e] in each of ``bins`` bins of ``width`` seconds from ``t0`` (a zero-length
+    span falls wholly in the bin holding e; the last bin is closed)."""
+    out = []
+    for b in range(bins):
+        lo, hi = t0 + b * width, t0 + (b + 1) * width
+        if e - s <= 0:
+            out.append(1.0 if lo <= e < hi or (b == bins - 1 and e == hi) else 0.0)
+        else:
+            out.append(max(0.0, min(e, hi) - max(s, lo)) / (e - s))
+    return out

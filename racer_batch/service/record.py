@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import pyarrow as pa
 
@@ -107,12 +107,13 @@ class RowRecord:
     error: Optional[str] = _col(pa.string())
     text: Optional[str] = _col(pa.string())
     turn_texts: Optional[list[str]] = _col(pa.list_(pa.string()), default=[])
-    prompt_tokens: Optional[int] = _col(pa.int64())
+    prompt_tokens: Optional[int] = _col(pa.int64())  # summed over turns (tokens prefilled)
     output_tokens: Optional[int] = _col(pa.int64())
-    finish_reason: Optional[str] = _col(pa.string())
-    steps: Optional[int] = _col(pa.int64())
-    mat: Optional[float] = _col(pa.float64())
+    finish_reason: Optional[str] = _col(pa.string())  # the last turn's
+    steps: Optional[int] = _col(pa.int64())  # target forwards, prefill included
+    mat: Optional[float] = _col(pa.float64())  # output_tokens / steps
     accepted_hist: Optional[list[int]] = _col(pa.list_(pa.int64()), default=[])
+    # accepted draft tokens by source: retrieval only, logits only, both, other (PLD and the peers)
     accepted_retrieval: Optional[int] = _col(pa.int64())
     accepted_logits: Optional[int] = _col(pa.int64())
     accepted_both: Optional[int] = _col(pa.int64())
@@ -141,23 +142,11 @@ class RowRecord:
         """The record of one answer from its turns (engine ``GenerationResult`` objects, in order; may be
         empty when the first turn raised). ``status`` is one of STATUSES."""
         assert status in STATUSES, f"row {RowOrigin.of(origin).id!r}: unknown status {status!r}"
-        hist: dict[int, int] = {}
-        for res in turns:
-            for k, v in res.stats.accepted_hist.items():
-                hist[int(k)] = hist.get(int(k), 0) + int(v)
+        last = turns[-1] if turns else None
         rec = cls(**dataclasses.asdict(RowOrigin.of(origin)), status=status, error=error,
-                  text=turns[-1].text if turns else None, turn_texts=[r.text for r in turns],
-                  prompt_tokens=sum(int(r.prompt_tokens) for r in turns),
-                  output_tokens=sum(int(r.output_tokens) for r in turns),
-                  finish_reason=turns[-1].finish_reason if turns else None,
-                  steps=sum(int(r.stats.steps) for r in turns),
-                  accepted_hist=[hist.get(k, 0) for k in range(max(hist) + 1)] if hist else [],
-                  prefill_ms=sum((float(r.prefill_ms) for r in turns), 0.0),
-                  decode_ms=sum((float(r.decode_ms) for r in turns), 0.0))
-        for src in SOURCES:
-            setattr(rec, f"accepted_{src}", sum(int(getattr(r.stats, f"accepted_{src}")) for r in turns))
-        for key in ("draft_ms", "verify_ms", "update_ms"):
-            setattr(rec, key, sum((float(getattr(r.stats, key)) for r in turns), 0.0))
+                  text=last.text if last else None, turn_texts=[r.text for r in turns],
+                  finish_reason=last.finish_reason if last else None,
+                  accepted_hist=add_lists(*(_hist_list(r.stats.accepted_hist) for r in turns)), **_turn_sums(turns))
         rec._derive()
         return rec
 
@@ -232,6 +221,26 @@ class RowRecord:
         keys = ("id", "row_idx", "shard", "route", "status", "error", "output_tokens", "steps", "mat",
                 "tokens_per_s", "finish_reason", "worker", "device")
         return {k: getattr(self, k) for k in keys}
+
+
+_RESULT_SUMS = ("prompt_tokens", "output_tokens", "prefill_ms", "decode_ms")  # GenerationResult fields
+_STATS_SUMS = ("steps", *(f"accepted_{s}" for s in SOURCES), "draft_ms", "verify_ms", "update_ms")  # RowStats
+
+
+def _turn_sums(turns: Sequence[Any]) -> dict:
+    """Counts (int) and times (float, ``*_ms``) summed over a row's turns, by RowRecord field name."""
+    def total(key: str, part: Callable[[Any], Any]) -> Any:
+        cast = float if key.endswith("_ms") else int
+        return sum((cast(getattr(part(r), key)) for r in turns), cast(0))
+
+    out = {key: total(key, lambda r: r) for key in _RESULT_SUMS}
+    out.update({key: total(key, lambda r: r.stats) for key in _STATS_SUMS})
+    return out
+
+
+def _hist_list(hist: Mapping[int, int]) -> list[int]:
+    """``{accepted length: steps}`` -> list indexed by accepted length: ``{0: 2, 3: 1}`` -> ``[2, 0, 0, 1]``."""
+    return [int(hist.get(k, 0)) for k in range(max(hist) + 1)] if hist else []
 
 
 def add_lists(*lists: Sequence[int]) -> list[int]:

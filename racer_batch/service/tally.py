@@ -37,13 +37,13 @@ class Tally:
     basis); ``first_start_s`` / ``last_finish_s``: epoch seconds of the earliest row start (finished_at minus
     its generation time) and the latest finish, None until a row with ``finished_at`` is seen."""
 
-    rows: int = 0
+    rows: int = 0  # every status
     ok: int = 0
-    error: int = 0
+    error: int = 0  # the report calls them failed
     cancelled: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # tokens prefilled, summed over turns
     output_tokens: int = 0
-    steps: int = 0
+    steps: int = 0  # target forwards, prefill included
     gen_ms: float = 0.0  # prefill + decode
     device_ms: float = 0.0
     draft_ms: float = 0.0
