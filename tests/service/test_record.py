@@ -12,7 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import base_overrides, write_parquet
+try:
+    from tests.fixtures import base_overrides, write_parquet
+except ImportError:  # before the shared fixtures module of issue 13 part 3
+    from tests.helpers import base_overrides, write_parquet
 from racer_batch.service import runner as runner_mod
 from racer_batch.service import sinks
 from racer_batch.service.inputs import plan_input
