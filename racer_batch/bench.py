@@ -22,7 +22,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -31,6 +31,8 @@ from .capability import REPEAT_N, answer_correct, repeated_ngram_rate
 from .engine import Engine
 from .models import ModelBundle
 from .published import PAPER_ROW, SET_TITLES, SOURCE, published
+from .service.record import RowRecord
+from .service.tally import Tally
 from .types import METHODS, DecodingConfig, GenerationParams
 
 log = logging.getLogger(__name__)
@@ -102,33 +104,18 @@ def decoding_config(spec: MethodSpec, *, capacity: int | str, corpus: str | None
 
 
 @dataclass
-class MethodTotals:
-    """Accumulated over rows of one group for one method."""
+class AnswerQuality:
+    """Capability counters of the answered turns of one method (what a speed tally cannot say)."""
 
-    tokens: int = 0
-    steps: int = 0
-    wall_ms: float = 0.0
-    draft_ms: float = 0.0
-    update_ms: float = 0.0
-    verify_ms: float = 0.0
-    rows: int = 0
     exact: int = 0  # turns whose tokens equal the HF greedy baseline's
     scored: int = 0  # turns with a reference answer that can be scored (capability.answer_correct)
     correct: int = 0
     repeat_sum: float = 0.0  # sum of per-turn repeated 4-gram rates of the output tokens
     repeat_n: int = 0
 
-    def add(self, other: "MethodTotals") -> None:
+    def merge(self, other: "AnswerQuality") -> None:
         for k in self.__dataclass_fields__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
-
-    @property
-    def mat(self) -> float | None:
-        return self.tokens / self.steps if self.steps else None
-
-    @property
-    def ms_per_token(self) -> float:
-        return self.wall_ms / self.tokens if self.tokens else float("nan")
 
     def observe_answer(self, new_ids: list[int], text: str, references: tuple[str, ...]) -> None:
         """Capability counters of one answered turn (references: any acceptable answer counts)."""
@@ -141,6 +128,34 @@ class MethodTotals:
         if marks:
             self.scored += 1
             self.correct += int(any(marks))
+
+
+@dataclass
+class MethodTotals:
+    """One method over the turns of one group: the row tally (one bench turn is one ``RowRecord``: its wall
+    time as ``decode_ms``, tokens, steps, drafting times) and the answer quality beside it."""
+
+    tally: Tally = field(default_factory=Tally)
+    quality: AnswerQuality = field(default_factory=AnswerQuality)
+
+    def add(self, other: "MethodTotals") -> None:
+        self.tally.merge(other.tally)
+        self.quality.merge(other.quality)
+
+    @property
+    def ms_per_token(self) -> float:
+        """Wall time per output token (NaN before any token)."""
+        return self.tally.gen_ms / self.tally.output_tokens if self.tally.output_tokens else float("nan")
+
+
+def turn_record(label: str, *, new_ids: list[int], wall_ms: float, stats: Any) -> RowRecord:
+    """The RowRecord of one benchmark turn of method ``label``: ``stats`` (engine RowStats, None for HF
+    rows) gives steps and drafting times; HF greedy takes one forward per token, HF prompt lookup counts none."""
+    steps = stats.steps if stats is not None else len(new_ids) if label == "hf_greedy" else 0
+    return RowRecord(id=label, row_idx=0, shard=None, route=label, status="ok", job_id="bench",
+                     output_tokens=len(new_ids), steps=steps, prefill_ms=0.0, decode_ms=wall_ms,
+                     draft_ms=getattr(stats, "draft_ms", 0.0), verify_ms=getattr(stats, "verify_ms", 0.0),
+                     update_ms=getattr(stats, "update_ms", 0.0))
 
 
 @dataclass
@@ -265,22 +280,13 @@ def run_bench(
                 ids = enc.encode(conversation(list(item.turns[: turn + 1]), answers[m], system_prompt=system_prompt))
                 new, ms, stats = run(ids)
                 tot = res.groups.setdefault(group, {}).setdefault(m, MethodTotals())
-                tot.rows += 1
-                tot.tokens += len(new)
-                tot.wall_ms += ms
-                if stats is not None:
-                    tot.steps += stats.steps
-                    tot.draft_ms += stats.draft_ms
-                    tot.update_ms += stats.update_ms
-                    tot.verify_ms += stats.verify_ms
-                elif m == "hf_greedy":
-                    tot.steps += len(new)  # one forward per token
+                tot.tally.observe_row(turn_record(m, new_ids=new, wall_ms=ms, stats=stats))
                 if m == "hf_greedy":
                     baseline_ids.append(new)
-                tot.exact += int(new == baseline_ids[turn])
+                tot.quality.exact += int(new == baseline_ids[turn])
                 content = [t for t in new if t not in bundle.eos_ids]
                 answers[m].append(tok.decode(content, skip_special_tokens=True))
-                tot.observe_answer(content, answers[m][-1], item.turn_references(turn))
+                tot.quality.observe_answer(content, answers[m][-1], item.turn_references(turn))
         log.info("bench: %d/%d items done", n + 1, len(items))
         res.config["items_done"] = n + 1
         if on_item is not None:
@@ -290,18 +296,18 @@ def run_bench(
 
 def _row(res: BenchResult, tots: dict[str, MethodTotals], method: str) -> dict:
     base = tots["hf_greedy"]
-    t = tots[method]
+    t, q = tots[method].tally, tots[method].quality
     step_ms = t.draft_ms + t.verify_ms + t.update_ms
     return {
         "rows": t.rows,
-        "tokens": t.tokens,
+        "tokens": t.output_tokens,
         "mat": round(t.mat, 3) if t.mat else None,
-        "ms_per_token": round(t.ms_per_token, 2),
-        "speedup_vs_hf_greedy": round(base.ms_per_token / t.ms_per_token, 3) if t.tokens else None,
-        "exact_match_vs_hf_greedy": f"{t.exact}/{t.rows}",
-        "answer_accuracy": f"{t.correct}/{t.scored}" if t.scored else None,
-        "mean_tokens": round(t.tokens / t.rows, 1) if t.rows else None,
-        "repeat4": round(t.repeat_sum / t.repeat_n, 4) if t.repeat_n else None,
+        "ms_per_token": round(tots[method].ms_per_token, 2),
+        "speedup_vs_hf_greedy": round(base.ms_per_token / tots[method].ms_per_token, 3) if t.output_tokens else None,
+        "exact_match_vs_hf_greedy": f"{q.exact}/{t.rows}",
+        "answer_accuracy": f"{q.correct}/{q.scored}" if q.scored else None,
+        "mean_tokens": round(t.output_tokens / t.rows, 1) if t.rows else None,
+        "repeat4": round(q.repeat_sum / q.repeat_n, 4) if q.repeat_n else None,
         "draft_update_share_of_step": round((t.draft_ms + t.update_ms) / step_ms, 4) if step_ms else None,
     }
 

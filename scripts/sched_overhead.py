@@ -54,7 +54,9 @@ import pyarrow.parquet as pq  # noqa: E402
 from racer_batch.service.actors import RayExecutor, RedisSink, ThreadExecutor  # noqa: E402
 from racer_batch.service.local import init_local_ray, shutdown_local_ray  # noqa: E402
 from racer_batch.service.output import read_output, write_part  # noqa: E402
-from racer_batch.service.queue import JobQueue, ShardSummary, connect  # noqa: E402
+from racer_batch.service.queue import JobQueue, connect  # noqa: E402
+from racer_batch.service.record import RowRecord  # noqa: E402
+from racer_batch.service.tally import Tally  # noqa: E402
 from racer_batch.service.spec import load_spec  # noqa: E402
 from racer_batch.service.submit import submit_job  # noqa: E402
 from racer_batch.service.worker import Worker  # noqa: E402
@@ -119,10 +121,8 @@ def time_components(queue: JobQueue, executor: RayExecutor, sample_rows: list[di
     sink = RedisSink(queue)
     job = f"bench-{uuid.uuid4().hex[:6]}"
     queue.r.hset(queue.k_job(job), mapping={"owner": "me", "cancel": "0"})
-    tele = {k: sample_rows[0].get(k) for k in ("id", "row_idx", "shard", "route", "status", "error",
-                                                 "output_tokens", "steps", "mat", "tokens_per_s",
-                                                 "finish_reason", "worker", "device")}
-    prog = ShardSummary()
+    rec = RowRecord.from_row(dict(sample_rows[0], job_id=job))
+    prog = Tally()
 
     def med_ms(fn, n: int) -> float:
         ts = []
@@ -132,7 +132,7 @@ def time_components(queue: JobQueue, executor: RayExecutor, sample_rows: list[di
             ts.append((time.perf_counter() - t0) * 1000.0)
         return statistics.median(ts)
 
-    record_ms = med_ms(lambda: sink.record_row(job, tele, shard=0, progress=prog), repeats)
+    record_ms = med_ms(lambda: sink.observe(rec, progress=prog), repeats)
     probe_ms = med_ms(lambda: sink.verdict(job, "me"), repeats)
     for k in ("", "rows", "inflight"):
         queue.r.delete(queue.k_job(job, k))

@@ -23,144 +23,75 @@ Worked example (two rows of one route, one device each, price 3.60 per device-ho
 
 from __future__ import annotations
 
-import datetime as dt
-from dataclasses import dataclass, field
 from typing import Iterable, Optional
+
+from racer_batch.service.record import RowRecord
+from racer_batch.service.tally import Tally, epoch_s
 
 OVERALL = "(all)"
 
 
-@dataclass
 class RouteStats:
-    """Sums over the rows of one route; ``observe_row`` takes one output record (OUTPUT_SCHEMA dict)."""
+    """The report's figures of one group of rows, derived from its ``tally`` (service/tally.py, which does
+    all the counting). ``failed`` in ``to_dict`` is the tally's ``error`` count."""
 
-    route: str
-    rows: int = 0
-    ok: int = 0
-    failed: int = 0  # status error
-    cancelled: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    steps: int = 0
-    gen_ms: float = 0.0  # prefill + decode, summed over rows
-    device_ms: float = 0.0  # gen_ms x devices per actor
-    accepted_hist: list[int] = field(default_factory=list)
-    accepted_retrieval: int = 0
-    accepted_logits: int = 0
-    accepted_both: int = 0
-    accepted_other: int = 0
-    first_start_s: Optional[float] = None  # epoch seconds
-    last_finish_s: Optional[float] = None
-
-    def observe_row(self, row: dict, *, devices: float = 1.0) -> None:
-        self.rows += 1
-        status = row.get("status")
-        if status == "ok":
-            self.ok += 1
-        elif status == "cancelled":
-            self.cancelled += 1
-        else:
-            self.failed += 1
-        self.prompt_tokens += int(row.get("prompt_tokens") or 0)
-        self.output_tokens += int(row.get("output_tokens") or 0)
-        self.steps += int(row.get("steps") or 0)
-        gen_ms = float(row.get("prefill_ms") or 0.0) + float(row.get("decode_ms") or 0.0)
-        self.gen_ms += gen_ms
-        self.device_ms += gen_ms * devices
-        hist = row.get("accepted_hist") or []
-        if len(hist) > len(self.accepted_hist):
-            self.accepted_hist += [0] * (len(hist) - len(self.accepted_hist))
-        for k, v in enumerate(hist):
-            self.accepted_hist[k] += int(v or 0)
-        for src in ("retrieval", "logits", "both", "other"):
-            key = f"accepted_{src}"
-            setattr(self, key, getattr(self, key) + int(row.get(key) or 0))
-        fin = _epoch_s(row.get("finished_at"))
-        if fin is not None:
-            start = fin - gen_ms / 1000.0
-            self.first_start_s = start if self.first_start_s is None else min(self.first_start_s, start)
-            self.last_finish_s = fin if self.last_finish_s is None else max(self.last_finish_s, fin)
-
-    def merge(self, other: "RouteStats") -> None:
-        for k in ("rows", "ok", "failed", "cancelled", "prompt_tokens", "output_tokens", "steps", "gen_ms",
-                  "device_ms", "accepted_retrieval", "accepted_logits", "accepted_both", "accepted_other"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        if len(other.accepted_hist) > len(self.accepted_hist):
-            self.accepted_hist += [0] * (len(other.accepted_hist) - len(self.accepted_hist))
-        for k, v in enumerate(other.accepted_hist):
-            self.accepted_hist[k] += v
-        for attr, pick in (("first_start_s", min), ("last_finish_s", max)):
-            a, b = getattr(self, attr), getattr(other, attr)
-            setattr(self, attr, b if a is None else a if b is None else pick(a, b))
+    def __init__(self, route: str, tally: Optional[Tally] = None) -> None:
+        self.route = route
+        self.tally = tally if tally is not None else Tally()
 
     # ---- derived quantities (None when undefined)
     @property
     def device_s(self) -> float:
-        return self.device_ms / 1000.0
+        return self.tally.device_ms / 1000.0
 
     @property
     def wall_s(self) -> Optional[float]:
-        if self.first_start_s is None or self.last_finish_s is None:
+        t = self.tally
+        if t.first_start_s is None or t.last_finish_s is None:
             return None
-        return self.last_finish_s - self.first_start_s
-
-    @property
-    def mat(self) -> Optional[float]:
-        return self.output_tokens / self.steps if self.steps else None
+        return t.last_finish_s - t.first_start_s
 
     @property
     def tokens_per_device_s(self) -> Optional[float]:
-        return self.output_tokens / self.device_s if self.device_ms > 0 else None
+        return self.tally.output_tokens / self.device_s if self.tally.device_ms > 0 else None
 
     @property
     def tokens_per_wall_s(self) -> Optional[float]:
         w = self.wall_s
-        return self.output_tokens / w if w else None
-
-    @property
-    def accepted_draft_tokens(self) -> int:
-        return self.accepted_retrieval + self.accepted_logits + self.accepted_both + self.accepted_other
+        return self.tally.output_tokens / w if w else None
 
     def share(self, source: str) -> Optional[float]:
         """Share of accepted draft tokens from ``source`` (retrieval, logits, both, other)."""
-        total = self.accepted_draft_tokens
-        return getattr(self, f"accepted_{source}") / total if total else None
+        total = self.tally.accepted_by_source
+        return getattr(self.tally, f"accepted_{source}") / total if total else None
 
     def cost_usd(self, price_per_device_hour: Optional[float]) -> Optional[float]:
         return None if price_per_device_hour is None else price_per_device_hour * self.device_s / 3600.0
 
     def cost_per_m_tokens(self, price_per_device_hour: Optional[float]) -> Optional[float]:
         cost = self.cost_usd(price_per_device_hour)
-        return None if cost is None or not self.output_tokens else cost / self.output_tokens * 1e6
+        return None if cost is None or not self.tally.output_tokens else cost / self.tally.output_tokens * 1e6
 
     @property
     def device_hours_per_m_tokens(self) -> Optional[float]:
-        return self.device_s / 3600.0 / self.output_tokens * 1e6 if self.output_tokens else None
+        tokens = self.tally.output_tokens
+        return self.device_s / 3600.0 / tokens * 1e6 if tokens else None
 
     def to_dict(self, price_per_device_hour: Optional[float] = None) -> dict:
+        t = self.tally
         return {
-            "route": self.route, "rows": self.rows, "ok": self.ok, "failed": self.failed,
-            "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-            "steps": self.steps, "wall_s": self.wall_s, "device_s": self.device_s,
+            "route": self.route, "rows": t.rows, "ok": t.ok, "failed": t.error,
+            "cancelled": t.cancelled, "prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
+            "steps": t.steps, "wall_s": self.wall_s, "device_s": self.device_s,
             "tokens_per_device_s": self.tokens_per_device_s, "tokens_per_wall_s": self.tokens_per_wall_s,
-            "mat": self.mat, "accepted_hist": list(self.accepted_hist),
-            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "mat": t.mat, "accepted_hist": list(t.accepted_hist),
+            "accepted_draft_tokens": t.accepted_by_source,
             "share_retrieval": self.share("retrieval"), "share_logits": self.share("logits"),
             "share_both": self.share("both"), "share_other": self.share("other"),
             "device_hours_per_m_tokens": self.device_hours_per_m_tokens,
             "cost_usd": self.cost_usd(price_per_device_hour),
             "cost_per_m_tokens": self.cost_per_m_tokens(price_per_device_hour),
         }
-
-
-def _epoch_s(v: object) -> Optional[float]:
-    if v is None:
-        return None
-    if isinstance(v, dt.datetime):
-        if v.tzinfo is None:
-            v = v.replace(tzinfo=dt.timezone.utc)
-        return v.timestamp()
-    return float(v)  # already epoch seconds
 
 
 def devices_per_actor(spec: dict, device: Optional[str]) -> float:
@@ -172,17 +103,14 @@ def devices_per_actor(spec: dict, device: Optional[str]) -> float:
 
 
 def aggregate(rows: Iterable[dict], *, by: str = "route", spec: Optional[dict] = None) -> dict[str, RouteStats]:
-    """Group output records by the column ``by`` (default route). Returns {group: stats} plus OVERALL."""
-    groups: dict[str, RouteStats] = {}
+    """Group output rows (Parquet-row dicts) by the column ``by`` (default route): each row becomes a
+    RowRecord counted into one Tally under ``str(row[by])``. Returns {group: stats} sorted, then OVERALL."""
+    tally = Tally()
     for row in rows:
-        key = str(row.get(by))
-        st = groups.setdefault(key, RouteStats(route=key))
-        st.observe_row(row, devices=devices_per_actor(spec or {}, row.get("device")))
-    total = RouteStats(route=OVERALL)
-    for st in groups.values():
-        total.merge(st)
-    out = dict(sorted(groups.items()))
-    out[OVERALL] = total
+        rec = RowRecord.from_row(row)
+        tally.observe_row(rec, group=str(row.get(by)), devices=devices_per_actor(spec or {}, rec.device))
+    out = {key: RouteStats(key, sub) for key, sub in sorted(tally.routes.items())}
+    out[OVERALL] = RouteStats(OVERALL, tally)
     return out
 
 
@@ -201,31 +129,16 @@ def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "rout
     Example: one row of 100 tokens generated from t=0 to t=10 s, 2 bins -> centres [2.5, 7.5],
     rates [10.0, 10.0].
     """
-    spans = []  # (start s, end s, tokens, group, counts toward the total)
-    for source, is_side in ((rows, False), (side_rows, True)):
-        for row in source:
-            fin = _epoch_s(row.get("finished_at"))
-            gen_s = (float(row.get("prefill_ms") or 0.0) + float(row.get("decode_ms") or 0.0)) / 1000.0
-            tok = int(row.get("output_tokens") or 0)
-            if fin is None or tok == 0:
-                continue
-            spans.append((fin - gen_s, fin, tok, side_label if is_side else str(row.get(by)), not is_side))
+    spans = _spans(rows, by=by, side_rows=side_rows, side_label=side_label)
     if not spans:
         return [], {}
     t0 = min(sp[0] for sp in spans)
-    t1 = max(sp[1] for sp in spans)
-    width = max(t1 - t0, 1e-6) / bins
+    width = max(max(sp[1] for sp in spans) - t0, 1e-6) / bins
     series: dict[str, list[float]] = {}
     total = [0.0] * bins
     for s, e, tok, g, in_total in spans:
         arr = series.setdefault(g, [0.0] * bins)
-        dur = e - s
-        for b in range(bins):
-            lo, hi = t0 + b * width, t0 + (b + 1) * width
-            if dur <= 0:
-                frac = 1.0 if lo <= e < hi or (b == bins - 1 and e == hi) else 0.0
-            else:
-                frac = max(0.0, min(e, hi) - max(s, lo)) / dur
+        for b, frac in enumerate(_bin_shares(s, e, t0=t0, width=width, bins=bins)):
             arr[b] += tok * frac
             if in_total:
                 total[b] += tok * frac
@@ -233,3 +146,31 @@ def throughput_timeline(rows: Iterable[dict], *, bins: int = 30, by: str = "rout
     rates = {g: [v / width for v in arr] for g, arr in sorted(series.items())}
     rates[OVERALL] = [v / width for v in total]
     return centres, rates
+
+
+def _spans(rows: Iterable[dict], *, by: str, side_rows: Iterable[dict], side_label: str
+           ) -> list[tuple[float, float, int, str, bool]]:
+    """(start s, end s, tokens, group, counts toward the total) of every row that generated tokens."""
+    spans = []
+    for source, is_side in ((rows, False), (side_rows, True)):
+        for row in source:
+            fin = epoch_s(row.get("finished_at"))
+            gen_s = (float(row.get("prefill_ms") or 0.0) + float(row.get("decode_ms") or 0.0)) / 1000.0
+            tok = int(row.get("output_tokens") or 0)
+            if fin is None or tok == 0:
+                continue
+            spans.append((fin - gen_s, fin, tok, side_label if is_side else str(row.get(by)), not is_side))
+    return spans
+
+
+def _bin_shares(s: float, e: float, *, t0: float, width: float, bins: int) -> list[float]:
+    """The share of the span [s, e] in each of ``bins`` bins of ``width`` seconds from ``t0`` (a zero-length
+    span falls wholly in the bin holding e; the last bin is closed)."""
+    out = []
+    for b in range(bins):
+        lo, hi = t0 + b * width, t0 + (b + 1) * width
+        if e - s <= 0:
+            out.append(1.0 if lo <= e < hi or (b == bins - 1 and e == hi) else 0.0)
+        else:
+            out.append(max(0.0, min(e, hi) - max(s, lo)) / (e - s))
+    return out

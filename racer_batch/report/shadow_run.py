@@ -68,7 +68,7 @@ def _answer_pairs(runner: RowRunner, spec: JobSpec, shadow_spec: JobSpec, picked
             _, pair = runner.answer_row(shadow_spec, row, base, job_id=state_key)
             assert len(pair) == 2, f"row {row.id}: expected a method and a baseline record, got {len(pair)}"
             for r in pair:
-                r["run"] = run
+                r.run = run
             records += pair
             if on_row is not None:
                 on_row(i + 1, len(picked), row.id)

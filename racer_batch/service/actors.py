@@ -14,24 +14,27 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from racer_batch.service.queue import JobQueue, ShardSummary, connect
-from racer_batch.service.runner import CANCELLED, KEEP_GOING, LEASE_LOST, RowRunner
+from racer_batch.service.queue import JobQueue, connect
+from racer_batch.service.record import RowRecord
+from racer_batch.service.runner import CANCELLED, KEEP_GOING, LEASE_LOST, RowRunner, ShardTask
 from racer_batch.service.spec import Resources
+from racer_batch.service.tally import Tally
 
 log = logging.getLogger(__name__)
 
 
 class RedisSink:
-    """ShardSink over Redis. Telemetry is best effort: a Redis outage never fails a row."""
+    """ShardSink over Redis: the telemetry sink of each row (row stream, error stream, the shard attempt's
+    in-flight tally) and the stop verdict. Telemetry is best effort: a Redis outage never fails a row."""
 
     def __init__(self, queue: JobQueue) -> None:
         self.queue = queue
 
-    def record_row(self, job_id: str, row: dict, *, shard: int, progress: ShardSummary) -> None:
+    def observe(self, record: RowRecord, *, progress: Tally) -> None:
         try:
-            self.queue.record_row(job_id, row, shard=shard, progress=progress)
+            self.queue.record_row(record.job_id, record.telemetry(), shard=record.shard, progress=progress)
         except Exception as exc:  # noqa: BLE001 - redis errors of any kind: telemetry is optional
-            log.warning("telemetry for job %s not recorded: %s", job_id, exc)
+            log.warning("telemetry for job %s not recorded: %s", record.job_id, exc)
 
     def verdict(self, job_id: str, owner: str) -> str:
         try:
@@ -81,7 +84,7 @@ class Executor(Protocol):
 
     def prepare(self, resources: Resources) -> None: ...
 
-    def submit(self, slot: int, task: dict) -> cf.Future: ...
+    def submit(self, slot: int, task: ShardTask) -> cf.Future: ...
 
     def end_job(self, job_id: str) -> None: ...
 
@@ -120,7 +123,8 @@ class ThreadExecutor:
         return RowRunner(worker_name=f"{socket.gethostname()}:{os.getpid()}:t{slot}", sink=sink,
                          allow_remote_code=self._allow, device=self._device, **self._runner_options)
 
-    def submit(self, slot: int, task: dict) -> cf.Future:
+    def submit(self, slot: int, task: ShardTask) -> cf.Future:
+        """Run the task on a thread; the validated spec and plan are shared as they are."""
         assert self._pool is not None, "prepare() before submit()"
         return self._pool.submit(self.runners[slot].run_shard, task)
 
@@ -203,8 +207,9 @@ class RayExecutor:
         ).remote(worker_name=f"{self._name}/a{slot}", redis_url=self._url, prefix=self._prefix,
                  torch_threads=self.shape.threads, allow_remote_code=self._allow)
 
-    def submit(self, slot: int, task: dict) -> cf.Future:
-        return self.actors[slot].run_shard.remote(task).future()
+    def submit(self, slot: int, task: ShardTask) -> cf.Future:
+        """Send the task as plain data; the actor validates its spec once per job and spec hash."""
+        return self.actors[slot].run_shard.remote(task.to_dict()).future()
 
     def end_job(self, job_id: str) -> None:
         refs = [a.end_job.remote(job_id) for a in self.actors]

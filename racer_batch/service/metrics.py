@@ -1,12 +1,11 @@
 """Prometheus metrics of a worker: rows, tokens, accepted tokens, steps and errors by job and route.
 
-Two parts, so that the actors never need a metrics server:
-
-* ``ShardCounts`` (plain): the runner counts every row of a shard into it and returns it with the shard's
-  result (``result["counts"]``). It travels through Ray as a dict.
-* ``WorkerMetrics`` (prometheus-client): the worker process owns one registry and one HTTP endpoint
-  (``racer-batch worker --metrics-port N``). ``MeteredExecutor`` wraps any executor and feeds the registry
-  from each finished shard future, so the worker loop itself is unchanged.
+The actors never need a metrics server: the runner tallies every row of a shard (``Tally``, per route) and
+returns the tally's JSON as the shard's result, which travels through Ray as a dict. ``WorkerMetrics``
+(prometheus-client) is the Prometheus sink of those tallies (``shard_done(job_id, tally, ...)``): the worker
+process owns one registry and one HTTP endpoint (``racer-batch worker --metrics-port N``).
+``MeteredExecutor`` wraps any executor and feeds the registry from each finished shard future, so the worker
+loop itself is unchanged.
 
 Counters move when a shard finishes (``output.shard_rows`` rows at a time); the in-flight progress of a
 running shard is in Redis (``racer-batch status``). Series carry a ``job`` label; a long-lived worker keeps
@@ -14,10 +13,11 @@ the series of its last ``keep_jobs`` jobs and drops older ones, so the label set
 
 Example::
 
-    counts = ShardCounts()
-    counts.observe_row({"route": "chat", "status": "ok", "output_tokens": 10, "steps": 4,
-                        "accepted_hist": [1, 2, 1], "prefill_ms": 5.0, "decode_ms": 20.0})
-    counts.to_dict()["chat"]["accepted_tokens"]   # 2*1 + 1*2 = 4 accepted draft tokens
+    tally = Tally()
+    tally.observe_row(RowRecord(id="a", row_idx=0, shard=0, route="chat", status="ok", job_id="j",
+                                output_tokens=10, steps=4, accepted_hist=[1, 2, 1]))
+    metrics.shard_done("j", tally, outcome="committed", elapsed_s=2.0)
+    # racer_batch_accepted_tokens_total{job="j",route="chat"} += 2*1 + 1*2 = 4 accepted draft tokens
 """
 
 from __future__ import annotations
@@ -26,52 +26,18 @@ import collections
 import concurrent.futures as cf
 import logging
 import threading
-from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from racer_batch.service.record import STATUSES
+from racer_batch.service.runner import ShardTask
+from racer_batch.service.tally import Tally
+
 log = logging.getLogger(__name__)
 
-ROW_STATUSES = ("ok", "error", "cancelled")
-
-
-@dataclass
-class RouteCounts:
-    """Counts of one route within a shard. Times in milliseconds, as in the output records."""
-
-    ok: int = 0
-    error: int = 0
-    cancelled: int = 0
-    output_tokens: int = 0
-    accepted_tokens: int = 0  # accepted draft tokens (bonus tokens excluded): sum of k * accepted_hist[k]
-    steps: int = 0
-    gen_ms: float = 0.0  # prefill + decode
-
-
-@dataclass
-class ShardCounts:
-    """Per-route counts of the rows of one shard attempt (plain data; no Prometheus here)."""
-
-    routes: dict[str, RouteCounts] = field(default_factory=dict)
-
-    def observe_row(self, record: dict) -> None:
-        """Count one output record (a dict in OUTPUT_SCHEMA's fields)."""
-        status = record.get("status")
-        assert status in ROW_STATUSES, f"row {record.get('id')!r}: unknown status {status!r}"
-        rc = self.routes.setdefault(str(record.get("route")), RouteCounts())
-        setattr(rc, status, getattr(rc, status) + 1)
-        rc.output_tokens += int(record.get("output_tokens") or 0)
-        rc.steps += int(record.get("steps") or 0)
-        rc.accepted_tokens += sum(k * int(n) for k, n in enumerate(record.get("accepted_hist") or []))
-        rc.gen_ms += float(record.get("prefill_ms") or 0.0) + float(record.get("decode_ms") or 0.0)
-
-    def to_dict(self) -> dict:
-        return {route: asdict(rc) for route, rc in self.routes.items()}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ShardCounts":
-        return cls(routes={route: RouteCounts(**v) for route, v in d.items()})
+ROW_STATUSES = STATUSES
+_OUTCOMES = {"cancelled": "cancelled", "lease-lost": "lease_lost"}  # a shard result's ``stopped`` -> outcome
 
 
 class WorkerMetrics:
@@ -124,24 +90,30 @@ class WorkerMetrics:
             self._labels[labels[0]].add((metric, labels))
 
     def observe_shard(self, job_id: str, result: dict) -> None:
-        """One shard result from ``RowRunner.run_shard`` (with its ``counts``)."""
-        for route, rc in ShardCounts.from_dict(result.get("counts") or {}).routes.items():
-            for status in ROW_STATUSES:
-                if getattr(rc, status):
-                    self._inc(self.rows, (job_id, route, status), getattr(rc, status))
-            if rc.error:
-                self._inc(self.errors, (job_id, route, "row"), rc.error)
-            self._inc(self.output_tokens, (job_id, route), rc.output_tokens)
-            self._inc(self.accepted_tokens, (job_id, route), rc.accepted_tokens)
-            self._inc(self.steps, (job_id, route), rc.steps)
-            self._inc(self.generation_seconds, (job_id, route), rc.gen_ms / 1000.0)
+        """One shard result from ``RowRunner.run_shard`` (the shard's Tally JSON plus written / stopped /
+        elapsed_s), handed to ``shard_done``."""
         if result.get("written") and not result.get("stopped"):
             outcome = "committed"
         else:
-            outcome = {"cancelled": "cancelled", "lease-lost": "lease_lost"}.get(result.get("stopped"), "not_written")
+            outcome = _OUTCOMES.get(result.get("stopped"), "not_written")
+        self.shard_done(job_id, Tally.from_dict(result), outcome=outcome, elapsed_s=result.get("elapsed_s"))
+
+    def shard_done(self, job_id: str, tally: Tally, *, outcome: str, elapsed_s: Optional[float]) -> None:
+        """The Prometheus sink of one shard attempt's tally (sinks.ShardDoneSink): rows by status, tokens,
+        accepted tokens, steps and generation seconds per route; the attempt's outcome and wall time."""
+        for route, t in tally.routes.items():
+            for status in ROW_STATUSES:
+                if getattr(t, status):
+                    self._inc(self.rows, (job_id, route, status), getattr(t, status))
+            if t.error:
+                self._inc(self.errors, (job_id, route, "row"), t.error)
+            self._inc(self.output_tokens, (job_id, route), t.output_tokens)
+            self._inc(self.accepted_tokens, (job_id, route), t.accepted_tokens)
+            self._inc(self.steps, (job_id, route), t.steps)
+            self._inc(self.generation_seconds, (job_id, route), t.gen_ms / 1000.0)
         self._inc(self.shards, (job_id, outcome), 1)
-        if result.get("elapsed_s") is not None:
-            self.shard_seconds.observe(float(result["elapsed_s"]))
+        if elapsed_s is not None:
+            self.shard_seconds.observe(float(elapsed_s))
 
     def observe_shard_error(self, job_id: str) -> None:
         """A shard attempt raised (actor crash, model load failure, I/O error)."""
@@ -188,8 +160,8 @@ class MeteredExecutor:
     def slots(self) -> int:
         return self.inner.slots
 
-    def submit(self, slot: int, task: dict) -> cf.Future:
-        job_id = str(task["job_id"])
+    def submit(self, slot: int, task: ShardTask) -> cf.Future:
+        job_id = str(task.job_id)
         fut = self.inner.submit(slot, task)
         self.metrics.running_shards.inc()
         fut.add_done_callback(lambda f: self._done(job_id, f))

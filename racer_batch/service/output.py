@@ -34,7 +34,9 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from racer_batch.service.record import RowRecord
 from racer_batch.service.schema import OUTPUT_SCHEMA, SCHEMA_VERSION, now_utc, to_table
+from racer_batch.service.sinks import write_parquet_atomic
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +55,9 @@ def part_path(out_dir: str | Path, shard: int) -> Path:
     return Path(out_dir) / f"part-{shard:05d}.parquet"
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_part(out_dir: str | Path, shard: int, records: list[dict], *, shard_meta: dict,
+def write_part(out_dir: str | Path, shard: int, records: list[RowRecord], *, shard_meta: dict,
                row_fingerprints: Optional[list[tuple[str, str]]] = None) -> Path:
-    """Write a part file atomically: a hidden temporary file in the same folder, fsync, rename.
+    """Write a part file atomically (sinks.write_parquet_atomic: temporary file, fsync, rename).
 
     ``shard_meta`` goes into the footer as the shard's summary; ``row_fingerprints`` (``[(id, row
     fingerprint)]`` in row order, see inputs.row_fingerprint) beside it, so a resume can name changed rows."""
@@ -80,18 +69,7 @@ def write_part(out_dir: str | Path, shard: int, records: list[dict], *, shard_me
     if row_fingerprints is not None:
         meta[ROWS_META_KEY] = json.dumps([list(r) for r in row_fingerprints]).encode()
     table = table.replace_schema_metadata(meta)
-    final = part_path(out, shard)
-    tmp = out / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            pq.write_table(table, fh, compression="zstd")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(out)
+    final = write_parquet_atomic(part_path(out, shard), table)
     return final
 
 

@@ -6,8 +6,8 @@ Keys (``P`` is the key prefix, default ``racer-batch:``):
 ``P queue:<prio>``             stream    one entry per queued job (field ``job_id``), group ``workers``
 ``P jobs``                     zset      job ids by submit time (for ``list``)
 ``P job:<id>``                 hash      spec (JSON), plan, state, owner, timestamps, cancel flag
-``P job:<id>:shards``          hash      shard -> committed summary (JSON; idempotent on retries)
-``P job:<id>:inflight``        hash      shard -> progress of the running attempt (JSON)
+``P job:<id>:shards``          hash      shard -> committed summary (Tally JSON + row range; idempotent)
+``P job:<id>:inflight``        hash      shard -> progress of the running attempt (Tally JSON)
 ``P job:<id>:rows``            stream    per-row telemetry, bounded with MAXLEN ~
 ``P job:<id>:errors``          stream    failed rows (id, row_idx, error), bounded with MAXLEN ~
 =============================  ========  ==========================================================
@@ -26,12 +26,14 @@ import json
 import os
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+
+from racer_batch.service.tally import Tally
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "racer-batch:"
@@ -107,57 +109,12 @@ class Lease:
 
 
 @dataclass
-class ShardSummary:
-    """Counts of one shard (or of one running attempt): what status and the manifest aggregate."""
-
-    rows: int = 0
-    ok: int = 0
-    error: int = 0
-    cancelled: int = 0
-    output_tokens: int = 0
-    steps: int = 0
-    gen_ms: float = 0.0
-    routes: dict[str, list[int]] = field(default_factory=dict)  # route -> [rows, output_tokens, steps]
-
-    def observe_row(self, *, status: str, route: str, output_tokens: int, steps: int, gen_ms: float) -> None:
-        self.rows += 1
-        setattr(self, status, getattr(self, status) + 1)
-        self.output_tokens += output_tokens
-        self.steps += steps
-        self.gen_ms += gen_ms
-        r = self.routes.setdefault(route, [0, 0, 0])
-        r[0] += 1
-        r[1] += output_tokens
-        r[2] += steps
-
-    def merge(self, other: "ShardSummary") -> None:
-        for k in ("rows", "ok", "error", "cancelled", "output_tokens", "steps", "gen_ms"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        for route, (n, tok, st) in other.routes.items():
-            r = self.routes.setdefault(route, [0, 0, 0])
-            r[0] += n
-            r[1] += tok
-            r[2] += st
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in
-                ("rows", "ok", "error", "cancelled", "output_tokens", "steps", "gen_ms", "routes")}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ShardSummary":
-        s = cls(**{k: d.get(k, 0) for k in ("rows", "ok", "error", "cancelled", "output_tokens", "steps",
-                                             "gen_ms")})
-        s.routes = {k: list(v) for k, v in d.get("routes", {}).items()}
-        return s
-
-
-@dataclass
 class JobStatus:
     job_id: str
     state: str
     name: Optional[str]
     rows_total: int
-    totals: ShardSummary
+    totals: Tally  # committed shards' summaries plus the running attempts' progress
     shards_total: int
     shards_done: int
     submitted_at: float
@@ -230,9 +187,10 @@ class JobStatus:
         return self.totals.output_tokens / self.totals.steps if self.totals.steps else None
 
     def route_mat(self) -> dict[str, dict]:
+        """{route: {rows, output_tokens, steps, mat}} of the rows done so far."""
         return {
-            route: {"rows": n, "output_tokens": tok, "steps": st, "mat": (tok / st) if st else None}
-            for route, (n, tok, st) in sorted(self.totals.routes.items())
+            route: {"rows": t.rows, "output_tokens": t.output_tokens, "steps": t.steps, "mat": t.mat}
+            for route, t in sorted(self.totals.routes.items())
         }
 
     def to_dict(self) -> dict:
@@ -426,9 +384,7 @@ class JobQueue:
 
     def mark_run_base(self, job_id: str) -> None:
         """Remember what a resumed run started from, so rows/s and ETA count this run's work only."""
-        totals = ShardSummary()
-        for meta in self.committed(job_id).values():
-            totals.merge(ShardSummary.from_dict(meta))
+        totals = Tally.of(self.committed(job_id).values())
         key = self.k_job(job_id)
         self.r.hsetnx(key, "base_rows", totals.rows)
         self.r.hsetnx(key, "base_tokens", totals.output_tokens)
@@ -443,8 +399,9 @@ class JobQueue:
         self.r.hset(self.k_job(job_id), "message", message)
 
     # ---- telemetry (written by actors and the worker)
-    def record_row(self, job_id: str, row: dict, *, shard: int, progress: ShardSummary) -> None:
-        """One finished row: telemetry entry (bounded), error entry if failed, in-flight shard progress."""
+    def record_row(self, job_id: str, row: dict, *, shard: int, progress: Tally) -> None:
+        """One finished row: telemetry entry (``RowRecord.telemetry()``, bounded), error entry if failed,
+        and the shard attempt's in-flight progress (``progress.to_dict()``)."""
         pipe = self.r.pipeline(transaction=False)
         pipe.xadd(self.k_job(job_id, "rows"), {"row": json.dumps(row)}, maxlen=ROW_STREAM_MAXLEN,
                   approximate=True)
@@ -480,13 +437,11 @@ class JobQueue:
         shard_rows = spec["output"]["shard_rows"]
         rows_total = sum(plan["file_rows"])
         shards_total = -(-rows_total // shard_rows)
-        totals = ShardSummary()
         committed = self.committed(job_id)
-        for s in committed.values():
-            totals.merge(ShardSummary.from_dict(s))
+        totals = Tally.of(committed.values())
         for shard, v in self.r.hgetall(self.k_job(job_id, "inflight")).items():
             if int(shard) not in committed:
-                totals.merge(ShardSummary.from_dict(json.loads(v)))
+                totals.merge(Tally.from_dict(json.loads(v)))
 
         def _f(key: str) -> Optional[float]:
             return float(d[key]) if d.get(key) else None

@@ -11,22 +11,23 @@ message; any other exception while generating a row is reported as a model error
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, Union
 
 from racer_batch.service.inputs import (InputPlan, RowTask, answer_columns, iter_raw_rows, parse_row,
                                        row_fingerprint, shard_fingerprint)
-from racer_batch.service.metrics import ShardCounts
 from racer_batch.service.output import part_path, shard_complete, write_part
-from racer_batch.service.queue import ShardSummary
-from racer_batch.service.schema import RowAccumulator, error_record, now_utc
-from racer_batch.service.shadow import baseline_first, sample_seed, shadow_path, shadow_record, shadow_selected, write_shadow
+from racer_batch.service.record import RowOrigin, RowRecord, ShadowRecord, now_utc
+from racer_batch.service.shadow import baseline_first, sample_seed, shadow_path, shadow_selected, write_shadow
+from racer_batch.service.sinks import RowSink
 from racer_batch.service.spec import JobSpec, ModelSpec
 from racer_batch.service.engine_hook import hooked_bundle, hooked_engine
+from racer_batch.service.tally import Tally
 from racer_batch.types import DecodingConfig
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,9 @@ log = logging.getLogger(__name__)
 KEEP_GOING, CANCELLED, LEASE_LOST = "go", "cancelled", "lease-lost"
 
 
-class ShardSink(Protocol):
-    """Where a runner reports progress and learns whether to stop (Redis in production)."""
-
-    def record_row(self, job_id: str, row: dict, *, shard: int, progress: ShardSummary) -> None: ...
+class ShardSink(RowSink, Protocol):
+    """What a runner talks to (Redis in production): a RowSink for each finished row, and the verdict that
+    tells it whether to stop."""
 
     def verdict(self, job_id: str, owner: str) -> str: ...  # KEEP_GOING | CANCELLED | LEASE_LOST
 
@@ -45,7 +45,7 @@ class ShardSink(Protocol):
 class NullSink:
     """No telemetry, never stops: for direct calls in tests and scripts."""
 
-    def record_row(self, job_id: str, row: dict, *, shard: int, progress: ShardSummary) -> None:
+    def observe(self, record: RowRecord, *, progress: Tally) -> None:
         return None
 
     def verdict(self, job_id: str, owner: str) -> str:
@@ -54,21 +54,97 @@ class NullSink:
 
 @dataclass
 class ShardTask:
-    """What an actor needs to run one shard (plain data: travels through Ray as a dict)."""
+    """What an actor needs to run one shard.
+
+    In the worker's process ``spec`` and ``plan`` are the validated objects (threads share them as they are);
+    across a process boundary (Ray) ``to_dict`` sends ``JobSpec.stored()`` and ``InputPlan.to_dict()``, and
+    the receiving RowRunner validates the spec once per job and spec hash (``RowRunner.spec_of``)."""
 
     job_id: str
     shard: int
     row_start: int
     row_stop: int
-    spec: dict  # JobSpec.stored()
-    plan: dict  # InputPlan.to_dict()
+    spec: Union[JobSpec, dict]
+    plan: Union[InputPlan, dict]
     spec_hash: str
     owner: str  # the worker holding the job's lease
     attempt: int = 1
     rows: Optional[list] = None  # [(row_idx, raw record)] read by the worker; None: the runner reads them
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain data for Ray: the spec as ``JobSpec.stored()``, the plan as ``InputPlan.to_dict()``."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if isinstance(self.spec, JobSpec):
+            d["spec"] = self.spec.stored()
+        if isinstance(self.plan, InputPlan):
+            d["plan"] = self.plan.to_dict()
+        return d
+
+    @classmethod
+    def of(cls, task: Union["ShardTask", dict]) -> "ShardTask":
+        return task if isinstance(task, ShardTask) else cls(**task)
+
+    @property
+    def row_range(self) -> tuple[int, int]:
+        return self.row_start, self.row_stop
+
+
+class ShardWriter:
+    """The Parquet sink of one shard attempt: collects its rows (RowRecord), shadow pairs (ShadowRecord) and
+    input-row fingerprints, and commits them as the part file (and the shadow file before it).
+
+    ``observe(record)`` takes one row; ``summary(tally, ...)`` is the shard summary stored in the part file's
+    footer, Redis and the manifest; ``commit(summary, stopped=...)`` writes. The worker uses it too, for a
+    shard whose rows are all marked as errors."""
+
+    def __init__(self, *, out_dir: str, job_id: str, shard: int, row_range: tuple[int, int], spec_hash: str,
+                 fp_columns: list[str]) -> None:
+        self.out_dir, self.job_id, self.shard = out_dir, job_id, shard
+        self.row_range, self.spec_hash, self._fp_columns = tuple(row_range), spec_hash, fp_columns
+        self.records: list[RowRecord] = []
+        self.shadow: list[ShadowRecord] = []
+        self.row_fps: list[tuple[str, str]] = []  # (id, row fingerprint) in row order
+        self._positions: list[int] = []
+
+    def add_input(self, row_idx: int, row_id: str, raw: dict) -> None:
+        """Fingerprint one input row (in row order), before its answer is observed."""
+        self.row_fps.append((row_id, row_fingerprint(raw, self._fp_columns)))
+        self._positions.append(row_idx)
+
+    def observe(self, record: RowRecord) -> None:
+        self.records.append(record)
+
+    def observe_shadow(self, pair: list[ShadowRecord]) -> None:
+        self.shadow += pair
+
+    def summary(self, tally: Tally, **extra: Any) -> dict:
+        """The shard summary: the tally's JSON, row range, spec hash and input fingerprint, plus ``extra``."""
+        n = self.row_range[1] - self.row_range[0]
+        assert len(self.records) == n, (f"shard {self.shard} of job {self.job_id}: read {len(self.records)} rows, "
+                                        f"expected {n} (input changed since submit?)")
+        meta = dict(tally.to_dict(), job_id=self.job_id, shard=self.shard, row_start=self.row_range[0],
+                    row_stop=self.row_range[1], spec_hash=self.spec_hash,
+                    input_fingerprint=shard_fingerprint([(i, fp) for i, (_, fp) in zip(self._positions, self.row_fps)]),
+                    **extra)
+        if self.shadow:
+            meta["shadow_rows"] = len(self.shadow) // 2
+        return meta
+
+    def commit(self, meta: dict, *, stopped: Optional[str]) -> bool:
+        """Write the shadow file, then the part file (whose rename commits the shard). Returns False when
+        nothing was written: the lease went to another worker, or a partial (stopped) attempt would replace
+        a complete part file."""
+        if stopped == LEASE_LOST:
+            return False  # another worker owns the job now; its copy of this shard wins
+        if self.shadow:
+            write_shadow(shadow_path(self.out_dir, f"{self.shard:05d}"), self.shadow,
+                         meta={"job_id": self.job_id, "shard": self.shard, "spec_hash": self.spec_hash})
+        if stopped is not None and shard_complete(self.out_dir, self.shard, spec_hash=self.spec_hash,
+                                                  row_range=self.row_range,
+                                                  input_fingerprint=meta["input_fingerprint"]):
+            return False  # a partial (cancelled) shard is written for inspection, never over a complete one
+        write_part(self.out_dir, self.shard, self.records, shard_meta=meta, row_fingerprints=self.row_fps)
+        return True
 
 
 def default_loader(model: ModelSpec, *, allow_remote_code: bool, device: Optional[str]) -> Any:
@@ -119,6 +195,7 @@ class RowRunner:
         self._bundle: Any = None
         self._engines: dict[str, Any] = {}  # config hash -> Engine
         self._states: dict[str, tuple[Any, Any]] = {}  # job id -> (engine, draft state)
+        self._specs: dict[tuple[str, str], JobSpec] = {}  # (job id, spec hash) -> validated spec
         self.models_loaded = 0
 
     # ---- model, engines and per-job state
@@ -168,93 +245,77 @@ class RowRunner:
                 "device": getattr(self._bundle, "device", None), "models_loaded": self.models_loaded,
                 "active_jobs": self.active_jobs}
 
-    def answer_row(self, spec: JobSpec, row: RowTask, base: dict, *, job_id: str) -> tuple[dict, list[dict]]:
+    def spec_of(self, task: ShardTask) -> JobSpec:
+        """The task's JobSpec: as it came (same process), or validated once per job and spec hash."""
+        if isinstance(task.spec, JobSpec):
+            return task.spec
+        key = (task.job_id, task.spec_hash)
+        if key not in self._specs:
+            while len(self._specs) >= _SPEC_CACHE:
+                self._specs.pop(next(iter(self._specs)))
+            self._specs[key] = JobSpec.model_validate(task.spec)
+        return self._specs[key]
+
+    def answer_row(self, spec: JobSpec, row: RowTask, base: Union[RowOrigin, dict], *, job_id: str
+                   ) -> tuple[RowRecord, list[ShadowRecord]]:
         """One row outside a shard (``racer-batch shadow`` on a finished job): the output record and, when
-        ``spec.shadow`` selects the row, its shadow pair. Draft state is scoped to ``job_id``."""
+        ``spec.shadow`` selects the row, its shadow pair. ``base``: the row's RowOrigin (or a dict of its
+        fields). Draft state is scoped to ``job_id``."""
         engine = self._engine_for(spec)
         state = self._state_for(job_id, engine)
-        return self._run_row(engine, state, spec, row, base, job_id=job_id, should_cancel=lambda: False)
+        return self._run_row(engine, state, spec, row, RowOrigin.of(base), job_id=job_id,
+                             should_cancel=lambda: False)
 
     # ---- one shard
-    def run_shard(self, task_d: dict) -> dict:
-        """Generate every row of a shard and commit its part file. Returns the shard summary (a dict)."""
-        task = ShardTask(**task_d)
+    def run_shard(self, task: Union[ShardTask, dict]) -> dict:
+        """Generate every row of a shard and commit its part file.
+
+        Returns the shard result (plain data, it may cross Ray): the shard summary (``ShardWriter.summary``:
+        the Tally JSON, row range, hashes, worker, attempt, ``elapsed_s``) plus ``stopped`` (None, CANCELLED
+        or LEASE_LOST), ``written`` (bool) and ``path`` (the part file)."""
+        task = ShardTask.of(task)
         t0 = time.perf_counter()
-        spec = JobSpec.model_validate(task.spec)
-        plan = InputPlan.from_dict(task.plan)
+        spec = self.spec_of(task)
+        plan = task.plan if isinstance(task.plan, InputPlan) else InputPlan.from_dict(task.plan)
         engine = self._engine_for(spec)
         state = self._state_for(task.job_id, engine)
-        device = str(getattr(engine.bundle, "device", "cpu"))
         verdict = self._make_probe(task)
-        summary = ShardSummary()
-        counts = ShardCounts()  # per-route rows/tokens/accepted/steps for the worker's Prometheus metrics
-        records: list[dict] = []
-        base_common = {
-            "shard": task.shard, "worker": self.worker_name, "device": device, "model": spec.model.name,
-            "method": spec.decoding.method, "config_hash": spec.decoding.config_hash(), "job_id": task.job_id,
-        }
-        columns = list(spec.input.columns.model_dump().values())
-        fp_columns = answer_columns(spec.input)
-        row_fps: list[tuple[str, str]] = []  # (id, row fingerprint) in row order: stamped into the part file
-        row_positions: list[int] = []
+        writer = ShardWriter(out_dir=spec.output.path, job_id=task.job_id, shard=task.shard, row_range=task.row_range,
+                             spec_hash=task.spec_hash, fp_columns=answer_columns(spec.input))
+        origin = RowOrigin(id="", row_idx=-1, shard=task.shard, worker=self.worker_name,
+                           device=str(getattr(engine.bundle, "device", "cpu")), model=spec.model.name,
+                           method=spec.decoding.method, config_hash=spec.decoding.config_hash(), job_id=task.job_id)
+        tally = Tally()
         stopped: Optional[str] = None
-        shadow_records: list[dict] = []
-        source = task.rows if task.rows is not None else iter_raw_rows(plan, task.row_start, task.row_stop, columns)
-        for row_idx, rec in source:
-            row = parse_row(spec, row_idx, rec)
-            row_fps.append((row.id, row_fingerprint(rec, fp_columns)))
-            row_positions.append(row_idx)
-            base = dict(base_common, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
-            if stopped is None and verdict() != KEEP_GOING:
-                stopped = verdict()
+        for row_idx, raw in self._rows(task, spec, plan):
+            row = parse_row(spec, row_idx, raw)
+            writer.add_input(row_idx, row.id, raw)
+            row_origin = dataclasses.replace(origin, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
+            stopped = stopped or (None if verdict() == KEEP_GOING else verdict())
             if stopped is not None:
-                out = error_record(status="cancelled", error=f"job stopped before this row ran ({stopped})",
-                                   base=base)
+                rec = RowRecord.without_answer(status="cancelled", origin=row_origin,
+                                               error=f"job stopped before this row ran ({stopped})")
             else:
-                out, pair = self._run_row(engine, state, spec, row, base, job_id=task.job_id,
+                rec, pair = self._run_row(engine, state, spec, row, row_origin, job_id=task.job_id,
                                           should_cancel=lambda: verdict() != KEEP_GOING)
-                shadow_records += pair
-                if out["status"] == "cancelled":
+                writer.observe_shadow(pair)
+                if rec.status == "cancelled":
                     stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
-            out["finished_at"] = now_utc()
-            records.append(out)
-            gen_ms = (out.get("prefill_ms") or 0.0) + (out.get("decode_ms") or 0.0)
-            summary.observe_row(status=out["status"], route=out["route"], output_tokens=out["output_tokens"] or 0,
-                                steps=out["steps"] or 0, gen_ms=gen_ms)
-            counts.observe_row(out)
-            self.sink.record_row(task.job_id, _telemetry(out), shard=task.shard, progress=summary)
-        assert len(records) == task.row_stop - task.row_start, (
-            f"shard {task.shard} of job {task.job_id}: read {len(records)} rows, expected "
-            f"{task.row_stop - task.row_start} (input changed since submit?)"
-        )
-        input_fp = shard_fingerprint([(i, fp) for i, (_, fp) in zip(row_positions, row_fps)])
-        meta = dict(summary.to_dict(), job_id=task.job_id, shard=task.shard, row_start=task.row_start,
-                    row_stop=task.row_stop, spec_hash=task.spec_hash, input_fingerprint=input_fp,
-                    worker=self.worker_name, attempt=task.attempt, elapsed_s=time.perf_counter() - t0)
-        if shadow_records:
-            meta["shadow_rows"] = len(shadow_records) // 2
-        written = self._commit(task, records, meta, stopped=stopped, shadow_records=shadow_records,
-                               row_fps=row_fps)
-        return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)),
-                    counts=counts.to_dict())
+            rec.finished_at = now_utc()
+            writer.observe(rec)
+            tally.observe_row(rec)
+            self.sink.observe(rec, progress=tally)
+        meta = writer.summary(tally, worker=self.worker_name, attempt=task.attempt,
+                              elapsed_s=time.perf_counter() - t0)
+        written = writer.commit(meta, stopped=stopped)
+        return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)))
 
-    def _commit(self, task: ShardTask, records: list[dict], meta: dict, *, stopped: Optional[str],
-                shadow_records: Optional[list[dict]] = None,
-                row_fps: Optional[list[tuple[str, str]]] = None) -> bool:
-        out_dir = task.spec["output"]["path"]
-        if stopped == LEASE_LOST:
-            return False  # another worker owns the job now; its copy of this shard wins
-        if shadow_records:  # before the part file, whose rename commits the shard
-            write_shadow(shadow_path(out_dir, f"{task.shard:05d}"), shadow_records,
-                         meta={"job_id": task.job_id, "shard": task.shard, "spec_hash": task.spec_hash})
-        if stopped is not None:
-            # A partial (cancelled) shard is written for inspection, but never over a complete one.
-            if shard_complete(out_dir, task.shard, spec_hash=task.spec_hash,
-                              row_range=(task.row_start, task.row_stop),
-                              input_fingerprint=meta["input_fingerprint"]):
-                return False
-        write_part(out_dir, task.shard, records, shard_meta=meta, row_fingerprints=row_fps)
-        return True
+    @staticmethod
+    def _rows(task: ShardTask, spec: JobSpec, plan: InputPlan) -> Any:
+        """The shard's [(row_idx, raw record)]: the worker's copy, else read from the input."""
+        if task.rows is not None:
+            return task.rows
+        return iter_raw_rows(plan, task.row_start, task.row_stop, list(spec.input.columns.model_dump().values()))
 
     def _make_probe(self, task: ShardTask) -> Callable[[], str]:
         """A throttled stop check: asks the sink at most every probe_interval_s; a stop is sticky."""
@@ -271,104 +332,87 @@ class RowRunner:
 
         return verdict
 
-    def _run_row(self, engine: Any, state: Any, spec: JobSpec, row: RowTask, base: dict, *, job_id: str,
-                 should_cancel: Callable[[], bool]) -> tuple[dict, list[dict]]:
+    def _run_row(self, engine: Any, state: Any, spec: JobSpec, row: RowTask, origin: RowOrigin, *, job_id: str,
+                 should_cancel: Callable[[], bool]) -> tuple[RowRecord, list[ShadowRecord]]:
         """Answer one row ``spec.n_samples`` times (sample 0 with the row's seed) and, when the row is in the
         shadow sample, once more with the baseline config right before or after sample 0.
         Returns the output record and the shadow records ([] or [method, baseline])."""
         if row.error is not None:
-            return error_record(status="error", error=f"row {row.id!r}: {row.error}", base=base), []
+            return RowRecord.without_answer(status="error", error=f"row {row.id!r}: {row.error}", origin=origin), []
         shadow = spec.shadow
-        pair: list[dict] = []
         with_shadow = shadow is not None and shadow_selected(shadow.seed, row.id, shadow.fraction)
         first = with_shadow and baseline_first(shadow.seed, row.id)
-        if with_shadow and first:
-            pair.append(self._shadow_baseline(spec, row, base, job_id=job_id, ran_first=True,
-                                              should_cancel=should_cancel))
-        results = []  # (accumulator, status, error, seed) per sample
+        pair: list[ShadowRecord] = []
+        baseline = lambda ran_first: self._shadow_baseline(spec, row, origin, job_id=job_id,  # noqa: E731
+                                                           ran_first=ran_first, should_cancel=should_cancel)
+        if first:
+            pair.append(baseline(True))
+        answers: list[tuple[RowRecord, int]] = []  # (record, seed) per sample
         for k in range(spec.n_samples):
             params = row.params if k == 0 else row.params.model_copy(update={"seed": sample_seed(row.seed, k)})
-            acc, status, error = self._answer(engine, state, row, params, should_cancel=should_cancel)
-            results.append((acc, status, error, params.seed))
+            rec = self._answer(engine, state, row, params, origin, should_cancel=should_cancel)
+            answers.append((rec, params.seed))
             if k == 0 and with_shadow:
-                method = acc.record(status=status, error=error, base=base)
-                method["finished_at"] = now_utc()
-                pair.insert(0, shadow_record(method, run="job", side="method", ran_first=not first,
-                                             temperature=row.params.temperature, reference=row.reference))
+                method = dataclasses.replace(rec, finished_at=now_utc())
+                pair.insert(0, ShadowRecord(row=method, run="job", side="method", ran_first=not first,
+                                            temperature=row.params.temperature, reference=row.reference))
                 if not first:
-                    pair.append(self._shadow_baseline(spec, row, base, job_id=job_id, ran_first=False,
-                                                      should_cancel=should_cancel))
-            if status != "ok":
+                    pair.append(baseline(False))
+            if rec.status != "ok":
                 break
-        acc0, status, error, _ = results[0]
-        if len(results) == 1 and spec.n_samples == 1:
-            return acc0.record(status=status, error=error, base=base), pair
-        total = RowAccumulator()
-        for acc, st, err, _ in results:
-            total.add(acc)
-            if st != "ok" and status == "ok":
-                status, error = st, err
-        total.turn_texts, total.finish_reason = acc0.turn_texts, acc0.finish_reason
-        rec = total.record(status=status, error=error, base=base)
-        rec["samples"] = [
-            {"sample": k, "seed": seed, "status": st, "text": acc.turn_texts[-1] if acc.turn_texts else None,
-             "turn_texts": list(acc.turn_texts), "output_tokens": acc.output_tokens,
-             "finish_reason": acc.finish_reason}
-            for k, (acc, st, _, seed) in enumerate(results)
-        ]
-        return rec, pair
+        if spec.n_samples == 1:
+            return answers[0][0], pair
+        return RowRecord.from_samples(answers), pair
 
-    def _shadow_baseline(self, spec: JobSpec, row: RowTask, base: dict, *, job_id: str, ran_first: bool,
-                         should_cancel: Callable[[], bool]) -> dict:
+    def _shadow_baseline(self, spec: JobSpec, row: RowTask, origin: RowOrigin, *, job_id: str, ran_first: bool,
+                         should_cancel: Callable[[], bool]) -> ShadowRecord:
         """The baseline side of a shadow pair: the row's sample 0 with the shadow config, its own draft state."""
         assert spec.shadow is not None
         decoding = spec.shadow.decoding()
         engine = self._engine_for_config(decoding)
         state = self._state_for(_shadow_key(job_id), engine)
-        acc, status, error = self._answer(engine, state, row, row.params, should_cancel=should_cancel)
-        rec = acc.record(status=status, error=error, base=dict(base, method=decoding.method,
-                                                               config_hash=decoding.config_hash()))
-        rec["finished_at"] = now_utc()
-        return shadow_record(rec, run="job", side="baseline", ran_first=ran_first,
-                             temperature=row.params.temperature, reference=row.reference)
+        rec = self._answer(engine, state, row, row.params,
+                           dataclasses.replace(origin, method=decoding.method, config_hash=decoding.config_hash()),
+                           should_cancel=should_cancel)
+        rec.finished_at = now_utc()
+        return ShadowRecord(row=rec, run="job", side="baseline", ran_first=ran_first,
+                            temperature=row.params.temperature, reference=row.reference)
 
-    def _answer(self, engine: Any, state: Any, row: RowTask, params: Any, *,
-                should_cancel: Callable[[], bool]) -> tuple[RowAccumulator, str, Optional[str]]:
-        """One answer to the row (every turn) with these params: (accumulator, status, error)."""
-        acc = RowAccumulator()
+    def _answer(self, engine: Any, state: Any, row: RowTask, params: Any, origin: RowOrigin, *,
+                should_cancel: Callable[[], bool]) -> RowRecord:
+        """One answer to the row (every turn) with these params, as a RowRecord (status ok, error or
+        cancelled; the turns answered before an error count)."""
+        turns: list[Any] = []
+
+        def done(status: str, error: Optional[str]) -> RowRecord:
+            return RowRecord.from_turns(turns, status=status, error=error, origin=origin)
+
         try:
             if row.turns is not None:
                 chat = list(row.chat or [])
                 for turn in row.turns:
                     chat.append({"role": "user", "content": turn})
-                    res = engine.generate(chat, params, state=state, should_cancel=should_cancel)
-                    acc.add_turn(res)
-                    if res.finish_reason == "cancelled":
+                    turns.append(engine.generate(chat, params, state=state, should_cancel=should_cancel))
+                    if turns[-1].finish_reason == "cancelled":
                         break
-                    chat.append({"role": "assistant", "content": res.text})
+                    chat.append({"role": "assistant", "content": turns[-1].text})
             else:
-                res = engine.generate(row.chat if row.chat is not None else row.raw, params, state=state,
-                                      should_cancel=should_cancel)
-                acc.add_turn(res)
+                turns.append(engine.generate(row.chat if row.chat is not None else row.raw, params, state=state,
+                                             should_cancel=should_cancel))
         except ValueError as exc:
-            return acc, "error", f"row {row.id!r}: {exc}"
+            return done("error", f"row {row.id!r}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a model failure on one row must not kill the job
             log.warning("model error on row %s: %r", row.id, exc)
-            return acc, "error", f"row {row.id!r}: model error: {type(exc).__name__}: {exc}"
-        if acc.finish_reason == "cancelled":
-            return acc, "cancelled", "cancelled during generation"
-        return acc, "ok", None
+            return done("error", f"row {row.id!r}: model error: {type(exc).__name__}: {exc}")
+        if turns and turns[-1].finish_reason == "cancelled":
+            return done("cancelled", "cancelled during generation")
+        return done("ok", None)
 
 
 _SHADOW_SUFFIX = "\0shadow"
+_SPEC_CACHE = 8  # validated specs kept per runner (one per job and spec hash)
 
 
 def _shadow_key(job_id: str) -> str:
     """Key of a job's shadow-baseline draft state in RowRunner._states (freed with the job's)."""
     return job_id + _SHADOW_SUFFIX
-
-
-def _telemetry(rec: dict) -> dict:
-    keys = ("id", "row_idx", "shard", "route", "status", "error", "output_tokens", "steps", "mat",
-            "tokens_per_s", "finish_reason", "worker", "device")
-    return {k: rec.get(k) for k in keys}

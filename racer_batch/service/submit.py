@@ -16,6 +16,7 @@ from typing import Optional
 import pyarrow as pa
 
 from racer_batch.service.inputs import InputError, InputPlan, check_ids, plan_input
+from racer_batch.service.manifest import job_manifest
 from racer_batch.service.output import OutputError, check_output_folder, read_manifest, write_manifest
 from racer_batch.service.queue import JobQueue
 from racer_batch.service.resume import ResumePlan, plan_resume
@@ -86,12 +87,7 @@ def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) 
     except (OSError, AssertionError, pa.ArrowException) as exc:
         raise InputError(f"cannot read the input to compare it with {spec.output.path!r}: {exc}") from None
     if read_manifest(spec.output.path) is None:  # claim the folder for this job and spec
-        write_manifest(spec.output.path, {
-            "job_id": job_id, "name": spec.name, "state": "queued", "spec": spec.stored(), "spec_hash": spec_hash,
-            "config_hash": spec.decoding.config_hash(), "model": spec.model.name, "method": spec.decoding.method,
-            "input": plan.to_dict(), "num_rows": plan.num_rows, "shard_rows": spec.output.shard_rows,
-            "num_shards": plan.num_shards(spec.output.shard_rows), "shards": {}, "totals": {},
-        })
+        write_manifest(spec.output.path, job_manifest(job_id, spec, plan, state="queued", done={}))
     queue.enqueue(job_id=job_id, spec=spec.stored(), plan=plan.to_dict(), priority=spec.priority, name=spec.name)
     return SubmitOutcome(job_id=job_id, plan=plan, action="resumed" if prior else "queued",
                          shards_total=num_shards, shards_kept=len(resume.done), notes=resume.describe())

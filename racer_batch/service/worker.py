@@ -14,20 +14,22 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import pyarrow as pa
 import redis
 
 from racer_batch.service.actors import Executor
-from racer_batch.service.inputs import (InputError, InputPlan, answer_columns, iter_shards, plan_input,
-                                       row_fingerprint, shard_fingerprint)
-from racer_batch.service.output import write_manifest, write_part
+from racer_batch.service.inputs import InputError, InputPlan, answer_columns, iter_shards, plan_input
+from racer_batch.service.manifest import job_manifest, shard_summary
+from racer_batch.service.output import write_manifest
+from racer_batch.service.queue import JobQueue, Lease
+from racer_batch.service.record import RowOrigin, RowRecord, now_utc
 from racer_batch.service.resume import ResumePlan, clear_stale, plan_resume
-from racer_batch.service.queue import JobQueue, Lease, ShardSummary
-from racer_batch.service.runner import CANCELLED, LEASE_LOST, ShardTask
-from racer_batch.service.schema import error_record, now_utc
+from racer_batch.service.runner import CANCELLED, LEASE_LOST, ShardTask, ShardWriter
 from racer_batch.service.spec import JobSpec
+from racer_batch.service.tally import Tally
 
 log = logging.getLogger(__name__)
 
@@ -122,123 +124,134 @@ class Worker:
             raise
 
     def _run_job(self, lease: Lease, *, stop: Callable[[], bool]) -> str:
+        job = self._open_job(lease)
+        if isinstance(job, str):
+            return job
+        if len(job.done) < job.num_shards:
+            self.executor.prepare(job.spec.resources)
+            job.free_slots = list(range(self.executor.slots))
+        while job.pending or job.running:
+            self._keep_lease(job)
+            if stop() and not job.released:
+                job.released = True
+                job.pending.clear()
+            self._dispatch(job)
+            if not job.running:
+                break
+            finished, _ = cf.wait(list(job.running), timeout=min(1.0, self.lease_s / 3),
+                                  return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                self._collect(job, fut)
+        self.executor.end_job(job.job_id)
+        return self._close_job(job)
+
+    def _open_job(self, lease: Lease) -> "JobRun | str":
+        """Check the leased job, plan it and resume it from the output folder. Returns the run, or the final
+        state when the job ends here (failed)."""
         job_id = lease.job_id
         fields = self.queue.job_fields(job_id)
+        failure = None
         if int(fields.get("attempts", 1)) > self.max_job_attempts:
-            self.queue.finish(lease, state="failed",
-                              message=f"taken {self.max_job_attempts} times without finishing; giving up")
+            failure = f"taken {self.max_job_attempts} times without finishing; giving up"
+        else:
+            spec = JobSpec.model_validate(json.loads(fields["spec"]))  # once per job in this process
+            plan = InputPlan.from_dict(json.loads(fields["plan"]))
+            failure = _input_changed(spec, plan)
+        if failure:
+            self.queue.finish(lease, state="failed", message=failure)
             return "failed"
-        spec = JobSpec.model_validate(json.loads(fields["spec"]))
-        plan = InputPlan.from_dict(json.loads(fields["plan"]))
-        try:
-            now_plan = plan_input(spec.input)
-        except InputError as exc:
-            self.queue.finish(lease, state="failed", message=f"input no longer readable: {exc}")
-            return "failed"
-        if now_plan.fingerprint != plan.fingerprint:
-            self.queue.finish(lease, state="failed", message="input files changed since submit; submit again")
-            return "failed"
-        shard_rows = spec.output.shard_rows
-        num_shards = plan.num_shards(shard_rows)
-        ranges = {s: plan.shard_range(s, shard_rows) for s in range(num_shards)}
-        spec_hash = spec.spec_hash()
+        num_shards = plan.num_shards(spec.output.shard_rows)
         self._report(f"job {job_id}: taken by {self.name}{' (reclaimed)' if lease.reclaimed else ''}: "
                      f"{plan.num_rows} rows in {num_shards} shards")
         done, problem = self._resume(job_id, spec, plan)
         if done:
             self._report(f"job {job_id}: {len(done)}/{num_shards} shards kept from the output folder")
-        unwritable = problem or self._manifest(job_id, spec, plan, done, state="running")
+        job = JobRun(lease=lease, spec=spec, plan=plan, done=done, pending=ShardFeed(
+            plan, columns=list(spec.input.columns.model_dump().values()), shard_rows=spec.output.shard_rows,
+            skip=frozenset(done)))
+        unwritable = problem or self._manifest(job, state="running")
         if unwritable:
             self.queue.finish(lease, state="failed", message=unwritable)
             return "failed"
-        pending = ShardFeed(plan, columns=list(spec.input.columns.model_dump().values()), shard_rows=shard_rows,
-                            skip=frozenset(done))
-        attempts: collections.Counter = collections.Counter()
-        running: dict[cf.Future, tuple[int, int]] = {}  # future -> (slot, shard)
-        free_slots: list[int] = []
-        if len(done) < num_shards:
-            self.executor.prepare(spec.resources)
-            free_slots = list(range(self.executor.slots))
-        cancelled = lost = released = False
-        failure: Optional[str] = None
-        next_renew = next_manifest = 0.0
-        while pending or running:
-            now = time.monotonic()
-            if now >= next_renew:
-                verdict = self._renew(lease)
-                if verdict is False:
-                    lost = True
-                    pending.clear()
-                next_renew = now + self.lease_s / 3
-                if not cancelled and self._cancel_requested(job_id):
-                    cancelled = True
-                    pending.clear()
-                    self._report(f"job {job_id}: cancel requested, stopping at the next step boundary")
-            if stop() and not released:
-                released = True
-                pending.clear()
-            while free_slots and not (cancelled or lost or released or failure):
-                try:
-                    shard = pending.next()
-                except (OSError, ValueError, AssertionError, pa.ArrowException) as exc:
-                    failure = f"input no longer readable: {type(exc).__name__}: {exc}"
-                    pending.clear()
-                    break
-                if shard is None:
-                    break
-                slot = free_slots.pop()
-                attempts[shard] += 1
-                task = ShardTask(job_id=job_id, shard=shard, row_start=ranges[shard][0], row_stop=ranges[shard][1],
-                                 spec=spec.stored(), plan=plan.to_dict(), spec_hash=spec_hash, owner=self.name,
-                                 attempt=attempts[shard], rows=pending.rows[shard])
-                running[self.executor.submit(slot, task.to_dict())] = (slot, shard)
-            if not running:
-                break
-            finished, _ = cf.wait(list(running), timeout=min(1.0, self.lease_s / 3),
-                                  return_when=cf.FIRST_COMPLETED)
-            for fut in finished:
-                slot, shard = running.pop(fut)
-                free_slots.append(slot)
-                try:
-                    out = fut.result()
-                except Exception as exc:  # noqa: BLE001 - actor crash or setup error, decided below
-                    if released:
-                        continue  # shutting down: the shard is redone by whoever takes the job next
-                    failure = self._shard_failed(job_id, spec, plan, shard, slot, exc, attempts, pending,
-                                                 ranges, spec_hash, done) or failure
-                    continue
-                if out["written"] and not out["stopped"]:
-                    done[shard] = _meta(out)
-                    pending.committed(shard)
-                    self._redis_best_effort(self.queue.commit_shard, job_id, shard, done[shard])
-                    self._report(f"job {job_id}: shard {shard} committed ({len(done)}/{num_shards} shards; "
-                                 f"rows ok {out['ok']}, error {out['error']})")
-                    if time.monotonic() >= next_manifest:  # throttled: the part files are the truth
-                        self._manifest(job_id, spec, plan, done, state="running")
-                        next_manifest = time.monotonic() + 5.0
-                elif out["stopped"] == CANCELLED:
-                    cancelled = True
-                elif out["stopped"] == LEASE_LOST:
-                    lost = True
-                    pending.clear()
-        self.executor.end_job(job_id)
-        if lost:
-            log.warning("job %s: lease lost to another worker; stopped here", job_id)
+        return job
+
+    def _keep_lease(self, job: "JobRun") -> None:
+        """Every third of the lease: renew it (a lost lease stops the job) and look for a cancel request."""
+        now = time.monotonic()
+        if now < job.next_renew:
+            return
+        if self._renew(job.lease) is False:
+            job.lost = True
+            job.pending.clear()
+        job.next_renew = now + self.lease_s / 3
+        if not job.cancelled and self._cancel_requested(job.job_id):
+            job.cancelled = True
+            job.pending.clear()
+            self._report(f"job {job.job_id}: cancel requested, stopping at the next step boundary")
+
+    def _dispatch(self, job: "JobRun") -> None:
+        """Hand the next shards to the free slots (none once the job is stopping)."""
+        while job.free_slots and not job.stopping:
+            try:
+                shard = job.pending.next()
+            except (OSError, ValueError, AssertionError, pa.ArrowException) as exc:
+                job.failure = f"input no longer readable: {type(exc).__name__}: {exc}"
+                job.pending.clear()
+                return
+            if shard is None:
+                return
+            slot = job.free_slots.pop()
+            job.attempts[shard] += 1
+            lo, hi = job.plan.shard_range(shard, job.spec.output.shard_rows)
+            task = ShardTask(job_id=job.job_id, shard=shard, row_start=lo, row_stop=hi, spec=job.spec,
+                             plan=job.plan, spec_hash=job.spec_hash, owner=self.name,
+                             attempt=job.attempts[shard], rows=job.pending.rows[shard])
+            job.running[self.executor.submit(slot, task)] = (slot, shard)
+
+    def _collect(self, job: "JobRun", fut: cf.Future) -> None:
+        """One returned shard attempt: commit it, note a stop, or decide what its failure means."""
+        slot, shard = job.running.pop(fut)
+        job.free_slots.append(slot)
+        try:
+            out = fut.result()
+        except Exception as exc:  # noqa: BLE001 - actor crash or setup error, decided below
+            if not job.released:  # shutting down: the shard is redone by whoever takes the job next
+                job.failure = self._shard_failed(job, shard=shard, slot=slot, exc=exc) or job.failure
+            return
+        if out["written"] and not out["stopped"]:
+            self._committed(job, shard, shard_summary(out))
+            self._report(f"job {job.job_id}: shard {shard} committed ({len(job.done)}/{job.num_shards} shards; "
+                         f"rows ok {out['ok']}, error {out['error']})")
+            if time.monotonic() >= job.next_manifest:  # throttled: the part files are the truth
+                self._manifest(job, state="running")
+                job.next_manifest = time.monotonic() + 5.0
+        elif out["stopped"] == CANCELLED:
+            job.cancelled = True
+        elif out["stopped"] == LEASE_LOST:
+            job.lost = True
+            job.pending.clear()
+
+    def _committed(self, job: "JobRun", shard: int, summary: dict) -> None:
+        job.done[shard] = summary
+        job.pending.committed(shard)
+        self._redis_best_effort(self.queue.commit_shard, job.job_id, shard, summary)
+
+    def _close_job(self, job: "JobRun") -> str:
+        """End the run: the final state in the manifest and Redis (or the job handed back / left)."""
+        if job.lost:
+            log.warning("job %s: lease lost to another worker; stopped here", job.job_id)
             return "lost"
-        if released:
-            self.queue.release(lease, message=f"released by {self.name} (shutdown)")
+        if job.released:
+            self.queue.release(job.lease, message=f"released by {self.name} (shutdown)")
             return "released"
-        if failure:
-            state = "failed"
-        elif cancelled:
-            state = "cancelled"
-        else:
-            state = "done"
-            failure = _all_rows_failed(job_id, done)
-            state = "failed" if failure else state
-        self._manifest(job_id, spec, plan, done, state=state)
-        self._finish(lease, state=state, message=failure or "")
-        self._report(f"job {job_id}: {state} ({len(done)}/{num_shards} shards)" + (f": {failure}" if failure else ""))
+        failure = job.failure
+        if not failure and not job.cancelled:
+            failure = _all_rows_failed(job.job_id, job.done)
+        state = "failed" if failure else "cancelled" if job.cancelled else "done"
+        self._manifest(job, state=state)
+        self._finish(job.lease, state=state, message=failure or "")
+        self._report(f"job {job.job_id}: {state} ({len(job.done)}/{job.num_shards} shards)"
+                     + (f": {failure}" if failure else ""))
         return state
 
     def _resume(self, job_id: str, spec: JobSpec, plan: InputPlan) -> tuple[dict[int, dict], Optional[str]]:
@@ -303,9 +316,7 @@ class Worker:
         except (redis.ConnectionError, redis.TimeoutError):
             return False
 
-    def _shard_failed(self, job_id: str, spec: JobSpec, plan: InputPlan, shard: int, slot: int, exc: BaseException,
-                      attempts: collections.Counter, pending: "ShardFeed", ranges: dict, spec_hash: str,
-                      done: dict) -> Optional[str]:
+    def _shard_failed(self, job: "JobRun", *, shard: int, slot: int, exc: BaseException) -> Optional[str]:
         """Decide what a failed shard means. Returns a job failure message, or None to carry on.
 
         * The actor died (a row may crash the process, e.g. out of memory): restart it and retry; after
@@ -317,74 +328,90 @@ class Worker:
         """
         crash = self.executor.is_crash(exc)
         cause = self.executor.root_cause(exc)
+        tries = job.attempts[shard]
         if crash:
-            log.warning("job %s shard %d: actor crashed (%s); restarting it", job_id, shard, type(exc).__name__)
+            log.warning("job %s shard %d: actor crashed (%s); restarting it", job.job_id, shard, type(exc).__name__)
             self.executor.restart(slot)
         elif isinstance(cause, (ValueError, AssertionError)):
             return f"shard {shard}: {cause}"
         else:
-            log.warning("job %s shard %d attempt %d failed: %s: %s", job_id, shard, attempts[shard],
+            log.warning("job %s shard %d attempt %d failed: %s: %s", job.job_id, shard, tries,
                         type(cause).__name__, cause)
-        if attempts[shard] < self.max_shard_attempts:
-            pending.retry(shard)
+        if tries < self.max_shard_attempts:
+            job.pending.retry(shard)
             return None
-        message = f"shard failed {attempts[shard]} times; last error: {type(cause).__name__}: {cause}"
-        log.error("job %s shard %d: %s", job_id, shard, message)
+        message = f"shard failed {tries} times; last error: {type(cause).__name__}: {cause}"
+        log.error("job %s shard %d: %s", job.job_id, shard, message)
         if not crash:
             return f"shard {shard}: {message}"
-        meta = self._write_failed_shard(job_id, spec, pending.rows[shard], shard, ranges[shard], spec_hash, message)
-        pending.committed(shard)
-        done[shard] = meta
-        self._redis_best_effort(self.queue.commit_shard, job_id, shard, meta)
+        self._committed(job, shard, self._write_failed_shard(job, shard=shard, message=message))
         return None
 
-    def _write_failed_shard(self, job_id: str, spec: JobSpec, rows: list, shard: int, row_range: tuple,
-                            spec_hash: str, message: str) -> dict:
-        """Every row of a shard that kept crashing gets status=error, so the job still completes."""
+    def _write_failed_shard(self, job: "JobRun", *, shard: int, message: str) -> dict:
+        """Every row of a shard that kept crashing gets status=error, so the job still completes. Returns
+        the shard summary written into the part file."""
+        spec = job.spec
         id_col, route_col = spec.input.columns.id, spec.input.columns.route
-        fp_columns = answer_columns(spec.input)
-        row_fps = [(str(rec.get(id_col)), row_fingerprint(rec, fp_columns)) for _, rec in rows]
-        summary = ShardSummary()
-        records = []
-        for row_idx, rec in rows:
-            route = str(rec.get(route_col) or spec.route)
-            records.append(error_record(status="error", error=message, base={
-                "id": str(rec.get(id_col)), "row_idx": row_idx, "shard": shard, "route": route, "job_id": job_id,
-                "worker": self.name, "model": spec.model.name, "method": spec.decoding.method,
-                "config_hash": spec.decoding.config_hash(), "seed": (spec.seed + row_idx) % (2**63),
-                "finished_at": now_utc()}))
-            summary.observe_row(status="error", route=route, output_tokens=0, steps=0, gen_ms=0.0)
-        meta = dict(summary.to_dict(), job_id=job_id, shard=shard, row_start=row_range[0], row_stop=row_range[1],
-                    spec_hash=spec_hash, worker=self.name, attempt=0, elapsed_s=0.0,
-                    input_fingerprint=shard_fingerprint([(i, fp) for (i, _), (_, fp) in zip(rows, row_fps)]))
-        write_part(spec.output.path, shard, records, shard_meta=meta, row_fingerprints=row_fps)
+        writer = ShardWriter(out_dir=spec.output.path, job_id=job.job_id, shard=shard,
+                             row_range=job.plan.shard_range(shard, spec.output.shard_rows),
+                             spec_hash=job.spec_hash, fp_columns=answer_columns(spec.input))
+        tally = Tally()
+        for row_idx, raw in job.pending.rows[shard]:
+            writer.add_input(row_idx, str(raw.get(id_col)), raw)
+            rec = RowRecord.without_answer(status="error", error=message, finished_at=now_utc(), origin=RowOrigin(
+                id=str(raw.get(id_col)), row_idx=row_idx, shard=shard, route=str(raw.get(route_col) or spec.route),
+                job_id=job.job_id, worker=self.name, model=spec.model.name, method=spec.decoding.method,
+                config_hash=spec.decoding.config_hash(), seed=(spec.seed + row_idx) % (2**63)))
+            writer.observe(rec)
+            tally.observe_row(rec)
+        meta = writer.summary(tally, worker=self.name, attempt=0, elapsed_s=0.0)
+        writer.commit(meta, stopped=None)
         return meta
 
-    def _manifest(self, job_id: str, spec: JobSpec, plan: InputPlan, done: dict, *, state: str) -> Optional[str]:
-        """Rewrite manifest.json. Returns None, or a message naming the folder when it cannot be written
+    def _manifest(self, job: "JobRun", *, state: str) -> Optional[str]:
+        """Rewrite the manifest. Returns None, or a message naming the folder when it cannot be written
         (the part files stay the truth, so only the first write of a run fails the job)."""
         try:
-            self._write_manifest(job_id, spec, plan, done, state=state)
+            write_manifest(job.spec.output.path, job_manifest(job.job_id, job.spec, job.plan, state=state,
+                                                              done=job.done, worker=self.name))
         except OSError as exc:
-            message = f"output.path = {spec.output.path!r}: cannot write the manifest: {exc.strerror or exc}"
-            log.warning("job %s: %s", job_id, message)
+            message = f"output.path = {job.spec.output.path!r}: cannot write the manifest: {exc.strerror or exc}"
+            log.warning("job %s: %s", job.job_id, message)
             return message
         return None
 
-    def _write_manifest(self, job_id: str, spec: JobSpec, plan: InputPlan, done: dict, *, state: str) -> None:
-        totals = ShardSummary()
-        for meta in done.values():
-            totals.merge(ShardSummary.from_dict(meta))
-        write_manifest(spec.output.path, {
-            "job_id": job_id, "name": spec.name, "state": state, "spec": spec.stored(),
-            "spec_hash": spec.spec_hash(), "config_hash": spec.decoding.config_hash(), "model": spec.model.name,
-            "dtype": spec.model.dtype or "default (float32 on CPU, bfloat16 on CUDA)", "method": spec.decoding.method, "input": plan.to_dict(), "num_rows": plan.num_rows,
-            "shard_rows": spec.output.shard_rows, "num_shards": plan.num_shards(spec.output.shard_rows),
-            "shards": {f"{s:05d}": _meta(m) for s, m in sorted(done.items())},
-            "totals": dict(totals.to_dict(),
-                           mat=(totals.output_tokens / totals.steps) if totals.steps else None),
-            "worker": self.name,
-        })
+
+@dataclass
+class JobRun:
+    """The state of one job while this worker runs it: its lease, validated spec and plan, the committed
+    shards ({shard: summary}), the shards still to run and those in flight, and why it is stopping."""
+
+    lease: Lease
+    spec: JobSpec
+    plan: InputPlan
+    done: dict[int, dict]
+    pending: "ShardFeed"
+    attempts: collections.Counter = field(default_factory=collections.Counter)
+    running: dict[cf.Future, tuple[int, int]] = field(default_factory=dict)  # future -> (slot, shard)
+    free_slots: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    lost: bool = False
+    released: bool = False
+    failure: Optional[str] = None
+    next_renew: float = 0.0
+    next_manifest: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.spec_hash = self.spec.spec_hash()
+        self.num_shards = self.plan.num_shards(self.spec.output.shard_rows)
+
+    @property
+    def job_id(self) -> str:
+        return self.lease.job_id
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self.cancelled or self.lost or self.released or self.failure)
 
 
 class ShardFeed:
@@ -424,16 +451,21 @@ class ShardFeed:
         self._exhausted = True
 
 
+def _input_changed(spec: JobSpec, plan: InputPlan) -> Optional[str]:
+    """Why the job's input cannot be used any more (unreadable, or other files than at submit), or None."""
+    try:
+        now_plan = plan_input(spec.input)
+    except InputError as exc:
+        return f"input no longer readable: {exc}"
+    if now_plan.fingerprint != plan.fingerprint:
+        return "input files changed since submit; submit again"
+    return None
+
+
 def _all_rows_failed(job_id: str, done: dict[int, dict]) -> Optional[str]:
     """The failure message of a job in which rows ran and none came back ok, else None (a job of zero rows
     is done)."""
-    totals = ShardSummary()
-    for meta in done.values():
-        totals.merge(ShardSummary.from_dict(meta))
+    totals = Tally.of(done.values())
     if totals.rows == 0 or totals.ok > 0:
         return None
     return f"every row failed ({totals.error} errors); racer-batch errors {job_id} lists them"
-
-
-def _meta(out: dict) -> dict:
-    return {k: v for k, v in out.items() if k not in ("stopped", "written", "path", "counts")}

@@ -53,7 +53,7 @@ def test_corpus_goes_to_rest_rows_only(tmp_path):
 
 
 def test_capability_counters():
-    t = bench.MethodTotals()
+    t = bench.AnswerQuality()
     t.observe_answer([1, 2, 3, 4, 1, 2, 3, 4], "so the answer is 7", ("#### 7",))
     t.observe_answer([5, 6], "no number", ("2",))
     t.observe_answer([5, 6, 7, 8], "free text", ())  # no reference: not scored

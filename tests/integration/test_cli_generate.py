@@ -46,8 +46,8 @@ def test_generate_gives_a_job_rows_answer(tmp_path):
                             "model.name": "tiny-random", "preset": "racer-cpu", "generation.max_new_tokens": 12})
     row = parse_row(spec, 0, {"id": "a", "prompt": prompt})
     rec, _ = RowRunner(worker_name="t").answer_row(spec, row, {"id": "a", "row_idx": 0}, job_id="t")
-    assert rec["status"] == "ok", rec["error"]
-    assert (rec["prompt_tokens"], rec["text"]) == (alone["prompt_tokens"], alone["text"])
+    assert rec.status == "ok", rec.error
+    assert (rec.prompt_tokens, rec.text) == (alone["prompt_tokens"], alone["text"])
     # an explicit system prompt is still honoured, and it is not what the default does
     r = CliRunner().invoke(main, ["generate", prompt, "--model", "tiny-random", "--max-new-tokens", "2", "--json",
                                   "--system", "You are a helpful assistant."])

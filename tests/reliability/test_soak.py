@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from racer_batch.service.queue import ROW_STREAM_MAXLEN, ShardSummary
+from racer_batch.service.queue import ROW_STREAM_MAXLEN
+from racer_batch.service.tally import Tally
 
 from tests.fixtures import ROOT
 
@@ -56,7 +57,7 @@ def test_short_soak_is_flat(ray_session, redis_url):
 
 def test_row_stream_is_capped(queue):
     """Telemetry of a job longer than the cap: the stream is trimmed to about ROW_STREAM_MAXLEN entries."""
-    progress = ShardSummary()
+    progress = Tally()
     n = ROW_STREAM_MAXLEN + 2_500
     row = {"id": "x", "row_idx": 0, "shard": 0, "route": "default", "status": "ok", "output_tokens": 4}
     for i in range(n):

@@ -18,11 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from racer_batch.service.actors import ThreadExecutor
 from racer_batch.service.local import free_port
-from racer_batch.service.metrics import MeteredExecutor, ShardCounts, WorkerMetrics
+from racer_batch.service.metrics import MeteredExecutor, WorkerMetrics
 from racer_batch.service.output import read_output
+from racer_batch.service.record import RowRecord
 from racer_batch.service.spec import load_spec
 from tests.standin import RAISE_MARKER
 from racer_batch.service.submit import submit_job
+from racer_batch.service.tally import Tally
 from racer_batch.service.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,39 +39,52 @@ ROWS = [
 ]
 
 
-def test_shard_counts_on_hand_made_records():
-    c = ShardCounts()
-    c.observe_row({"route": "chat", "status": "ok", "output_tokens": 10, "steps": 4, "accepted_hist": [1, 2, 1],
-                   "prefill_ms": 5.0, "decode_ms": 20.0})
-    c.observe_row({"route": "chat", "status": "error", "output_tokens": None, "steps": None, "accepted_hist": None})
-    c.observe_row({"route": "code", "status": "cancelled", "output_tokens": 3, "steps": 3, "accepted_hist": [3]})
+def _rec(route, status, **counts):
+    return RowRecord(id=f"{route}-{status}", row_idx=0, shard=0, route=route, status=status, job_id="j", **counts)
+
+
+def test_tally_routes_on_hand_made_records():
+    c = Tally()
+    c.observe_row(_rec("chat", "ok", output_tokens=10, steps=4, accepted_hist=[1, 2, 1], prefill_ms=5.0,
+                       decode_ms=20.0))
+    c.observe_row(_rec("chat", "error", output_tokens=None, steps=None, accepted_hist=None))
+    c.observe_row(_rec("code", "cancelled", output_tokens=3, steps=3, accepted_hist=[3]))
+    chat, code = c.routes["chat"], c.routes["code"]
+    assert (chat.ok, chat.error, chat.cancelled, chat.output_tokens, chat.accepted_tokens, chat.steps,
+            chat.gen_ms) == (1, 1, 0, 10, 4, 4, 25.0)
+    assert code.cancelled == 1 and code.accepted_tokens == 0
     d = c.to_dict()
-    assert d["chat"] == {"ok": 1, "error": 1, "cancelled": 0, "output_tokens": 10, "accepted_tokens": 4,
-                         "steps": 4, "gen_ms": 25.0}
-    assert d["code"]["cancelled"] == 1 and d["code"]["accepted_tokens"] == 0
-    assert ShardCounts.from_dict(d).to_dict() == d
+    assert Tally.from_dict(d) == c and Tally.from_dict(d).to_dict() == d
+    assert d["routes"]["chat"]["accepted_hist"] == [1, 2, 1]  # per-route counts survive the JSON
     with pytest.raises(AssertionError, match="unknown status 'weird'"):
-        c.observe_row({"id": "r9", "route": "x", "status": "weird"})
+        c.observe_row(_rec("x", "weird"))
+
+
+def _shard_result(**extra):
+    t = Tally()
+    for _ in range(2):
+        t.observe_row(_rec("chat", "ok", output_tokens=5, steps=3, accepted_hist=[1, 1, 1], decode_ms=500.0))
+    t.observe_row(_rec("chat", "error", output_tokens=2, steps=1, accepted_hist=[1], decode_ms=500.0))
+    assert (t.output_tokens, t.accepted_tokens, t.steps, t.gen_ms) == (12, 6, 7, 1500.0)
+    return dict(t.to_dict(), **extra)
 
 
 def test_registry_counts_and_forgets_old_jobs():
     m = WorkerMetrics(worker="w1", keep_jobs=1)
-    counts = {"chat": {"ok": 2, "error": 1, "cancelled": 0, "output_tokens": 12, "accepted_tokens": 5, "steps": 7,
-                       "gen_ms": 1500.0}}
-    m.observe_shard("j1", {"counts": counts, "written": True, "stopped": None, "elapsed_s": 2.0})
-    m.observe_shard("j1", {"counts": counts, "written": False, "stopped": "cancelled", "elapsed_s": 1.0})
+    m.observe_shard("j1", _shard_result(written=True, stopped=None, elapsed_s=2.0))
+    m.observe_shard("j1", _shard_result(written=False, stopped="cancelled", elapsed_s=1.0))
     m.observe_shard_error("j1")
     get = m.registry.get_sample_value
     assert get("racer_batch_rows_total", {"job": "j1", "route": "chat", "status": "ok"}) == 4
     assert get("racer_batch_errors_total", {"job": "j1", "route": "chat", "kind": "row"}) == 2
     assert get("racer_batch_errors_total", {"job": "j1", "route": "", "kind": "shard"}) == 1
-    assert get("racer_batch_accepted_tokens_total", {"job": "j1", "route": "chat"}) == 10
+    assert get("racer_batch_accepted_tokens_total", {"job": "j1", "route": "chat"}) == 12
     assert get("racer_batch_generation_seconds_total", {"job": "j1", "route": "chat"}) == 3.0
     assert get("racer_batch_shards_total", {"job": "j1", "outcome": "committed"}) == 1
     assert get("racer_batch_shards_total", {"job": "j1", "outcome": "cancelled"}) == 1
     assert get("racer_batch_shard_seconds_count") == 2
     m.job_ended("j1")
-    m.observe_shard("j2", {"counts": counts, "written": True, "stopped": None})
+    m.observe_shard("j2", _shard_result(written=True, stopped=None))
     m.job_ended("j2")  # keep_jobs=1: j1's series go
     assert get("racer_batch_rows_total", {"job": "j1", "route": "chat", "status": "ok"}) is None
     assert get("racer_batch_rows_total", {"job": "j2", "route": "chat", "status": "ok"}) == 2

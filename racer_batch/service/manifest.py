@@ -1,0 +1,43 @@
+"""The manifest of an output folder (``_manifest.json``): the one place that spells out its fields.
+
+The part files are the truth (service/output.py); the manifest says which job and spec the folder holds,
+for ``check_output_folder`` at submit and for the report commands, and carries the committed shards'
+summaries and their merged ``totals`` (Tally JSON plus ``mat``) for people reading the folder.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from racer_batch.service.inputs import InputPlan
+from racer_batch.service.spec import JobSpec
+from racer_batch.service.tally import Tally
+
+# Keys of a shard result (RowRunner.run_shard) that describe the attempt, not the committed shard.
+ATTEMPT_KEYS = ("stopped", "written", "path")
+
+
+def shard_summary(result: Mapping) -> dict:
+    """The committed summary of a shard from its result or stored summary (attempt-only keys dropped)."""
+    return {k: v for k, v in result.items() if k not in ATTEMPT_KEYS}
+
+
+def job_manifest(job_id: str, spec: JobSpec, plan: InputPlan, *, state: str, done: Mapping[int, dict],
+                 worker: Optional[str] = None) -> dict:
+    """The manifest of ``job_id`` in ``state`` with the committed shards ``done`` ({shard: summary}).
+
+    ``worker``: the worker writing it (None at submit). ``write_manifest`` adds ``schema_version`` and
+    ``updated_at``."""
+    totals = Tally.of(done.values())
+    manifest = {
+        "job_id": job_id, "name": spec.name, "state": state, "spec": spec.stored(), "spec_hash": spec.spec_hash(),
+        "config_hash": spec.decoding.config_hash(), "model": spec.model.name,
+        "dtype": spec.model.dtype or "default (float32 on CPU, bfloat16 on CUDA)", "method": spec.decoding.method,
+        "input": plan.to_dict(), "num_rows": plan.num_rows, "shard_rows": spec.output.shard_rows,
+        "num_shards": plan.num_shards(spec.output.shard_rows),
+        "shards": {f"{s:05d}": shard_summary(m) for s, m in sorted(done.items())},
+        "totals": dict(totals.to_dict(), mat=totals.mat),
+    }
+    if worker is not None:
+        manifest["worker"] = worker
+    return manifest
