@@ -26,8 +26,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def pool(files: list[dict]) -> dict:
-    """{method: pooled row} over the files' ``overall`` rows."""
+def pool(files: list[dict], part: str = "overall") -> dict:
+    """{method: pooled row} over the files' ``overall`` rows, or over ``sets[part]`` for ``part`` a set name
+    (files without that set are skipped)."""
+    if part != "overall":
+        files = [{"config": f["config"], "overall": f["sets"][part]} for f in files if part in f.get("sets", {})]
     for f in files[1:]:
         diff = [k for k in SAME if f["config"].get(k) != files[0]["config"].get(k)]
         if diff:
@@ -75,19 +78,21 @@ def markdown(files: list[dict], names: list[str], rows: dict, stamp: str) -> str
               "| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for method, r in rows.items():
         lines.append(f"| {method} | " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
-    lines += ["", "## Per set (from the files)", "", "| set | method | rows | tokens | mat | ms_per_token | "
-              "speedup_vs_hf_greedy | exact_match_vs_hf_greedy |", "|---|---|---|---|---|---|---|---|"]
-    for f in files:
-        for set_name, methods in f["sets"].items():
-            for method, r in methods.items():
-                lines.append(f"| {set_name} | {method} | {r['rows']} | {r['tokens']} | {r.get('mat') or ''} | "
-                             f"{r['ms_per_token']} | {r.get('speedup_vs_hf_greedy')} | {r['exact_match_vs_hf_greedy']} |")
-    lines += ["", "## Beside the paper (RACER.md section 1 figures; ours are this CPU, SmolLM2-135M)", "",
-              "| set | method | our mat | paper mat | our speedup vs HF greedy | paper speedup |", "|---|---|---|---|---|---|"]
-    for f in files:
-        for p in f.get("published", []):
-            lines.append(f"| {p['set']} | {p['label']} | {p.get('mat') or ''} | {p.get('published_mat')} | "
-                         f"{p.get('speedup')} | {p.get('published_speedup')} |")
+    sets = list(dict.fromkeys(s for f in files for s in f.get("sets", {})))
+    per_set = {s: pool(files, s) for s in sets}
+    lines += ["", "## Per set (token-weighted over the files holding the set)", "",
+              "| set | method | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for set_name, rows_s in per_set.items():
+        for method, r in rows_s.items():
+            lines.append(f"| {set_name} | {method} | " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
+    paper = {(p["set"], p["label"]): p for f in files for p in f.get("published", [])}
+    lines += ["", "## Beside the paper (its figures as the bench files carry them: RACER.md; ours: this CPU, "
+              "SmolLM2-135M, pooled)", "",
+              "| set | method | our MAT | paper MAT | our speedup vs HF greedy | paper speedup |", "|---|---|---|---|---|---|"]
+    for (set_name, label), p in paper.items():
+        r = per_set.get(set_name, {}).get(label, {})
+        lines.append(f"| {set_name} | {label} | {r.get('mat') or ''} | {p.get('published_mat')} | "
+                     f"{r.get('speedup_vs_hf_greedy')} | {p.get('published_speedup')} |")
     return "\n".join(lines) + "\n"
 
 
