@@ -5,7 +5,7 @@ Public names live here (STYLE.md habit 1); layers: cli -> service -> engine -> d
 
 from .engine import Engine, generate_reference
 from .models import DEFAULT_MODEL, ModelBundle, ModelLoadError, load_model
-from .types import METHODS, DecodingConfig, GenerationParams, GenerationResult, RowStats
+from .values import METHODS, DecodingConfig, GenerationParams, GenerationResult, RowStats
 
 __all__ = [
     "DEFAULT_MODEL",

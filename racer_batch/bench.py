@@ -31,9 +31,9 @@ from .capability import REPEAT_N, answer_correct, repeated_ngram_rate
 from .engine import Engine
 from .models import ModelBundle
 from .published import PAPER_ROW, SET_TITLES, SOURCE, published
-from .service.record import RowRecord
-from .service.tally import Tally
-from .types import METHODS, DecodingConfig, GenerationParams
+from .service.results.record import RowRecord
+from .service.results.tally import Tally
+from .values import METHODS, DecodingConfig, GenerationParams
 
 log = logging.getLogger(__name__)
 

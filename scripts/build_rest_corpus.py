@@ -37,7 +37,7 @@ def smoke_ids(name: str, root: Path) -> set[str]:
 def spec_bench_docs(job_output: Path | None, root: Path) -> list[str]:
     if job_output is None:
         return []
-    from racer_batch.service.output import read_output
+    from racer_batch.service.results.output import read_output
 
     questions = {}
     with open(root / "spec_bench" / "question.jsonl", encoding="utf-8") as fh:

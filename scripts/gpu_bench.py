@@ -63,7 +63,7 @@ from racer_batch.engine.static_runner import (  # noqa: E402
     DEFAULT_BUCKETS, StaticRunner, describe_unsupported, pick_bucket)
 from racer_batch.engine.tree import flatten_tree  # noqa: E402
 from racer_batch.models import ModelBundle  # noqa: E402
-from racer_batch.types import DecodingConfig, GenerationParams  # noqa: E402
+from racer_batch.values import DecodingConfig, GenerationParams  # noqa: E402
 
 log = logging.getLogger("gpu_bench")
 

@@ -30,11 +30,11 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from racer_batch.service.local import ensure_redis, init_local_ray, run_until_done, shutdown_local_ray  # noqa: E402
-from racer_batch.service.output import read_output  # noqa: E402
-from racer_batch.service.queue import JobQueue, resolve_url  # noqa: E402
-from racer_batch.service.spec import load_spec  # noqa: E402
-from racer_batch.service.submit import submit_job  # noqa: E402
+from racer_batch.service.execution.local import ensure_redis, init_local_ray, run_until_done, shutdown_local_ray  # noqa: E402
+from racer_batch.service.results.output import read_output  # noqa: E402
+from racer_batch.service.execution.queue import JobQueue, resolve_url  # noqa: E402
+from racer_batch.service.job.spec import load_spec  # noqa: E402
+from racer_batch.service.job.submit import submit_job  # noqa: E402
 
 QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")

@@ -51,15 +51,15 @@ use_standin()  # `stand-in` model names: the test stand-in engine, here and in t
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from racer_batch.service.actors import RayExecutor, RedisSink, ThreadExecutor  # noqa: E402
-from racer_batch.service.local import init_local_ray, shutdown_local_ray  # noqa: E402
-from racer_batch.service.output import read_output, write_part  # noqa: E402
-from racer_batch.service.queue import JobQueue, connect  # noqa: E402
-from racer_batch.service.record import RowRecord  # noqa: E402
-from racer_batch.service.tally import Tally  # noqa: E402
-from racer_batch.service.spec import load_spec  # noqa: E402
-from racer_batch.service.submit import submit_job  # noqa: E402
-from racer_batch.service.worker import Worker  # noqa: E402
+from racer_batch.service.execution.actors import RayExecutor, RedisSink, ThreadExecutor  # noqa: E402
+from racer_batch.service.execution.local import init_local_ray, shutdown_local_ray  # noqa: E402
+from racer_batch.service.results.output import read_output, write_part  # noqa: E402
+from racer_batch.service.execution.queue import JobQueue, connect  # noqa: E402
+from racer_batch.service.results.record import RowRecord  # noqa: E402
+from racer_batch.service.results.tally import Tally  # noqa: E402
+from racer_batch.service.job.spec import load_spec  # noqa: E402
+from racer_batch.service.job.submit import submit_job  # noqa: E402
+from racer_batch.service.execution.worker import Worker  # noqa: E402
 
 log = logging.getLogger("sched_overhead")
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()

@@ -46,11 +46,11 @@ from tests.standin import use_standin  # noqa: E402
 
 use_standin()  # `stand-in` model names: the test stand-in engine, here and in the workers started here
 
-from racer_batch.service.local import init_local_ray, make_executor, shutdown_local_ray  # noqa: E402
-from racer_batch.service.queue import ROW_STREAM_MAXLEN, JobQueue, connect, resolve_url  # noqa: E402
-from racer_batch.service.spec import load_spec  # noqa: E402
-from racer_batch.service.submit import submit_job  # noqa: E402
-from racer_batch.service.worker import Worker  # noqa: E402
+from racer_batch.service.execution.local import init_local_ray, make_executor, shutdown_local_ray  # noqa: E402
+from racer_batch.service.execution.queue import ROW_STREAM_MAXLEN, JobQueue, connect, resolve_url  # noqa: E402
+from racer_batch.service.job.spec import load_spec  # noqa: E402
+from racer_batch.service.job.submit import submit_job  # noqa: E402
+from racer_batch.service.execution.worker import Worker  # noqa: E402
 
 WORDS = ("river", "stone", "quiet", "market", "engine", "winter", "copper", "garden", "signal", "harbor", "yellow",
          "planet", "bridge", "letter", "silver", "forest", "window", "number", "candle", "motion", "shadow", "orbit")

@@ -38,7 +38,7 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """``REDIS_URL`` when Redis answers there; skips the test otherwise."""
-    from racer_batch.service.queue import QueueUnavailable, connect
+    from racer_batch.service.execution.queue import QueueUnavailable, connect
 
     try:
         connect(REDIS_URL, timeout_s=2.0)
@@ -49,7 +49,7 @@ def redis_url() -> str:
 
 def drop_prefix(url: str, prefix: str) -> None:
     """Delete every key under ``prefix`` on the Redis at ``url``."""
-    from racer_batch.service.queue import connect
+    from racer_batch.service.execution.queue import connect
 
     r = connect(url)
     keys = list(r.scan_iter(f"{prefix}*", count=1000))
@@ -67,7 +67,7 @@ def prefix(redis_url: str, request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture()
 def queue(redis_url: str, prefix: str):
-    from racer_batch.service.queue import JobQueue
+    from racer_batch.service.execution.queue import JobQueue
 
     return JobQueue.from_url(redis_url, prefix=prefix)
 
@@ -100,7 +100,7 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start it and wait until it answers; raises QueueUnavailable after ``timeout_s`` seconds."""
-        from racer_batch.service.queue import QueueUnavailable, connect
+        from racer_batch.service.execution.queue import QueueUnavailable, connect
 
         assert self.proc is None or self.proc.poll() is not None, "already running"
         args = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
@@ -134,7 +134,7 @@ def redis_server_factory() -> Iterator:
     """``make(password=None, persist=False)`` starts a private redis-server on a free port."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on the PATH")
-    from racer_batch.service.local import free_port
+    from racer_batch.service.execution.local import free_port
 
     servers: list[RedisServer] = []
 
@@ -163,7 +163,7 @@ def local_ray(tag: str) -> Iterator[RaySession]:
     shut down and removed when the fixture ends."""
     import ray
 
-    from racer_batch.service.local import init_local_ray
+    from racer_batch.service.execution.local import init_local_ray
 
     tmp = tempfile.mkdtemp(prefix=tag, dir="/tmp")
     if ray.is_initialized():
@@ -213,8 +213,8 @@ def base_overrides(tmp_path: Path, **extra) -> dict:
 def submit_standin_job(queue: Any, tmp_path: Path, rows: list[dict], **over) -> tuple[Any, Any]:
     """Write ``rows`` to tmp_path/in.parquet and submit a stand-in job over them (``base_overrides`` updated
     with ``over``). Returns (JobSpec, the submit result)."""
-    from racer_batch.service.spec import load_spec
-    from racer_batch.service.submit import submit_job
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.job.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", rows)
     spec = load_spec(None, base_overrides(tmp_path, **over))

@@ -1,7 +1,7 @@
 """A stand-in engine with a fixed cost per step, for service tests and scheduling-overhead benchmarks.
 
 Not part of the shipped package: the service reaches it through the engine hook
-(racer_batch/service/engine_hook.py). ``use_standin()`` sets ``RACER_BATCH_ENGINE_HOOK`` to this module's
+(racer_batch/service/execution/engine_hook.py). ``use_standin()`` sets ``RACER_BATCH_ENGINE_HOOK`` to this module's
 ``STANDIN_HOOK`` and adds the repository root to ``PYTHONPATH``, so worker subprocesses and Ray actors
 started afterwards find it too; tests/conftest.py calls it for every test run.
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from racer_batch.service.engine_hook import ENGINE_HOOK_ENV
-from racer_batch.types import DecodingConfig, GenerationParams, GenerationResult, RowStats, StepRecord
+from racer_batch.service.execution.engine_hook import ENGINE_HOOK_ENV
+from racer_batch.values import DecodingConfig, GenerationParams, GenerationResult, RowStats, StepRecord
 
 STANDIN_PREFIX = "stand-in"
 RAISE_MARKER = "[[stand-in:raise]]"
@@ -138,7 +138,7 @@ class StandInEngine:
 
 
 class StandInHook:
-    """The engine hook (racer_batch/service/engine_hook.py EngineHook) serving ``stand-in`` model names."""
+    """The engine hook (racer_batch/service/execution/engine_hook.py EngineHook) serving ``stand-in`` model names."""
 
     def claims(self, model_name: str) -> bool:
         return is_standin(model_name)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import click
 
-from racer_batch.types import METHODS
+from racer_batch.values import METHODS
 
 from .exit_codes import CliExit, ExitCode, epilog
 from .options import parse_capacity, pydantic_message, set_torch_threads

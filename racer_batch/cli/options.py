@@ -6,7 +6,7 @@ from typing import Any, Callable, Union
 
 import click
 
-from racer_batch.service import queue as q
+from racer_batch.service.execution import queue as q
 
 PREFIX_ENV = "RACER_BATCH_PREFIX"
 

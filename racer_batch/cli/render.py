@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from racer_batch.service import queue as q
+from racer_batch.service.execution import queue as q
 
 PLAIN_PROGRESS_S = 10.0  # without a terminal: one progress line at most this often
 

@@ -15,7 +15,7 @@ import click
 from rich.console import Console
 
 from racer_batch.report.load import ReportError, load_output, resolve_output
-from racer_batch.service import queue as q
+from racer_batch.service.execution import queue as q
 
 from .exit_codes import CliExit, ExitCode, epilog
 from .options import redis_options, set_torch_threads

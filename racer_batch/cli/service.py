@@ -19,11 +19,11 @@ from typing import Any, Optional
 import click
 from rich.table import Column, Table
 
-from racer_batch.service import queue as q
-from racer_batch.service.inputs import InputError
-from racer_batch.service.output import OutputError
-from racer_batch.service.spec import SpecError, load_spec, parse_override
-from racer_batch.types import METHODS
+from racer_batch.service.execution import queue as q
+from racer_batch.service.job.inputs import InputError
+from racer_batch.service.results.output import OutputError
+from racer_batch.service.job.spec import SpecError, load_spec, parse_override
+from racer_batch.values import METHODS
 
 from .exit_codes import CliExit, ExitCode, epilog
 from .options import redis_options
@@ -195,7 +195,7 @@ def _set_overrides(sets: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str
 def _ensure_redis(url: str, cleanup: contextlib.ExitStack) -> str:
     """``submit --local``: the URL of a Redis that answers; a private redis-server (stopped by ``cleanup``) when
     none does at ``url``."""
-    from racer_batch.service.local import ensure_redis
+    from racer_batch.service.execution.local import ensure_redis
 
     try:
         url, private = ensure_redis(url)
@@ -210,7 +210,7 @@ def _ensure_redis(url: str, cleanup: contextlib.ExitStack) -> str:
 
 def _queue_job(queue: q.JobQueue, spec: Any, *, job_id: Optional[str]) -> Any:
     """Queue (or resume) the job; prints its id on stdout and what was planned on stderr."""
-    from racer_batch.service.submit import submit_job
+    from racer_batch.service.job.submit import submit_job
 
     try:
         outcome = submit_job(queue, spec, job_id=job_id)
@@ -239,13 +239,13 @@ def _int(v: str, flag: str) -> int:
 
 
 def _shutdown_local_ray() -> None:
-    from racer_batch.service.local import shutdown_local_ray
+    from racer_batch.service.execution.local import shutdown_local_ray
 
     shutdown_local_ray()
 
 
 def _run_local(queue: q.JobQueue, job_id: str, *, url: str, prefix: str, executor: str) -> q.JobStatus:
-    from racer_batch.service.local import init_local_ray, run_until_done
+    from racer_batch.service.execution.local import init_local_ray, run_until_done
 
     if executor == "ray":
         err_console.print("starting local Ray ...")
@@ -359,8 +359,8 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
            max_jobs: Optional[int], idle_exit: Optional[float], name: Optional[str], allow_remote_code: bool,
            metrics_port: Optional[int], metrics_host: str, redis_url: Optional[str], prefix: str) -> None:
     """Take jobs from the queue and run them on a pool of Ray actors (one per GPU, else one on the CPUs)."""
-    from racer_batch.service.local import init_local_ray, make_executor
-    from racer_batch.service.worker import Worker, worker_id
+    from racer_batch.service.execution.local import init_local_ray, make_executor
+    from racer_batch.service.execution.worker import Worker, worker_id
 
     url = q.resolve_url(redis_url)
     queue = _queue(url, prefix)
@@ -393,7 +393,7 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
 
 def _metered(executor: Any, cleanup: contextlib.ExitStack, *, worker: str, port: int, host: str) -> Any:
     """``worker --metrics-port``: serve Prometheus metrics (closed by ``cleanup``) and count through them."""
-    from racer_batch.service.metrics import MeteredExecutor, WorkerMetrics
+    from racer_batch.service.results.metrics import MeteredExecutor, WorkerMetrics
 
     metrics = WorkerMetrics(worker=worker)
     try:

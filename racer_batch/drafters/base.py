@@ -20,7 +20,7 @@ class Draft:
     Attributes:
         token_ids: ``[T]`` token id of every node; ``token_ids[0]`` is the root token.
         parents: ``[T]`` index of each node's parent, ``-1`` for the root; ``parents[i] < i``.
-        sources: ``[T]`` bit flags of the drafters that proposed each node (``SOURCE_*`` in types.py);
+        sources: ``[T]`` bit flags of the drafters that proposed each node (``SOURCE_*`` in values.py);
             0 for the root.
     """
 

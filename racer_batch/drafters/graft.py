@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..types import SOURCE_LOGITS, SOURCE_RETRIEVAL
+from ..values import SOURCE_LOGITS, SOURCE_RETRIEVAL
 from .automaton import Automaton, prefill_automaton
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, child_breadth

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..types import SOURCE_LASTLOGIT, SOURCE_NGRAM
+from ..values import SOURCE_LASTLOGIT, SOURCE_NGRAM
 from .base import Draft, TrieBuilder, Verified
 from .literature_state import LiteratureState
 from .registry import DecodingMethod

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..types import SOURCE_LOGITS, SOURCE_PLD, SOURCE_RETRIEVAL, DecodingConfig
+from ..values import SOURCE_LOGITS, SOURCE_PLD, SOURCE_RETRIEVAL, DecodingConfig
 from .automaton import Automaton, prefill_automaton
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, grow_logits_tree

@@ -4,13 +4,13 @@ A method is its name, the settings it reads, a check of the config, the draft st
 drafter of one row, all declared together in the module that holds its drafter: each built-in module listed
 in ``BUILTIN_MODULES`` exports ``DECODING_METHODS``, a tuple of them, read the first time the registry is asked.
 ``register_method`` adds one more at run time (an extension, a test) and ``unregister_method`` takes it away.
-``DecodingConfig`` validates ``method`` against ``method_names()`` and ``types.METHODS`` is read from it, so a
+``DecodingConfig`` validates ``method`` against ``method_names()`` and ``values.METHODS`` is read from it, so a
 new method needs no edit outside its own module (and, for a new module, one name in ``BUILTIN_MODULES``);
-settings it adds are new ``DecodingConfig`` fields in types.py. A method registered at run time exists in
+settings it adds are new ``DecodingConfig`` fields in values.py. A method registered at run time exists in
 that process only: Ray workers know the built-in ones and whatever their own imports register.
 
-This module imports nothing of the package at import time (types.py reads it lazily), so it is safe for
-types.py and every drafter module to import.
+This module imports nothing of the package at import time (values.py reads it lazily), so it is safe for
+values.py and every drafter module to import.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
-    from ..types import DecodingConfig
+    from ..values import DecodingConfig
     from .state import DraftState
 
 BUILTIN_MODULES = ("methods", "token_recycling", "logitspec", "rest", "sam", "graft")

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..types import SOURCE_CORPUS
+from ..values import SOURCE_CORPUS
 from .base import Draft, TrieBuilder, Verified
 from .literature_state import LiteratureState
 from .registry import DecodingMethod

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..types import SOURCE_LOGITS, SOURCE_SAM
+from ..values import SOURCE_LOGITS, SOURCE_SAM
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, grow_logits_tree
 from .literature_state import LiteratureState

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..types import SOURCE_TEMPLATE
+from ..values import SOURCE_TEMPLATE
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore
 from .literature_state import LiteratureState

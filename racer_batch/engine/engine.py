@@ -19,7 +19,7 @@ from ..drafters.base import Verified
 from ..drafters.registry import get_method, make_drafter, make_state
 from ..drafters.state import DraftState
 from ..models import ModelBundle
-from ..types import (
+from ..values import (
     SOURCE_LOGITS,
     SOURCE_RETRIEVAL,
     DecodingConfig,

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from ..models import ModelBundle
-from ..types import GenerationParams, GenerationResult, RowStats, StepRecord
+from ..values import GenerationParams, GenerationResult, RowStats, StepRecord
 from .engine import Prompt, encode_prompt
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..types import GenerationParams
+from ..values import GenerationParams
 
 
 def make_generator(seed: int) -> torch.Generator:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..types import FinishReason
+from ..values import FinishReason
 
 
 class StopChecker:

@@ -24,7 +24,7 @@ import torch
 
 from .sampling import draw, processed_probs
 from ..drafters.base import Draft
-from ..types import DecodingConfig, GenerationParams
+from ..values import DecodingConfig, GenerationParams
 
 
 @dataclass
@@ -180,7 +180,7 @@ def accept_relaxed(
     descend into the most probable child whose token is within the target's top-``relaxed_topk``
     (``acceptance="topk"``) or has p >= ``relaxed_threshold`` (``"threshold"``); with none, stop and emit the
     target's choice as the bonus token. Outputs differ from the target model's: job specs refuse it
-    without a lossless shadow comparison (``types.check_relaxed_allowed``).
+    without a lossless shadow comparison (``racer_batch.service.job.spec.check_relaxed_allowed``).
 
     Args:
         logits: ``[T, V]`` target logits of the flattened tree.

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from racer_batch.service.record import RowRecord
-from racer_batch.service.tally import Tally, epoch_s
+from racer_batch.service.results.record import RowRecord
+from racer_batch.service.results.tally import Tally, epoch_s
 
 OVERALL = "(all)"
 
 
 class RouteStats:
-    """The report's figures of one group of rows, derived from its ``tally`` (service/tally.py, which does
+    """The report's figures of one group of rows, derived from its ``tally`` (service/results/tally.py, which does
     all the counting). ``failed`` in ``to_dict`` is the tally's ``error`` count."""
 
     def __init__(self, route: str, tally: Optional[Tally] = None) -> None:

@@ -24,9 +24,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from racer_batch.report.load import JobData, ReportError
-from racer_batch.service.inputs import RowTask, iter_raw_rows, parse_row
-from racer_batch.service.output import SHARD_META_KEY
-from racer_batch.service.schema import OUTPUT_SCHEMA
+from racer_batch.service.job.inputs import RowTask, iter_raw_rows, parse_row
+from racer_batch.service.results.output import SHARD_META_KEY
+from racer_batch.service.results.schema import OUTPUT_SCHEMA
 
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
 CHAT_SCHEMA = pa.schema([

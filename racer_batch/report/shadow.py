@@ -1,6 +1,6 @@
 """Shadow comparison: the job's decoding config against a baseline on the same sampled rows.
 
-Input: shadow records (service/shadow.py SHADOW_SCHEMA), two per sampled row: ``side = "method"`` and
+Input: shadow records (service/results/shadow.py SHADOW_SCHEMA), two per sampled row: ``side = "method"`` and
 ``side = "baseline"``, grouped by ``run`` ("job" for rows shadowed inside the job, "posthoc:<baseline>" for
 `racer-batch shadow`). Per run and route:
 
@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence
 
 from racer_batch.capability import REPEAT_N, accuracy, answer_correct, mean, repeated_ngram_rate, text_units
 from racer_batch.report.aggregate import OVERALL
-from racer_batch.types import DecodingConfig
+from racer_batch.values import DecodingConfig
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from typing import Callable, Optional
 import yaml
 
 from racer_batch.report.load import JobData, ReportError
-from racer_batch.service.inputs import InputPlan, RowTask, iter_raw_rows, parse_row
-from racer_batch.service.runner import RowRunner
-from racer_batch.service.shadow import shadow_path, shadow_selected, write_shadow
-from racer_batch.service.spec import JobSpec, ShadowSpec, SpecError, resolve_preset
-from racer_batch.types import DecodingConfig
+from racer_batch.service.job.inputs import InputPlan, RowTask, iter_raw_rows, parse_row
+from racer_batch.service.execution.runner import RowRunner
+from racer_batch.service.results.shadow import shadow_path, shadow_selected, write_shadow
+from racer_batch.service.job.spec import JobSpec, ShadowSpec, SpecError, resolve_preset
+from racer_batch.values import DecodingConfig
 
 
 def baseline_config(name_or_path: str) -> DecodingConfig:

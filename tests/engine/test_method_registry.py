@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-import racer_batch.types as types_mod
+import racer_batch.values as types_mod
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters import (
     Draft,
@@ -23,7 +23,7 @@ from racer_batch.drafters import (
 )
 from racer_batch.drafters.registry import BUILTIN_MODULES
 
-SOURCE_ECHO = 1 << 10  # a source bit of its own: no SOURCE_* constant in types.py is needed
+SOURCE_ECHO = 1 << 10  # a source bit of its own: no SOURCE_* constant in values.py is needed
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat"]
 
 

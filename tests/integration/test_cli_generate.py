@@ -34,9 +34,9 @@ def test_generate_exit_codes():
 def test_generate_gives_a_job_rows_answer(tmp_path):
     """Issue 13, part 5: the same messages give the same answer in `generate` and in a job (the demo's
     preset), because neither injects a system prompt: both use the model's own chat template."""
-    from racer_batch.service.inputs import parse_row
-    from racer_batch.service.runner import RowRunner
-    from racer_batch.service.spec import load_spec
+    from racer_batch.service.job.inputs import parse_row
+    from racer_batch.service.execution.runner import RowRunner
+    from racer_batch.service.job.spec import load_spec
 
     prompt = "Name three colours."
     r = CliRunner().invoke(main, ["generate", prompt, "--model", "tiny-random", "--max-new-tokens", "12", "--json"])

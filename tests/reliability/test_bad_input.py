@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from racer_batch.service.output import read_manifest, read_output
-from racer_batch.service.schema import OUTPUT_SCHEMA
+from racer_batch.service.results.output import read_manifest, read_output
+from racer_batch.service.results.schema import OUTPUT_SCHEMA
 
 from tests.fixtures import ROOT, base_overrides, write_parquet
 
@@ -125,9 +125,9 @@ def test_one_row_input(cli, tmp_path, redis_url, prefix):
 _PLAN_PROBE = textwrap.dedent("""
     import json, sys, tracemalloc
     import pyarrow as pa
-    from racer_batch.service.inputs import plan_input, check_ids
-    from racer_batch.service.spec import load_spec
-    from racer_batch.service.worker import ShardFeed
+    from racer_batch.service.job.inputs import plan_input, check_ids
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.execution.worker import ShardFeed
 
     def hwm_mb():
         for line in open("/proc/self/status"):
@@ -208,10 +208,10 @@ def test_output_folder_not_writable(cli, tmp_path, redis_url, prefix, how):
 def test_output_folder_turns_read_only_after_submit(tmp_path, queue, redis_url):
     """The folder was writable at submit but not when the worker starts: the job fails with a message that
     names the folder; the worker lives on."""
-    from racer_batch.service.actors import ThreadExecutor
-    from racer_batch.service.spec import load_spec
-    from racer_batch.service.submit import submit_job
-    from racer_batch.service.worker import Worker
+    from racer_batch.service.execution.actors import ThreadExecutor
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.job.submit import submit_job
+    from racer_batch.service.execution.worker import Worker
 
 
     if shutil.which("chattr") is None:
@@ -290,8 +290,8 @@ def test_per_row_parameters_out_of_range(cli, tmp_path, redis_url, prefix):
 
 def test_shard_read_skips_whole_row_groups(tmp_path):
     """A shard in the middle of a file starts reading at its row group and yields exactly its rows."""
-    from racer_batch.service.inputs import iter_raw_rows, plan_input
-    from racer_batch.service.spec import load_spec
+    from racer_batch.service.job.inputs import iter_raw_rows, plan_input
+    from racer_batch.service.job.spec import load_spec
 
 
     pq.write_table(pa.table({"id": [f"r{i:02d}" for i in range(35)], "prompt": ["p"] * 35}),

@@ -17,11 +17,11 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from racer_batch.service.local import make_executor
-from racer_batch.service.output import part_path, read_manifest, read_output
-from racer_batch.service.queue import JobQueue, connect
-from racer_batch.service.submit import submit_job
-from racer_batch.service.worker import Worker
+from racer_batch.service.execution.local import make_executor
+from racer_batch.service.results.output import part_path, read_manifest, read_output
+from racer_batch.service.execution.queue import JobQueue, connect
+from racer_batch.service.job.submit import submit_job
+from racer_batch.service.execution.worker import Worker
 
 from tests.fixtures import submit_standin_job
 

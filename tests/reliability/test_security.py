@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from racer_batch.service.actors import ThreadExecutor
-from racer_batch.service.local import make_executor
-from racer_batch.service.output import read_output
-from racer_batch.service.queue import JobQueue, connect, redact_url
-from racer_batch.service.spec import load_spec
-from racer_batch.service.submit import submit_job
-from racer_batch.service.worker import Worker
+from racer_batch.service.execution.actors import ThreadExecutor
+from racer_batch.service.execution.local import make_executor
+from racer_batch.service.results.output import read_output
+from racer_batch.service.execution.queue import JobQueue, connect, redact_url
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.job.submit import submit_job
+from racer_batch.service.execution.worker import Worker
 
 from tests.fixtures import ROOT
 from tests.fixtures import base_overrides, write_parquet
@@ -96,7 +96,7 @@ def test_service_code_has_no_pickle_eval_or_unsafe_yaml():
 
 def test_redis_holds_only_json(queue, redis_url, tmp_path):
     """After a job, every value the service wrote under its prefix is JSON or a plain scalar (no pickles)."""
-    from racer_batch.service.local import run_until_done
+    from racer_batch.service.execution.local import run_until_done
 
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": "p" if i else ""} for i in range(5)])
     spec = load_spec(None, base_overrides(tmp_path))

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from racer_batch.service.queue import ROW_STREAM_MAXLEN
-from racer_batch.service.tally import Tally
+from racer_batch.service.execution.queue import ROW_STREAM_MAXLEN
+from racer_batch.service.results.tally import Tally
 
 from tests.fixtures import ROOT
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from racer_batch.service.output import read_output
+from racer_batch.service.results.output import read_output
 
 
 def wait_for(cond: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:

@@ -2,10 +2,10 @@
 
 from tests.fixtures import base_overrides, write_parquet
 
-from racer_batch.service.inputs import plan_input
-from racer_batch.service.output import write_manifest
-from racer_batch.service.runner import RowRunner, ShardTask
-from racer_batch.service.spec import load_spec
+from racer_batch.service.job.inputs import plan_input
+from racer_batch.service.results.output import write_manifest
+from racer_batch.service.execution.runner import RowRunner, ShardTask
+from racer_batch.service.job.spec import load_spec
 
 __all__ = ["base_overrides", "finished_job", "write_parquet"]
 

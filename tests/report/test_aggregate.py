@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from racer_batch.report.aggregate import OVERALL, aggregate, throughput_timeline
 from racer_batch.report.build import build_report, render_md, write_report
 from racer_batch.report.load import load_output
-from racer_batch.service.schema import OUTPUT_SCHEMA, to_table
+from racer_batch.service.results.schema import OUTPUT_SCHEMA, to_table
 
 T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
 
@@ -155,7 +155,7 @@ def test_cli_report_by_job_id_from_redis(hand_folder, tmp_path):
     import uuid
 
     from racer_batch.cli import main
-    from racer_batch.service.queue import QueueUnavailable, connect
+    from racer_batch.service.execution.queue import QueueUnavailable, connect
 
     url = "redis://127.0.0.1:6379/0"
     try:

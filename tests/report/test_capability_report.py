@@ -20,8 +20,8 @@ from racer_batch.report.build import build_report, render_html, render_md, write
 from racer_batch.report.load import load_output
 from racer_batch.report.shadow import acceptance_rule, analyze
 from racer_batch.report.shadow_run import run_posthoc_shadow
-from racer_batch.service.runner import RowRunner
-from racer_batch.service.shadow import SHADOW_SCHEMA, read_shadow, shadow_path, write_shadow
+from racer_batch.service.execution.runner import RowRunner
+from racer_batch.service.results.shadow import SHADOW_SCHEMA, read_shadow, shadow_path, write_shadow
 
 TOPK2 = {"method": "racer", "acceptance": "topk", "relaxed_topk": 2}
 

@@ -12,7 +12,7 @@ from racer_batch.report.build import build_report, render_md
 from racer_batch.report.load import load_output
 from racer_batch.report.shadow import Pair, analyze, bootstrap_ci, first_divergence, speed_ratio
 from racer_batch.report.shadow_run import run_posthoc_shadow
-from racer_batch.service.shadow import baseline_first, read_shadow, shadow_selected
+from racer_batch.service.results.shadow import baseline_first, read_shadow, shadow_selected
 
 
 # ---- sampling

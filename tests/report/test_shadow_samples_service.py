@@ -9,12 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 from report_fixtures import base_overrides, write_parquet
 
-from racer_batch.service.inputs import plan_input
-from racer_batch.service.output import read_output
-from racer_batch.service.runner import RowRunner, ShardTask
-from racer_batch.service.schema import OUTPUT_SCHEMA
-from racer_batch.service.shadow import SHADOW_SCHEMA, read_shadow, sample_seed, shadow_selected
-from racer_batch.service.spec import SpecError, load_spec
+from racer_batch.service.job.inputs import plan_input
+from racer_batch.service.results.output import read_output
+from racer_batch.service.execution.runner import RowRunner, ShardTask
+from racer_batch.service.results.schema import OUTPUT_SCHEMA
+from racer_batch.service.results.shadow import SHADOW_SCHEMA, read_shadow, sample_seed, shadow_selected
+from racer_batch.service.job.spec import SpecError, load_spec
 
 
 def _run(tmp_path, rows, **over):

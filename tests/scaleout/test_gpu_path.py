@@ -14,7 +14,7 @@ import torch
 from racer_batch.engine import Engine
 from racer_batch.engine.numerics import Divergence, compare_greedy, first_divergence
 from racer_batch.engine.reference import generate_reference
-from racer_batch.types import DecodingConfig, GenerationParams
+from racer_batch.values import DecodingConfig, GenerationParams
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,16 +16,16 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from racer_batch.service.actors import ThreadExecutor
-from racer_batch.service.local import free_port
-from racer_batch.service.metrics import MeteredExecutor, WorkerMetrics
-from racer_batch.service.output import read_output
-from racer_batch.service.record import RowRecord
-from racer_batch.service.spec import load_spec
+from racer_batch.service.execution.actors import ThreadExecutor
+from racer_batch.service.execution.local import free_port
+from racer_batch.service.results.metrics import MeteredExecutor, WorkerMetrics
+from racer_batch.service.results.output import read_output
+from racer_batch.service.results.record import RowRecord
+from racer_batch.service.job.spec import load_spec
 from tests.standin import RAISE_MARKER
-from racer_batch.service.submit import submit_job
-from racer_batch.service.tally import Tally
-from racer_batch.service.worker import Worker
+from racer_batch.service.job.submit import submit_job
+from racer_batch.service.results.tally import Tally
+from racer_batch.service.execution.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from tests.fixtures import write_parquet
 
-from racer_batch.service.queue import redact_url
+from racer_batch.service.execution.queue import redact_url
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_redact_url():
 
 
 def test_service_layer_does_not_import_click():
-    code = ("import sys; import racer_batch.service, racer_batch.service.local, racer_batch.service.worker; "
+    code = ("import sys; import racer_batch.service, racer_batch.service.execution.local, racer_batch.service.execution.worker; "
             "print('click' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
@@ -81,7 +81,7 @@ def test_local_submit_starts_private_redis_when_none_answers(cli, tmp_path):
     """`submit --local` with no Redis at the URL: a private redis-server runs the job and is stopped after."""
     import shutil
 
-    from racer_batch.service.local import free_port
+    from racer_batch.service.execution.local import free_port
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on the PATH")
@@ -105,7 +105,7 @@ def test_progress_lines_without_a_terminal_and_ctrl_c_exit_code(cli, tmp_path, r
     progress = [ln for ln in res.stderr.splitlines() if ln.startswith(f"{job_id}: ")]
     assert progress and progress[-1].startswith(f"{job_id}: 2/2 rows") and "done" in progress[-1], res.stderr
 
-    import racer_batch.service.local as local
+    import racer_batch.service.execution.local as local
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -133,8 +133,8 @@ def test_a_job_whose_rows_all_failed_fails_and_points_to_errors(cli, tmp_path, r
 
 
 def test_status_counts_the_rows_a_cancel_left_unanswered(cli, tmp_path, redis_url, prefix, queue):
-    from racer_batch.service.spec import load_spec
-    from racer_batch.service.submit import submit_job
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.job.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(6)])
     spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
@@ -151,8 +151,8 @@ def test_status_counts_the_rows_a_cancel_left_unanswered(cli, tmp_path, redis_ur
 def test_status_says_when_the_owner_stopped_renewing(cli, tmp_path, redis_url, prefix, queue):
     import time
 
-    from racer_batch.service.spec import load_spec
-    from racer_batch.service.submit import submit_job
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.job.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
     spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
@@ -187,8 +187,8 @@ def test_list_and_errors_tables_are_not_cut_in_a_pipe(cli, tmp_path, redis_url, 
 
 
 def test_worker_shows_activity_at_the_default_log_level(cli, tmp_path, redis_url, prefix, queue):
-    from racer_batch.service.spec import load_spec
-    from racer_batch.service.submit import submit_job
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.job.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(4)])
     spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 import racer_batch
-from racer_batch.service.engine_hook import ENGINE_HOOK_ENV, engine_hook, hooked_bundle, hooked_engine
-from racer_batch.service.runner import default_engine, default_loader
-from racer_batch.service.spec import ModelSpec
-from racer_batch.types import DecodingConfig
+from racer_batch.service.execution.engine_hook import ENGINE_HOOK_ENV, engine_hook, hooked_bundle, hooked_engine
+from racer_batch.service.execution.runner import default_engine, default_loader
+from racer_batch.service.job.spec import ModelSpec
+from racer_batch.values import DecodingConfig
 from tests.standin import HOOK_TARGET, StandInBundle, StandInEngine
 
 

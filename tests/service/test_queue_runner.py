@@ -10,14 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 from tests.fixtures import base_overrides, queue_url, submit_standin_job, write_parquet
 
-from racer_batch.service.actors import RedisSink
-from racer_batch.service.local import run_until_done
-from racer_batch.service.output import OutputError, read_manifest, read_output
-from racer_batch.service.runner import RowRunner, ShardTask
-from racer_batch.service.schema import OUTPUT_SCHEMA
-from racer_batch.service.spec import load_spec
+from racer_batch.service.execution.actors import RedisSink
+from racer_batch.service.execution.local import run_until_done
+from racer_batch.service.results.output import OutputError, read_manifest, read_output
+from racer_batch.service.execution.runner import RowRunner, ShardTask
+from racer_batch.service.results.schema import OUTPUT_SCHEMA
+from racer_batch.service.job.spec import load_spec
 from tests.standin import RAISE_MARKER
-from racer_batch.service.submit import submit_job
+from racer_batch.service.job.submit import submit_job
 
 pytestmark = pytest.mark.service
 
@@ -105,7 +105,7 @@ def test_output_schema_multiturn_and_manifest(queue, tmp_path):
 def test_runner_reuses_model_and_frees_job_state(tmp_path):
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(4)])
     runner = RowRunner(worker_name="t")
-    from racer_batch.service.inputs import plan_input
+    from racer_batch.service.job.inputs import plan_input
 
     for job in ("job-a", "job-b"):
         spec = load_spec(None, base_overrides(tmp_path, **{"output.path": str(tmp_path / job)}))
@@ -166,7 +166,7 @@ def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
 
 def test_turns_see_earlier_answers(tmp_path):
     """Each turn is generated on the conversation so far, including the model's own earlier answers."""
-    from racer_batch.service.inputs import plan_input
+    from racer_batch.service.job.inputs import plan_input
     from tests.standin import StandInEngine
 
     seen: list = []
@@ -231,9 +231,9 @@ def test_sigterm_hands_the_job_back(queue, redis_url, tmp_path):
 def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_path):
     """A fault that is not a row's (here: the engine cannot make a draft state) fails the job with its
     message after retries; no row is marked as an error for it."""
-    from racer_batch.service.actors import ThreadExecutor
+    from racer_batch.service.execution.actors import ThreadExecutor
     from tests.standin import StandInEngine
-    from racer_batch.service.worker import Worker
+    from racer_batch.service.execution.worker import Worker
 
     class Broken(StandInEngine):
         def new_state(self):

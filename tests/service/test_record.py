@@ -1,4 +1,4 @@
-"""RowRecord, Tally and the Parquet writer: the typed row path (service/record.py, tally.py, sinks.py).
+"""RowRecord, Tally and the Parquet writer: the typed row path (service/results/record.py, tally.py, sinks.py).
 
 Pure tests on hand-made engine results and records, plus one shard through RowRunner (stand-in engine, no
 Redis/Ray) to check that a dict task's spec is validated once per job and spec hash."""
@@ -13,17 +13,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.fixtures import base_overrides, write_parquet
-from racer_batch.service import runner as runner_mod
-from racer_batch.service import sinks
-from racer_batch.service.inputs import plan_input
-from racer_batch.service.output import read_output
-from racer_batch.service.record import (OUTPUT_SCHEMA, SAMPLE_TYPE, SHADOW_SCHEMA, RowOrigin, RowRecord,
+from racer_batch.service.execution import runner as runner_mod
+from racer_batch.service.results import sinks
+from racer_batch.service.job.inputs import plan_input
+from racer_batch.service.results.output import read_output
+from racer_batch.service.results.record import (OUTPUT_SCHEMA, SAMPLE_TYPE, SHADOW_SCHEMA, RowOrigin, RowRecord,
                                         ShadowRecord, records_table)
-from racer_batch.service.runner import RowRunner, ShardTask
-from racer_batch.service.shadow import read_shadow, shadow_path, write_shadow
-from racer_batch.service.spec import load_spec
-from racer_batch.service.tally import Tally
-from racer_batch.types import GenerationResult, RowStats
+from racer_batch.service.execution.runner import RowRunner, ShardTask
+from racer_batch.service.results.shadow import read_shadow, shadow_path, write_shadow
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.tally import Tally
+from racer_batch.values import GenerationResult, RowStats
 
 SCHEMA_VERSION = 1
 # The schemas as they were written out by hand before issue 13: folders written then must still read.

@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 from tests.fixtures import base_overrides, queue_url, write_parquet
 
-from racer_batch.service.local import run_until_done
-from racer_batch.service.output import LEGACY_MANIFEST, MANIFEST, ROWS_META_KEY, SHARD_META_KEY, part_path, read_output
-from racer_batch.service.shadow import read_shadow, shadow_path, write_shadow
-from racer_batch.service.spec import load_spec
-from racer_batch.service.submit import submit_job
+from racer_batch.service.execution.local import run_until_done
+from racer_batch.service.results.output import LEGACY_MANIFEST, MANIFEST, ROWS_META_KEY, SHARD_META_KEY, part_path, read_output
+from racer_batch.service.results.shadow import read_shadow, shadow_path, write_shadow
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.job.submit import submit_job
 
 pytestmark = pytest.mark.service
 

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from tests.fixtures import submit_standin_job
 
-from racer_batch.service.local import make_executor, run_until_done
-from racer_batch.service.output import read_output
-from racer_batch.service.schema import OUTPUT_SCHEMA
-from racer_batch.service.worker import Worker
+from racer_batch.service.execution.local import make_executor, run_until_done
+from racer_batch.service.results.output import read_output
+from racer_batch.service.results.schema import OUTPUT_SCHEMA
+from racer_batch.service.execution.worker import Worker
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]

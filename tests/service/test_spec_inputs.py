@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from tests.fixtures import base_overrides, write_parquet
 
-from racer_batch.service.inputs import InputError, InvalidText, check_ids, parse_row, plan_input
-from racer_batch.service.spec import SpecError, load_spec
+from racer_batch.service.job.inputs import InputError, InvalidText, check_ids, parse_row, plan_input
+from racer_batch.service.job.spec import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_demo_spec_and_presets_load():
 def test_a_changed_default_names_the_key_that_keeps_a_folder_from_resuming(tmp_path):
     """A folder written when presets injected a system prompt is refused with the key that differs and how
     to resume it, and resumes once that value is set again."""
-    from racer_batch.service.output import OutputError, check_output_folder, write_manifest
+    from racer_batch.service.results.output import OutputError, check_output_folder, write_manifest
 
     old = load_spec(ROOT / "jobs" / "demo.yaml", {"output.path": str(tmp_path / "out"),
                                                   "generation.system_prompt": "You are a helpful assistant."})
@@ -184,15 +184,15 @@ def test_folder_input_streams_shards(tmp_path):
     spec = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "in")}))
     plan = plan_input(spec.input)
     assert plan.num_rows == 15 and plan.num_shards(4) == 4
-    from racer_batch.service.inputs import iter_raw_rows
+    from racer_batch.service.job.inputs import iter_raw_rows
 
     got = [(i, r["id"]) for i, r in iter_raw_rows(plan, 4, 11, ["id"])]
     assert got == [(4, "0-4"), (5, "1-0"), (6, "1-1"), (7, "1-2"), (8, "1-3"), (9, "1-4"), (10, "2-0")]
 
 
 def test_pool_shape():
-    from racer_batch.service.actors import PoolShape, resolve_shape
-    from racer_batch.service.spec import Resources
+    from racer_batch.service.execution.actors import PoolShape, resolve_shape
+    from racer_batch.service.job.spec import Resources
 
     assert resolve_shape(Resources(), cluster_cpus=2, cluster_gpus=0) == PoolShape(1, 2.0, 0.0)
     assert resolve_shape(Resources(num_actors=1), cluster_cpus=2, cluster_gpus=0) == PoolShape(1, 2.0, 0.0)
@@ -203,7 +203,7 @@ def test_pool_shape():
 
 
 def test_iter_shards_one_pass_with_skips(tmp_path):
-    from racer_batch.service.inputs import iter_shards
+    from racer_batch.service.job.inputs import iter_shards
 
     for k in range(2):
         write_parquet(tmp_path / "in" / f"f{k}.parquet", [{"id": k * 5 + i, "prompt": "p"} for i in range(5)])
@@ -225,7 +225,7 @@ def test_model_dtype_is_hashed_only_when_set_and_reaches_load_model(tmp_path, mo
         load_spec(None, base_overrides(tmp_path, **{"model.dtype": "int3"}))
     seen = {}
     import racer_batch.models as models
-    from racer_batch.service.runner import default_loader
+    from racer_batch.service.execution.runner import default_loader
 
     monkeypatch.setattr(models, "load_model", lambda name, **kw: seen.update(kw, name=name) or "bundle")
     real = bf16.model.model_copy(update={"name": "smollm2-135m"})  # base_overrides uses the stand-in model

@@ -38,15 +38,15 @@ from racer_batch.drafters.token_recycling import (
     expand_template,
     template_parents,
 )
-from racer_batch.types import (
+from racer_batch.values import (
     METHODS,
     SOURCE_CORPUS,
     SOURCE_LASTLOGIT,
     SOURCE_NGRAM,
     SOURCE_RETRIEVAL,
     DecodingConfig,
-    check_relaxed_allowed,
 )
+from racer_batch.service.job.spec import check_relaxed_allowed
 
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=40)
 
@@ -472,7 +472,7 @@ def test_check_relaxed_allowed():
 def test_rest_without_any_source_is_refused():
     from pydantic import ValidationError
 
-    from racer_batch.types import DecodingConfig
+    from racer_batch.values import DecodingConfig
 
     assert DecodingConfig(method="rest").rest_learn_outputs  # learns the job's rows by default
     with pytest.raises(ValidationError, match="nothing to retrieve from"):

@@ -9,7 +9,7 @@ from racer_batch.drafters.copy_logits import CopyLogitStore, child_breadth, grow
 from racer_batch.drafters.pld import prompt_lookup
 from racer_batch.engine.sampling import draw, make_generator, processed_probs
 from racer_batch.engine.tree import accept_greedy, accept_sampling, flatten_tree
-from racer_batch.types import GenerationParams
+from racer_batch.values import GenerationParams
 
 
 def test_trie_builder_merges_duplicates_and_counts_capacity_after_merge():

@@ -24,7 +24,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
-from racer_batch.service.spec import ColumnMap, InputSpec, JobSpec
+from racer_batch.service.job.spec import ColumnMap, InputSpec, JobSpec
 
 Chat = list[dict[str, str]]
 BATCH_ROWS = 1024

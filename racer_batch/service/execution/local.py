@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from racer_batch.service.actors import RayExecutor, ThreadExecutor
-from racer_batch.service.queue import TERMINAL, JobQueue, QueueUnavailable, connect, redact_url
-from racer_batch.service.worker import Worker
+from racer_batch.service.execution.actors import RayExecutor, ThreadExecutor
+from racer_batch.service.execution.queue import TERMINAL, JobQueue, QueueUnavailable, connect, redact_url
+from racer_batch.service.execution.worker import Worker
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from racer_batch.service.record import SOURCES, STATUSES, RowRecord, add_lists
+from racer_batch.service.results.record import SOURCES, STATUSES, RowRecord, add_lists
 
 _SUMS = ("rows", "ok", "error", "cancelled", "prompt_tokens", "output_tokens", "steps", "gen_ms", "device_ms",
          "draft_ms", "verify_ms", "update_ms", *(f"accepted_{s}" for s in SOURCES))

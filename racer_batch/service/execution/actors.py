@@ -14,11 +14,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from racer_batch.service.queue import JobQueue, connect
-from racer_batch.service.record import RowRecord
-from racer_batch.service.runner import CANCELLED, KEEP_GOING, LEASE_LOST, RowRunner, ShardTask
-from racer_batch.service.spec import Resources
-from racer_batch.service.tally import Tally
+from racer_batch.service.execution.queue import JobQueue, connect
+from racer_batch.service.results.record import RowRecord
+from racer_batch.service.execution.runner import CANCELLED, KEEP_GOING, LEASE_LOST, RowRunner, ShardTask
+from racer_batch.service.job.spec import Resources
+from racer_batch.service.results.tally import Tally
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from racer_batch.types import DecodingConfig, GenerationParams, check_relaxed_allowed
+from racer_batch.values import DecodingConfig, GenerationParams
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIRS_ENV = "RACER_BATCH_PRESETS"  # extra folders searched for presets, os.pathsep separated
@@ -125,7 +125,7 @@ class Resources(BaseModel):
 
 
 class ShadowSpec(BaseModel):
-    """Run a deterministic sample of rows a second time with a baseline decoding config (service/shadow.py).
+    """Run a deterministic sample of rows a second time with a baseline decoding config (service/results/shadow.py).
 
     ``config`` is a preset name (only its ``decoding`` section is used: prompts and generation settings stay
     the job's) or an inline decoding config; ``load_spec`` resolves a preset name to the inline config.
@@ -363,3 +363,62 @@ def _resolve_shadow_preset(merged: dict, spec_dir: Optional[Path]) -> None:
         raise SpecError(f"shadow.config = {name!r}: the preset has no decoding section")
     shadow["config"] = decoding
     shadow.setdefault("name", name)
+
+
+# ---- the service rule on relaxed acceptance (moved from the value types: it is a job-level policy) ----
+
+def _shadow_decoding(shadow: Any) -> DecodingConfig | None:
+    """The decoding config of a shadow configuration in any of the shapes check_relaxed_allowed accepts."""
+    cand = shadow
+    for _ in range(3):  # unwrap spec -> config -> DecodingConfig
+        if isinstance(cand, DecodingConfig):
+            return cand
+        if isinstance(cand, dict):
+            if "config" in cand or "decoding" in cand:
+                cand = cand.get("config", cand.get("decoding"))
+                continue
+            try:
+                return DecodingConfig(**cand)
+            except ValueError:
+                return None
+        attr = getattr(cand, "decoding", None)
+        if callable(attr) and not isinstance(attr, DecodingConfig):
+            try:
+                attr = attr()
+            except AssertionError:  # an unresolved preset name
+                attr = None
+        cand = attr if attr is not None else getattr(cand, "config", None)
+        if cand is None:
+            return None
+    return cand if isinstance(cand, DecodingConfig) else None
+
+
+def check_relaxed_allowed(decoding: DecodingConfig, shadow: Any | None) -> None:
+    """Refuse relaxed acceptance unless the job also runs a shadow comparison against lossless decoding.
+
+    Relaxed acceptance (``decoding.acceptance`` ``topk`` or ``threshold``) changes outputs, so a job may use it
+    only beside a shadow run of the same route whose decoding is lossless, so that the report can show the
+    capability difference next to the speed gain. ``shadow`` is the job's shadow configuration: None (no
+    shadow run), a ``DecodingConfig``, a shadow spec whose ``decoding()`` method, ``decoding`` attribute or
+    ``config`` attribute gives one, or a dict with a ``config`` or ``decoding`` key. Lossless jobs always pass.
+
+    Raises:
+        ValueError: relaxed acceptance without a shadow, or with a shadow that is not lossless.
+    """
+    if decoding.acceptance == "lossless":
+        return
+    what = (f"decoding.acceptance = {decoding.acceptance!r} "
+            f"({'top-' + str(decoding.relaxed_topk) if decoding.acceptance == 'topk' else 'p >= ' + str(decoding.relaxed_threshold)})")
+    if shadow is None:
+        raise ValueError(
+            f"{what} changes outputs and is refused unless the job also runs a shadow comparison against "
+            "lossless decoding on the same route; add a shadow run with decoding.acceptance = 'lossless' "
+            "or use acceptance 'lossless'"
+        )
+    shadow_dec = _shadow_decoding(shadow)
+    if shadow_dec is None:
+        raise ValueError(f"{what}: the shadow configuration {shadow!r} has no decoding config to compare against")
+    if shadow_dec.acceptance != "lossless":
+        raise ValueError(
+            f"{what}: the shadow run must decode losslessly, but its decoding.acceptance is {shadow_dec.acceptance!r}"
+        )

@@ -4,7 +4,7 @@ The part files are the truth. Each carries its shard's summary in the Parquet ke
 (``racer_batch.shard``: counts, spec hash, row range and the fingerprint of the input rows it answered) and
 the per-row fingerprints (``racer_batch.rows``), so the manifest can always be rebuilt from them: a shard
 counts as committed when its file exists, was written for the same spec hash, covers its full row range, has
-no cancelled rows and answered the rows the input holds now (service/resume.py). A re-run rewrites only
+no cancelled rows and answered the rows the input holds now (service/results/resume.py). A re-run rewrites only
 uncommitted shards, and since a shard's rows always go to the same file name, every input id appears exactly
 once however often a shard is retried.
 
@@ -34,9 +34,9 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from racer_batch.service.record import RowRecord
-from racer_batch.service.schema import OUTPUT_SCHEMA, SCHEMA_VERSION, now_utc, to_table
-from racer_batch.service.sinks import write_parquet_atomic
+from racer_batch.service.results.record import RowRecord
+from racer_batch.service.results.schema import OUTPUT_SCHEMA, SCHEMA_VERSION, now_utc, to_table
+from racer_batch.service.results.sinks import write_parquet_atomic
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ``RowRecord`` is what ``RowRunner`` produces per row and what every sink consumes (the part file, the shadow
 file, Redis telemetry, the tally behind status, the manifest, Prometheus and the report). Its fields, in
 order, are the columns of ``OUTPUT_SCHEMA``: each field carries its Arrow type in its metadata, so the schema
-is defined here once. ``ShadowRecord`` is a row of a shadow file (service/shadow.py): a ``RowRecord`` plus the
+is defined here once. ``ShadowRecord`` is a row of a shadow file (service/results/shadow.py): a ``RowRecord`` plus the
 side of the pair; ``SHADOW_SCHEMA`` takes its row columns' types from ``RowRecord``.
 
 Counting rules: ``accepted_hist[k]`` is the number of steps that accepted k draft tokens (the prefill step

@@ -30,9 +30,9 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from racer_batch.service.record import STATUSES
-from racer_batch.service.runner import ShardTask
-from racer_batch.service.tally import Tally
+from racer_batch.service.results.record import STATUSES
+from racer_batch.service.execution.runner import ShardTask
+from racer_batch.service.results.tally import Tally
 
 log = logging.getLogger(__name__)
 

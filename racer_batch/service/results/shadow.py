@@ -5,7 +5,7 @@ A *shadow* run decodes a deterministic sample of a job's rows a second time with
 both sides alike. Each sampled row gives two records in ``shadow-*.parquet``: ``side = "method"`` (the job's
 config) and ``side = "baseline"``. The report compares texts (greedy decoding must match exactly) and times.
 
-A record of a shadow file is a ``ShadowRecord`` (service/record.py: the side's ``RowRecord`` plus run, side,
+A record of a shadow file is a ``ShadowRecord`` (service/results/record.py: the side's ``RowRecord`` plus run, side,
 order, temperature and reference); ``SHADOW_SCHEMA`` is derived there from ``RowRecord``'s columns.
 
 Which rows: ``shadow_selected(seed, row_id, fraction)`` hashes (seed, row id), so the sample does not depend
@@ -29,8 +29,8 @@ from typing import Iterable, Mapping, Optional, Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from racer_batch.service.record import SHADOW_SCHEMA, ShadowRecord, records_table  # SHADOW_SCHEMA: re-exported
-from racer_batch.service.sinks import write_parquet_atomic
+from racer_batch.service.results.record import SHADOW_SCHEMA, ShadowRecord, records_table  # SHADOW_SCHEMA: re-exported
+from racer_batch.service.results.sinks import write_parquet_atomic
 
 SEED_MOD = 2**63
 # Odd, so k -> k * SEED_STRIDE is one-to-one modulo 2**63: the seeds of one prompt's samples never collide.

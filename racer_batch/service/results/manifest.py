@@ -1,6 +1,6 @@
 """The manifest of an output folder (``_manifest.json``): the one place that spells out its fields.
 
-The part files are the truth (service/output.py); the manifest says which job and spec the folder holds,
+The part files are the truth (service/results/output.py); the manifest says which job and spec the folder holds,
 for ``check_output_folder`` at submit and for the report commands, and carries the committed shards'
 summaries and their merged ``totals`` (Tally JSON plus ``mat``) for people reading the folder.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from racer_batch.service.inputs import InputPlan
-from racer_batch.service.spec import JobSpec
-from racer_batch.service.tally import Tally
+from racer_batch.service.job.inputs import InputPlan
+from racer_batch.service.job.spec import JobSpec
+from racer_batch.service.results.tally import Tally
 
 # Keys of a shard result (RowRunner.run_shard) that describe the attempt, not the committed shard.
 ATTEMPT_KEYS = ("stopped", "written", "path")

@@ -33,7 +33,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from racer_batch.service.tally import Tally
+from racer_batch.service.results.tally import Tally
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "racer-batch:"

@@ -146,7 +146,7 @@ class DecodingConfig(BaseModel):
     acceptance: Acceptance = Field(
         "lossless",
         description="lossless (exact target output) | topk | threshold; relaxed modes change outputs and are "
-        "refused by check_relaxed_allowed unless a shadow run against lossless decoding is configured",
+        "refused by service.job.spec.check_relaxed_allowed unless a shadow run against lossless decoding is configured",
     )
     relaxed_topk: int = Field(2, ge=1, le=64, description="acceptance=topk: accept a draft in the target's top-k")
     relaxed_threshold: float = Field(
@@ -215,63 +215,6 @@ _OPTIONAL_FIELDS = (
     "runner", "compile",
 )
 _OUTPUT_NEUTRAL_FIELDS = ("runner", "compile")
-
-
-def _shadow_decoding(shadow: Any) -> DecodingConfig | None:
-    """The decoding config of a shadow configuration in any of the shapes check_relaxed_allowed accepts."""
-    cand = shadow
-    for _ in range(3):  # unwrap spec -> config -> DecodingConfig
-        if isinstance(cand, DecodingConfig):
-            return cand
-        if isinstance(cand, dict):
-            if "config" in cand or "decoding" in cand:
-                cand = cand.get("config", cand.get("decoding"))
-                continue
-            try:
-                return DecodingConfig(**cand)
-            except ValueError:
-                return None
-        attr = getattr(cand, "decoding", None)
-        if callable(attr) and not isinstance(attr, DecodingConfig):
-            try:
-                attr = attr()
-            except AssertionError:  # an unresolved preset name
-                attr = None
-        cand = attr if attr is not None else getattr(cand, "config", None)
-        if cand is None:
-            return None
-    return cand if isinstance(cand, DecodingConfig) else None
-
-
-def check_relaxed_allowed(decoding: DecodingConfig, shadow: Any | None) -> None:
-    """Refuse relaxed acceptance unless the job also runs a shadow comparison against lossless decoding.
-
-    Relaxed acceptance (``decoding.acceptance`` ``topk`` or ``threshold``) changes outputs, so a job may use it
-    only beside a shadow run of the same route whose decoding is lossless, so that the report can show the
-    capability difference next to the speed gain. ``shadow`` is the job's shadow configuration: None (no
-    shadow run), a ``DecodingConfig``, a shadow spec whose ``decoding()`` method, ``decoding`` attribute or
-    ``config`` attribute gives one, or a dict with a ``config`` or ``decoding`` key. Lossless jobs always pass.
-
-    Raises:
-        ValueError: relaxed acceptance without a shadow, or with a shadow that is not lossless.
-    """
-    if decoding.acceptance == "lossless":
-        return
-    what = (f"decoding.acceptance = {decoding.acceptance!r} "
-            f"({'top-' + str(decoding.relaxed_topk) if decoding.acceptance == 'topk' else 'p >= ' + str(decoding.relaxed_threshold)})")
-    if shadow is None:
-        raise ValueError(
-            f"{what} changes outputs and is refused unless the job also runs a shadow comparison against "
-            "lossless decoding on the same route; add a shadow run with decoding.acceptance = 'lossless' "
-            "or use acceptance 'lossless'"
-        )
-    shadow_dec = _shadow_decoding(shadow)
-    if shadow_dec is None:
-        raise ValueError(f"{what}: the shadow configuration {shadow!r} has no decoding config to compare against")
-    if shadow_dec.acceptance != "lossless":
-        raise ValueError(
-            f"{what}: the shadow run must decode losslessly, but its decoding.acceptance is {shadow_dec.acceptance!r}"
-        )
 
 
 @dataclass

@@ -19,16 +19,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Union
 
-from racer_batch.service.inputs import (InputPlan, RowTask, answer_columns, iter_raw_rows, parse_row,
+from racer_batch.service.job.inputs import (InputPlan, RowTask, answer_columns, iter_raw_rows, parse_row,
                                        row_fingerprint, shard_fingerprint)
-from racer_batch.service.output import part_path, shard_complete, write_part
-from racer_batch.service.record import RowOrigin, RowRecord, ShadowRecord, now_utc
-from racer_batch.service.shadow import baseline_first, sample_seed, shadow_path, shadow_selected, write_shadow
-from racer_batch.service.sinks import RowSink
-from racer_batch.service.spec import JobSpec, ModelSpec
-from racer_batch.service.engine_hook import hooked_bundle, hooked_engine
-from racer_batch.service.tally import Tally
-from racer_batch.types import DecodingConfig
+from racer_batch.service.results.output import part_path, shard_complete, write_part
+from racer_batch.service.results.record import RowOrigin, RowRecord, ShadowRecord, now_utc
+from racer_batch.service.results.shadow import baseline_first, sample_seed, shadow_path, shadow_selected, write_shadow
+from racer_batch.service.results.sinks import RowSink
+from racer_batch.service.job.spec import JobSpec, ModelSpec
+from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
+from racer_batch.service.results.tally import Tally
+from racer_batch.values import DecodingConfig
 
 log = logging.getLogger(__name__)
 

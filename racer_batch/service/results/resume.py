@@ -20,10 +20,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from racer_batch.service.inputs import InputPlan, answer_columns, iter_shards, row_fingerprint, shard_fingerprint
-from racer_batch.service.output import existing_parts, meta_matches, part_path, read_part_footer
-from racer_batch.service.shadow import shadow_path
-from racer_batch.service.spec import JobSpec
+from racer_batch.service.job.inputs import InputPlan, answer_columns, iter_shards, row_fingerprint, shard_fingerprint
+from racer_batch.service.results.output import existing_parts, meta_matches, part_path, read_part_footer
+from racer_batch.service.results.shadow import shadow_path
+from racer_batch.service.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Nothing is queued unless everything checks out. Submitting the same spec with the same output folder again
 resumes the earlier job (same job id; committed shards are skipped, shards whose input rows changed are
-redone: service/resume.py).
+redone: service/results/resume.py).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Optional
 
 import pyarrow as pa
 
-from racer_batch.service.inputs import InputError, InputPlan, check_ids, plan_input
-from racer_batch.service.manifest import job_manifest
-from racer_batch.service.output import OutputError, check_output_folder, read_manifest, write_manifest
-from racer_batch.service.queue import JobQueue
-from racer_batch.service.resume import ResumePlan, plan_resume
-from racer_batch.service.shadow import shadow_selected
-from racer_batch.service.spec import JobSpec
+from racer_batch.service.job.inputs import InputError, InputPlan, check_ids, plan_input
+from racer_batch.service.results.manifest import job_manifest
+from racer_batch.service.results.output import OutputError, check_output_folder, read_manifest, write_manifest
+from racer_batch.service.execution.queue import JobQueue
+from racer_batch.service.results.resume import ResumePlan, plan_resume
+from racer_batch.service.results.shadow import shadow_selected
+from racer_batch.service.job.spec import JobSpec
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Optional, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from racer_batch.service.record import RowRecord
-from racer_batch.service.tally import Tally
+from racer_batch.service.results.record import RowRecord
+from racer_batch.service.results.tally import Tally
 
 
 class RowSink(Protocol):

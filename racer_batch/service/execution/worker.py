@@ -20,16 +20,16 @@ from typing import Callable, Optional
 import pyarrow as pa
 import redis
 
-from racer_batch.service.actors import Executor
-from racer_batch.service.inputs import InputError, InputPlan, answer_columns, iter_shards, plan_input
-from racer_batch.service.manifest import job_manifest, shard_summary
-from racer_batch.service.output import write_manifest
-from racer_batch.service.queue import JobQueue, Lease
-from racer_batch.service.record import RowOrigin, RowRecord, now_utc
-from racer_batch.service.resume import ResumePlan, clear_stale, plan_resume
-from racer_batch.service.runner import CANCELLED, LEASE_LOST, ShardTask, ShardWriter
-from racer_batch.service.spec import JobSpec
-from racer_batch.service.tally import Tally
+from racer_batch.service.execution.actors import Executor
+from racer_batch.service.job.inputs import InputError, InputPlan, answer_columns, iter_shards, plan_input
+from racer_batch.service.results.manifest import job_manifest, shard_summary
+from racer_batch.service.results.output import write_manifest
+from racer_batch.service.execution.queue import JobQueue, Lease
+from racer_batch.service.results.record import RowOrigin, RowRecord, now_utc
+from racer_batch.service.results.resume import ResumePlan, clear_stale, plan_resume
+from racer_batch.service.execution.runner import CANCELLED, LEASE_LOST, ShardTask, ShardWriter
+from racer_batch.service.job.spec import JobSpec
+from racer_batch.service.results.tally import Tally
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class Worker:
         return state
 
     def _resume(self, job_id: str, spec: JobSpec, plan: InputPlan) -> tuple[dict[int, dict], Optional[str]]:
-        """Shards kept from the output folder (service/resume.py), after deleting the stale part files and
+        """Shards kept from the output folder (service/results/resume.py), after deleting the stale part files and
         making Redis agree with the folder (the folder is the truth). Returns ({shard: summary}, None), or
         ({}, a job failure message) when the folder or the input cannot be read or cleaned."""
         try:

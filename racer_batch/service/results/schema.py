@@ -1,4 +1,4 @@
-"""The output schema of the part files, derived from ``RowRecord`` (service/record.py, where the fields and
+"""The output schema of the part files, derived from ``RowRecord`` (service/results/record.py, where the fields and
 the counting rules are written down). Every part file has exactly this schema (an all-error or empty shard
 included); this module keeps the names that readers of the output import."""
 
@@ -8,7 +8,7 @@ from typing import Iterable, Mapping, Union
 
 import pyarrow as pa
 
-from racer_batch.service.record import OUTPUT_SCHEMA, SAMPLE_TYPE, SCHEMA_VERSION, STATUSES, RowRecord, now_utc, records_table
+from racer_batch.service.results.record import OUTPUT_SCHEMA, SAMPLE_TYPE, SCHEMA_VERSION, STATUSES, RowRecord, now_utc, records_table
 
 __all__ = ["OUTPUT_SCHEMA", "SAMPLE_TYPE", "SCHEMA_VERSION", "STATUSES", "now_utc", "to_table"]
 

@@ -22,7 +22,7 @@ import importlib
 import os
 from typing import Any, Optional, Protocol
 
-from racer_batch.types import DecodingConfig
+from racer_batch.values import DecodingConfig
 
 ENGINE_HOOK_ENV = "RACER_BATCH_ENGINE_HOOK"
 
