@@ -242,56 +242,76 @@ def run_bench(
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:
         raise ValueError(f"method labels must be unique; repeated: {dup}")
-    runners: dict[str, Callable] = {"hf_greedy": _hf_runner(bundle, max_new_tokens, lookup=None)}
-    configs: dict[str, dict] = {"hf_greedy": {"method": "hf_greedy"}}
-    kinds: dict[str, str] = {"hf_greedy": "hf"}
-    warmups: dict[str, float] = {}
-    for spec in specs:
-        if spec.label == "hf_greedy" and spec.method == "hf_greedy":
-            continue
-        if spec.method in HF_METHODS:
-            runners[spec.label] = _hf_runner(bundle, max_new_tokens, lookup=10 if spec.method == "hf_pld" else None)
-            configs[spec.label] = {"method": spec.method}
-            kinds[spec.label] = "hf"
-        else:
-            cfg = decoding_config(spec, capacity=capacity, corpus=corpus)
-            engine = Engine(bundle, cfg)
-            runners[spec.label] = _engine_runner(engine, max_new_tokens)
-            configs[spec.label] = cfg.model_dump(mode="json")
-            kinds[spec.label] = engine.runner.kind
-            warmups[spec.label] = round(engine.warmup_s, 2)
-    tok = bundle.tokenizer
+    c = _contenders(bundle, specs, capacity=capacity, max_new_tokens=max_new_tokens, corpus=corpus)
     enc = Engine(bundle, DecodingConfig(method="ar"))
     res = BenchResult(config=dict(model=bundle.name, capacity=capacity, max_new_tokens=max_new_tokens,
-                                  methods=list(runners), items=len(items), device=bundle.device, dtype=bundle.dtype,
+                                  methods=list(c.runners), items=len(items), device=bundle.device, dtype=bundle.dtype,
                                   torch_threads=torch.get_num_threads(), machine=platform.machine(),
                                   processor=cpu_name(), corpus=corpus,
-                                  runners=kinds, warmup_s=warmups),
-                      method_configs=configs)
+                                  runners=c.kinds, warmup_s=c.warmups),
+                      method_configs=c.configs)
     # warm-up so the first measured row does not pay one-time costs
-    for run in runners.values():
+    for run in c.runners.values():
         run(enc.encode(conversation(["Say hello."], [], system_prompt=system_prompt)))
     for n, item in enumerate(items):
-        group = f"{item.set}/{item.group}" if item.set == "spec_bench" else item.set
-        answers: dict[str, list[str]] = {m: [] for m in runners}
-        baseline_ids: list[list[int]] = []
-        for turn in range(len(item.turns)):
-            for m, run in runners.items():
-                ids = enc.encode(conversation(list(item.turns[: turn + 1]), answers[m], system_prompt=system_prompt))
-                new, ms, stats = run(ids)
-                tot = res.groups.setdefault(group, {}).setdefault(m, MethodTotals())
-                tot.tally.observe_row(turn_record(m, new_ids=new, wall_ms=ms, stats=stats))
-                if m == "hf_greedy":
-                    baseline_ids.append(new)
-                tot.quality.exact += int(new == baseline_ids[turn])
-                content = [t for t in new if t not in bundle.eos_ids]
-                answers[m].append(tok.decode(content, skip_special_tokens=True))
-                tot.quality.observe_answer(content, answers[m][-1], item.turn_references(turn))
+        _run_item(res, item, c.runners, bundle=bundle, enc=enc, system_prompt=system_prompt)
         log.info("bench: %d/%d items done", n + 1, len(items))
         res.config["items_done"] = n + 1
         if on_item is not None:
             on_item(res)
     return res
+
+
+@dataclass
+class _Contenders:
+    """The rows of one bench run: label -> runner, config (JSON), runner kind, warm-up seconds."""
+
+    runners: dict[str, Callable] = field(default_factory=dict)
+    configs: dict[str, dict] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+    warmups: dict[str, float] = field(default_factory=dict)
+
+
+def _contenders(bundle: ModelBundle, specs: list[MethodSpec], *, capacity: int | str, max_new_tokens: int,
+                corpus: str | None) -> _Contenders:
+    """HF greedy first (the baseline), then every spec: HF generate rows and engine rows."""
+    c = _Contenders()
+    c.runners["hf_greedy"] = _hf_runner(bundle, max_new_tokens, lookup=None)
+    c.configs["hf_greedy"], c.kinds["hf_greedy"] = {"method": "hf_greedy"}, "hf"
+    for spec in specs:
+        if spec.label == "hf_greedy" and spec.method == "hf_greedy":
+            continue
+        if spec.method in HF_METHODS:
+            c.runners[spec.label] = _hf_runner(bundle, max_new_tokens, lookup=10 if spec.method == "hf_pld" else None)
+            c.configs[spec.label], c.kinds[spec.label] = {"method": spec.method}, "hf"
+            continue
+        cfg = decoding_config(spec, capacity=capacity, corpus=corpus)
+        engine = Engine(bundle, cfg)
+        c.runners[spec.label] = _engine_runner(engine, max_new_tokens)
+        c.configs[spec.label] = cfg.model_dump(mode="json")
+        c.kinds[spec.label] = engine.runner.kind
+        c.warmups[spec.label] = round(engine.warmup_s, 2)
+    return c
+
+
+def _run_item(res: BenchResult, item: BenchPrompt, runners: dict[str, Callable], *, bundle: ModelBundle,
+              enc: Engine, system_prompt: str | None) -> None:
+    """Every turn of one item on every runner, interleaved turn by turn; counts go into ``res.groups``."""
+    group = f"{item.set}/{item.group}" if item.set == "spec_bench" else item.set
+    answers: dict[str, list[str]] = {m: [] for m in runners}
+    baseline_ids: list[list[int]] = []
+    for turn in range(len(item.turns)):
+        for m, run in runners.items():
+            ids = enc.encode(conversation(list(item.turns[: turn + 1]), answers[m], system_prompt=system_prompt))
+            new, ms, stats = run(ids)
+            tot = res.groups.setdefault(group, {}).setdefault(m, MethodTotals())
+            tot.tally.observe_row(turn_record(m, new_ids=new, wall_ms=ms, stats=stats))
+            if m == "hf_greedy":
+                baseline_ids.append(new)
+            tot.quality.exact += int(new == baseline_ids[turn])
+            content = [t for t in new if t not in bundle.eos_ids]
+            answers[m].append(bundle.tokenizer.decode(content, skip_special_tokens=True))
+            tot.quality.observe_answer(content, answers[m][-1], item.turn_references(turn))
 
 
 def _row(res: BenchResult, tots: dict[str, MethodTotals], method: str) -> dict:
