@@ -86,12 +86,10 @@ def test_resume_after_killing_worker(ray_session, queue, redis_url, tmp_path):
     assert st.state == "running" and st.owner == "doomed" and st.shards_done < 6
     w = Worker(queue, make_executor("ray", url=redis_url, prefix=queue.prefix, name="rescuer"), name="rescuer",
                lease_s=3)
-    t0 = time.time()
     try:
-        assert w.run(max_jobs=1, idle_exit_s=20) == 1
+        assert w.run(max_jobs=1, idle_exit_s=20) == 1  # the rescuer took the expired lease and ended the job
     finally:
         w.executor.shutdown()
-    assert time.time() - t0 < 60
     st = queue.status(sub.job_id)
     assert st.state == "done" and st.rows_done == 24
     ids = [r["id"] for r in read_output(spec.output.path).to_pylist()]
