@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from racer_batch.service.execution import queue as q
+from racer_batch.service.execution.worker import errors_command
 
 PLAIN_PROGRESS_S = 10.0  # without a terminal: one progress line at most this often
 
@@ -39,7 +40,7 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-def status_table(st: q.JobStatus) -> Table:
+def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:
     """``racer-batch status JOB``: one row per fact (state, owner, rows, shards, tokens, speed, routes)."""
     t = Table(title=f"job {st.job_id}" + (f" ({st.name})" if st.name else ""), show_header=False, box=None)
     t.add_column(style="bold")
@@ -51,7 +52,7 @@ def status_table(st: q.JobStatus) -> Table:
     t.add_row("rows", f"{st.rows_done}/{st.rows_total}  ok {st.totals.ok}  error {st.totals.error}  "
                       f"cancelled {st.cancelled_rows}")
     if st.totals.error:
-        t.add_row("errors", f"racer-batch errors {st.job_id}")
+        t.add_row("errors", errors_command(st.job_id, prefix))
     t.add_row("shards", f"{st.shards_done}/{st.shards_total}")
     t.add_row("output tokens", f"{st.totals.output_tokens}  (steps {st.totals.steps}, MAT {fmt(st.mat)})")
     t.add_row("throughput", f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
@@ -63,7 +64,7 @@ def status_table(st: q.JobStatus) -> Table:
     return t
 
 
-def summary_lines(st: q.JobStatus) -> list[str]:
+def summary_lines(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> list[str]:
     """The end-of-job summary of ``submit --wait`` / ``--local`` (stderr), one string per line."""
     gen_s = st.totals.gen_ms / 1000.0
     resumed = f", {st.base_rows} done before this run" if st.base_rows else ""
@@ -78,7 +79,7 @@ def summary_lines(st: q.JobStatus) -> list[str]:
     for route, r in st.route_mat().items():
         lines.append(f"  route {route}: {r['rows']} rows, {r['output_tokens']} tokens, MAT {fmt(r['mat'])}")
     if st.totals.error:
-        lines.append(f"errors: {plural(st.totals.error, 'row')} failed; see them with: racer-batch errors {st.job_id}")
+        lines.append(f"errors: {plural(st.totals.error, 'row')} failed; see them with: {errors_command(st.job_id, prefix)}")
     lines.append(f"output: {st.output}")
     return lines
 

@@ -150,7 +150,7 @@ def submit(spec_file: Optional[str], local: bool, wait: bool, job_id: Optional[s
         if as_json:
             click.echo(json.dumps(st.to_dict()))
         else:
-            for line in summary_lines(st):
+            for line in summary_lines(st, prefix=prefix):
                 err_console.print(line, highlight=False)
     if st.state != "done":
         sys.exit(ExitCode.JOB_FAILED)
@@ -280,7 +280,7 @@ def status(job_id: str, watch: bool, as_json: bool, redis_url: Optional[str], pr
     if as_json:
         click.echo(json.dumps(st.to_dict()))
     else:
-        print_table(status_table(st))
+        print_table(status_table(st, prefix=prefix))
 
 
 @click.command("list", epilog=_LIST_EPILOG)

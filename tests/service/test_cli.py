@@ -129,7 +129,9 @@ def test_a_job_whose_rows_all_failed_fails_and_points_to_errors(cli, tmp_path, r
     assert res.exit_code == 5, res.output
     job_id = res.stdout.strip().splitlines()[0]
     assert f"job {job_id}: failed" in res.stderr and "every row failed" in res.stderr
-    assert f"racer-batch errors {job_id}" in res.stderr
+    assert f"racer-batch errors {job_id} --prefix {prefix}" in res.stderr  # the test's prefix is not the default
+    res = CliRunner().invoke(cli, ["status", job_id, "--redis-url", redis_url, "--prefix", prefix])
+    assert f"racer-batch errors {job_id} --prefix {prefix}" in res.stdout
 
 
 def test_status_counts_the_rows_a_cancel_left_unanswered(cli, tmp_path, redis_url, prefix, queue):
@@ -252,3 +254,26 @@ def test_readme_command_lines_paste_without_making_a_pipeline():
     blocks = text.split("```bash")[1:]
     lines = [ln for b in blocks for ln in b.split("```")[0].splitlines()]
     assert lines and not [ln for ln in lines if "| racer-batch" in ln]
+
+
+def test_status_after_a_cancel_counts_a_partial_shards_answered_rows(cli, tmp_path, redis_url, prefix, queue):
+    """Found in a new user's trial: a cancel mid-shard left that shard's part file with one answered row, but
+    status dropped it (the in-flight tally was deleted) and counted it as cancelled."""
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.job.submit import submit_job
+    from racer_batch.service.results.tally import Tally
+
+    write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(9)])
+    spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
+                            "model.name": "stand-in", "output.shard_rows": 3})
+    sub = submit_job(queue, spec)
+    lease = queue.claim(consumer="w", lease_ms=60_000, block_ms=0)
+    queue.commit_shard(sub.job_id, 0, Tally(rows=3, ok=3, output_tokens=30).to_dict())
+    partial = Tally(rows=3, ok=1, cancelled=2, output_tokens=10)  # shard 1: one row answered, then the cancel
+    queue.record_row(sub.job_id, {"id": "3", "status": "cancelled"}, shard=1, progress=partial)
+    queue.finish(lease, state="cancelled")
+    st = json.loads(CliRunner().invoke(cli, ["status", sub.job_id, "--json", "--redis-url", redis_url,
+                                             "--prefix", prefix]).stdout)
+    assert (st["ok"], st["cancelled"], st["rows_done"], st["output_tokens"]) == (4, 5, 4, 40)
+    res = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", prefix])
+    assert "4/9" in res.stdout and "ok 4" in res.stdout and "cancelled 5" in res.stdout

@@ -60,8 +60,8 @@ def test_edited_appended_removed_and_reordered_rows_get_current_answers(queue, t
     again = submit_job(queue, spec)
     assert again.job_id == first.job_id and again.action == "resumed"
     assert (again.shards_kept, again.shards_total) == (1, 4)
-    assert any("shard 1" in n and "'5'" in n for n in again.notes), again.notes
-    assert any("shard 2" in n and "'9'" in n and "'8'" in n for n in again.notes), again.notes
+    assert any("shard 1" in n and "edited '5'" in n for n in again.notes), again.notes
+    assert any("shard 2" in n and "moved '8', '9'" in n for n in again.notes), again.notes
     assert run_until_done(queue, again.job_id, url=queue_url(queue), prefix=queue.prefix,
                           executor_kind="thread").state == "done"
     texts = _texts(spec.output.path)
@@ -73,6 +73,7 @@ def test_edited_appended_removed_and_reordered_rows_get_current_answers(queue, t
     rows = rows[:11]
     write_parquet(tmp_path / "in.parquet", rows)
     third = submit_job(queue, spec)
+    assert any("deleting 1 part file" in n for n in third.notes), third.notes
     assert (third.shards_kept, third.shards_total) == (2, 3)
     assert run_until_done(queue, third.job_id, url=queue_url(queue), prefix=queue.prefix,
                           executor_kind="thread").state == "done"

@@ -157,6 +157,10 @@ class JobStatus:
 
     @property
     def rows_done(self) -> int:
+        """Rows with a record; for a cancelled job the rows answered (ok or error), so that rows_done +
+        cancelled_rows = rows_total (a partial shard's answered rows count: they are in its part file)."""
+        if self.state == "cancelled":
+            return self.totals.ok + self.totals.error
         return self.totals.rows
 
     @property
@@ -363,7 +367,8 @@ class JobQueue:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(key, mapping={"state": state, "finished_at": time.time(), "message": message})
         pipe.hdel(key, "owner")
-        pipe.delete(self.k_job(lease.job_id, "inflight"))
+        if state != "cancelled":  # a cancel leaves partial shards on disk: status keeps counting their rows
+            pipe.delete(self.k_job(lease.job_id, "inflight"))
         pipe.xack(lease.stream, GROUP, lease.entry_id)
         pipe.xdel(lease.stream, lease.entry_id)
         pipe.execute()

@@ -24,7 +24,7 @@ from racer_batch.service.execution.actors import Executor
 from racer_batch.service.job.inputs import InputError, InputPlan, answer_columns, iter_shards, plan_input
 from racer_batch.service.results.manifest import job_manifest, shard_summary
 from racer_batch.service.results.output import write_manifest
-from racer_batch.service.execution.queue import JobQueue, Lease
+from racer_batch.service.execution.queue import DEFAULT_PREFIX, JobQueue, Lease
 from racer_batch.service.results.record import RowOrigin, RowRecord, now_utc
 from racer_batch.service.results.resume import ResumePlan, clear_stale, plan_resume
 from racer_batch.service.execution.runner import CANCELLED, LEASE_LOST, ShardTask, ShardWriter
@@ -246,7 +246,7 @@ class Worker:
             return "released"
         failure = job.failure
         if not failure and not job.cancelled:
-            failure = _all_rows_failed(job.job_id, job.done)
+            failure = _all_rows_failed(job.job_id, job.done, prefix=self.queue.prefix)
         state = "failed" if failure else "cancelled" if job.cancelled else "done"
         self._manifest(job, state=state)
         self._finish(job.lease, state=state, message=failure or "")
@@ -462,10 +462,15 @@ def _input_changed(spec: JobSpec, plan: InputPlan) -> Optional[str]:
     return None
 
 
-def _all_rows_failed(job_id: str, done: dict[int, dict]) -> Optional[str]:
+def errors_command(job_id: str, prefix: str) -> str:
+    """The command that lists a job's failed rows, with ``--prefix`` where the queue's is not the default."""
+    return f"racer-batch errors {job_id}" + ("" if prefix == DEFAULT_PREFIX else f" --prefix {prefix}")
+
+
+def _all_rows_failed(job_id: str, done: dict[int, dict], *, prefix: str) -> Optional[str]:
     """The failure message of a job in which rows ran and none came back ok, else None (a job of zero rows
     is done)."""
     totals = Tally.of(done.values())
     if totals.rows == 0 or totals.ok > 0:
         return None
-    return f"every row failed ({totals.error} errors); racer-batch errors {job_id} lists them"
+    return f"every row failed ({totals.error} errors); {errors_command(job_id, prefix)} lists them"

@@ -34,23 +34,26 @@ MAX_IDS_SHOWN = 5
 class ResumePlan:
     """What the folder holds for this spec and input.
 
-    ``done``: shard -> committed summary (kept); ``changed``: shard -> ids whose rows differ from what its
-    part file answered (redone); ``unverified``: shards whose part file predates input fingerprints (redone);
+    ``done``: shard -> committed summary (kept); ``changed``: shard -> {kind: ids} of the rows that differ from
+    what its part file answered (kinds: edited, added, removed, moved; redone); ``unverified``: shards whose part file predates input fingerprints (redone);
     ``gone``: part files of shards past the input's end (deleted)."""
 
     done: dict[int, dict] = field(default_factory=dict)
-    changed: dict[int, list[str]] = field(default_factory=dict)
+    changed: dict[int, dict[str, list[str]]] = field(default_factory=dict)
     unverified: list[int] = field(default_factory=list)
     gone: list[Path] = field(default_factory=list)
 
     def describe(self) -> list[str]:
         """One line per kind of redone shard, e.g. ``redoing shard 1: input rows changed since it was written
-        (ids '5')``; [] when nothing is redone for a changed input."""
+        (edited '5'; removed '4')``; [] when nothing is redone for a changed input."""
         lines = []
-        for shard, ids in sorted(self.changed.items()):
-            shown = ", ".join(map(repr, ids[:MAX_IDS_SHOWN]))
-            more = f" and {len(ids) - MAX_IDS_SHOWN} more" if len(ids) > MAX_IDS_SHOWN else ""
-            lines.append(f"redoing shard {shard}: input rows changed since it was written (ids {shown}{more})")
+        for shard, kinds in sorted(self.changed.items()):
+            parts = []
+            for kind, ids in kinds.items():
+                shown = ", ".join(map(repr, ids[:MAX_IDS_SHOWN]))
+                more = f" and {len(ids) - MAX_IDS_SHOWN} more" if len(ids) > MAX_IDS_SHOWN else ""
+                parts.append(f"{kind} {shown}{more}")
+            lines.append(f"redoing shard {shard}: input rows changed since it was written ({'; '.join(parts)})")
         if self.unverified:
             lines.append(f"redoing {len(self.unverified)} shard(s) written before input fingerprints existed "
                          f"(shards {', '.join(map(str, self.unverified[:10]))}{' ...' if len(self.unverified) > 10 else ''})")
@@ -60,24 +63,26 @@ class ResumePlan:
         return lines
 
 
-def _changed_ids(old: list[tuple[str, str]] | None, new: list[tuple[str, str]]) -> list[str]:
-    """Ids whose (position, fingerprint) differs: edited, moved, added or removed rows.
+def _changed_ids(old: list[tuple[str, str]] | None, new: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """How a shard's rows changed, by id: ``edited`` (same id, other input), ``added``, ``removed``, ``moved``
+    (same id and input at another position); kinds with no id are left out.
 
     >>> _changed_ids([("a", "1"), ("b", "2")], [("b", "2"), ("a", "1"), ("c", "3")])
-    ['b', 'a', 'c']
+    {'added': ['c'], 'moved': ['a', 'b']}
     >>> _changed_ids([("a", "1"), ("b", "2")], [("a", "9")])
-    ['a', 'b']
+    {'edited': ['a'], 'removed': ['b']}
     """
-    old = old or []
-    out: dict[str, None] = {}
-    for i in range(max(len(old), len(new))):
-        o = old[i] if i < len(old) else None
-        n = new[i] if i < len(new) else None
-        if o != n:
-            for rec in (n, o):
-                if rec is not None:
-                    out[str(rec[0])] = None
-    return list(out)
+    old = [(str(i), f) for i, f in (old or [])]
+    new = [(str(i), f) for i, f in new]
+    old_fp, new_fp = dict(old), dict(new)
+    old_pos, new_pos = {i: k for k, (i, _) in enumerate(old)}, {i: k for k, (i, _) in enumerate(new)}
+    kinds = {
+        "edited": [i for i, f in new if i in old_fp and old_fp[i] != f],
+        "added": [i for i, _ in new if i not in old_fp],
+        "removed": [i for i, _ in old if i not in new_fp],
+        "moved": sorted(i for i, f in new if old_fp.get(i) == f and old_pos[i] != new_pos[i]),
+    }
+    return {k: v for k, v in kinds.items() if v}
 
 
 def plan_resume(spec: JobSpec, plan: InputPlan) -> ResumePlan:
@@ -113,7 +118,7 @@ def plan_resume(spec: JobSpec, plan: InputPlan) -> ResumePlan:
         if fp == meta["input_fingerprint"]:
             result.done[shard] = meta
         else:
-            result.changed[shard] = _changed_ids(old_rows, new_rows) or ["?"]
+            result.changed[shard] = _changed_ids(old_rows, new_rows) or {"edited": ["?"]}
     return result
 
 
