@@ -284,8 +284,8 @@ def status(job_id: str, watch: bool, as_json: bool, redis_url: Optional[str], pr
 
 
 @click.command("list", epilog=_LIST_EPILOG)
-@click.option("--limit", type=click.IntRange(1, 10_000), default=20, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--limit", type=click.IntRange(1, 10_000), default=20, show_default=True, help="Jobs to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list of job statuses.")
 @_redis_options
 def list_jobs(limit: int, as_json: bool, redis_url: Optional[str], prefix: str) -> None:
     """Recent jobs, newest first."""
@@ -317,8 +317,8 @@ def cancel(job_id: str, redis_url: Optional[str], prefix: str) -> None:
 
 @click.command(epilog=_JOB_EPILOG)
 @click.argument("job_id", metavar="JOB")
-@click.option("--limit", type=click.IntRange(1, 2000), default=20, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--limit", type=click.IntRange(1, 2000), default=20, show_default=True, help="Failed rows to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list of the failed rows.")
 @_redis_options
 def errors(job_id: str, limit: int, as_json: bool, redis_url: Optional[str], prefix: str) -> None:
     """A sample of JOB's failed rows (most recent last)."""
