@@ -74,15 +74,27 @@ def _changed_ids(old: list[tuple[str, str]] | None, new: list[tuple[str, str]]) 
     """
     old = [(str(i), f) for i, f in (old or [])]
     new = [(str(i), f) for i, f in new]
-    old_fp, new_fp = dict(old), dict(new)
-    old_pos, new_pos = {i: k for k, (i, _) in enumerate(old)}, {i: k for k, (i, _) in enumerate(new)}
-    kinds = {
-        "edited": [i for i, f in new if i in old_fp and old_fp[i] != f],
-        "added": [i for i, _ in new if i not in old_fp],
-        "removed": [i for i, _ in old if i not in new_fp],
-        "moved": sorted(i for i, f in new if old_fp.get(i) == f and old_pos[i] != new_pos[i]),
-    }
-    return {k: v for k, v in kinds.items() if v}
+    kinds = {"edited": [], "added": [], "removed": _missing(old, new), "moved": [], "same": []}
+    old_at = {i: (k, f) for k, (i, f) in enumerate(old)}
+    for k, (i, f) in enumerate(new):
+        kinds[_row_change(old_at.get(i), k, f)].append(i)
+    kinds["moved"].sort()
+    return {k: v for k, v in kinds.items() if v and k != "same"}
+
+
+def _missing(old: list[tuple[str, str]], new: list[tuple[str, str]]) -> list[str]:
+    """Ids of ``old`` that ``new`` does not hold, in ``old``'s order."""
+    now = {i for i, _ in new}
+    return [i for i, _ in old if i not in now]
+
+
+def _row_change(before: tuple[int, str] | None, position: int, fingerprint: str) -> str:
+    """The kind of change of one current row, given its (position, fingerprint) in the part file if any."""
+    if before is None:
+        return "added"
+    if before[1] != fingerprint:
+        return "edited"
+    return "moved" if before[0] != position else "same"
 
 
 def plan_resume(spec: JobSpec, plan: InputPlan) -> ResumePlan:
