@@ -76,7 +76,6 @@ class CapacityTuner:
                  warmup_cost_ratio: float = 2.0) -> None:
         self.cost_ms = dict(cost_ms)
         self.candidates = sorted(candidates)
-        self.max_cap = self.candidates[-1]
         base = self.cost_ms.get(1, min(self.cost_ms[c] for c in self.candidates))
         affordable = [c for c in self.candidates if self.cost_ms[c] <= warmup_cost_ratio * base]
         self.warmup_cap = affordable[-1] if affordable else self.candidates[0]

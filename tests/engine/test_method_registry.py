@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-import racer_batch.values as types_mod
+import racer_batch.values as values_mod
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters import (
     Draft,
@@ -79,7 +79,7 @@ def echo():
 
 
 def test_registered_method_runs_losslessly_through_the_engine(tiny, echo):
-    assert "echo" in types_mod.METHODS and "echo" in DecodingConfig.model_json_schema()["properties"]["method"]["enum"]
+    assert "echo" in values_mod.METHODS and "echo" in DecodingConfig.model_json_schema()["properties"]["method"]["enum"]
     engine = Engine(tiny, DecodingConfig(method="echo", capacity=8))
     state = engine.new_state()
     assert isinstance(state, EchoState) and state.scope == "job"
@@ -104,7 +104,7 @@ def test_unregistered_method_is_refused_naming_the_known_ones(echo):
                                                                             vocab_size=8)), EchoDrafter)
     unregister_method("echo")
     try:
-        assert "echo" not in types_mod.METHODS
+        assert "echo" not in values_mod.METHODS
         with pytest.raises(ValidationError, match=r"unknown decoding method 'echo'; choose from ar, pld, .*graft"):
             DecodingConfig(method="echo")
         with pytest.raises(ValueError, match="unknown decoding method 'echo'"):
@@ -139,7 +139,7 @@ def test_check_config_runs_in_decoding_config_validation():
 
 def test_builtin_methods_and_their_settings():
     names = method_names()
-    assert names == types_mod.METHODS
+    assert names == values_mod.METHODS
     assert names[:10] == ("ar", "pld", "logits", "retrieval", "racer", "tr", "logitspec", "rest", "sam", "graft")
     assert DecodingConfig.model_json_schema()["properties"]["method"]["enum"] == list(names)
     assert len(BUILTIN_MODULES) == 6

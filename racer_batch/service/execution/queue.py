@@ -152,7 +152,7 @@ class JobStatus:
         """Rows without an answer because of a cancel: for a cancelled job every row not committed ok or
         error (a partial shard's rows included: it is redone on resume), else the cancelled rows counted."""
         if self.state == "cancelled":
-            return max(0, self.rows_total - self.totals.ok - self.totals.error)
+            return max(0, self.rows_total - self.rows_done)
         return self.totals.cancelled
 
     @property
