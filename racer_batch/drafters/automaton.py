@@ -93,9 +93,32 @@ import operator
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Automaton", "NodeView", "RetrievalCandidates", "prefill_automaton"]
+__all__ = ["Automaton", "Cursor", "NodeView", "RetrievalCandidates", "prefill_automaton"]
 
 _ROOT = 0  # node id of the trie root; also the sentinel of the recency list
+
+
+@dataclass(eq=False)
+class Cursor:
+    """One text's position in a shared automaton: the windows still growing and the matching state.
+
+    Rows decoded together that share a job's automaton (engine/batch.py) each hold their own cursor, so one
+    row's tokens never move another row's windows or matching state; the trie, counts and recency are shared.
+    The automaton's own cursor serves callers that pass none.
+
+    Attributes:
+        active: ``active[j]`` the node of the text's last ``j`` tokens, for the windows still growing
+            (``active[0]`` the trie root); these nodes are pinned (never evicted) while the cursor is open.
+        state: node id of the matching state (0: the trie root); never evicted while the cursor is open.
+    """
+
+    active: list = None  # type: ignore[assignment]
+    state: int = _ROOT
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.active is None:
+            self.active = [_ROOT]
 
 
 @dataclass(frozen=True)
@@ -178,9 +201,9 @@ class Automaton:
         self._children: list[dict[int, int]] = [{}]  # token -> child node
         self._prev: list[int] = [_ROOT]  # recency list, toward the front (more recent)
         self._next: list[int] = [_ROOT]  # recency list, toward the tail (less recent)
-        self._pinned = bytearray(1)  # nodes of the windows still growing
-        self._active: list[int] = [_ROOT]  # active[j]: node of the last j tokens, for the windows still growing
-        self._state = _ROOT
+        self._pinned: list[int] = [0]  # per node: how many open cursors have it among their growing windows
+        self._cursor = Cursor()  # the cursor of calls that pass none
+        self._cursors: list[Cursor] = [self._cursor]  # open cursors (their windows are pinned, states kept)
         self._num_tokens = 0
         self._num_evicted = 0
 
@@ -215,19 +238,44 @@ class Automaton:
 
     @property
     def state(self) -> int:
-        """Node id of the current matching state (0: the trie root)."""
-        return self._state
+        """Node id of the default cursor's matching state (0: the trie root)."""
+        return self._cursor.state
+
+    def new_cursor(self) -> Cursor:
+        """A cursor for one more text read at the same time as the others (a new row): no window growing,
+        the state at the trie root. Close it with :meth:`close_cursor` when the text ends."""
+        c = Cursor()
+        self._cursors.append(c)
+        return c
+
+    def close_cursor(self, cursor: Cursor) -> None:
+        """End a cursor's text: its windows are unpinned and its state no longer kept (idempotent)."""
+        if cursor.closed or cursor is self._cursor:
+            return
+        for x in cursor.active[1:]:
+            self._pinned[x] -= 1
+        cursor.active = [_ROOT]
+        cursor.closed = True
+        self._cursors.remove(cursor)
+
+    def _cur(self, cursor: "Cursor | None") -> Cursor:
+        if cursor is None:
+            return self._cursor
+        if cursor.closed:
+            raise ValueError("automaton cursor was closed")
+        return cursor
 
     # ------------------------------------------------------------------ text
 
-    def extend(self, tokens: Sequence[int]) -> None:
+    def extend(self, tokens: Sequence[int], cursor: "Cursor | None" = None) -> None:
         """Append committed tokens to the text, growing every window that starts in the last ``ngram`` tokens.
 
         For each token ``t`` the windows are the text's suffixes of length ``1 .. ngram`` ending at ``t``; the
         window of length ``k`` is the child on ``t`` of the node of the previous ``k - 1`` tokens, created if
         missing (its failure link is the window of length ``k - 1``, created or visited just before), its
         ``freq`` incremented and the node touched. Each start position is inserted once, incrementally. The
-        matching state is not moved (see :meth:`advance`).
+        matching state is not moved (see :meth:`advance`). ``cursor``: whose text grows (default: the
+        automaton's own).
 
         Example (``ngram=3``): after ``extend([1, 2])`` the trie is {1, 2, 12}; ``extend([1])`` then adds
         {21, 121} and raises ``freq`` of "1" to 2.
@@ -244,11 +292,12 @@ class Automaton:
         nxt = self._next
         pinned = self._pinned
         index = operator.index
+        cur = self._cur(cursor)
         for raw in tokens:
             t = index(raw)
             if t < 0:
                 raise ValueError(f"token ids must be >= 0, got {t} at text position {self._num_tokens}")
-            old = self._active
+            old = cur.active
             new = [_ROOT]
             shorter = _ROOT  # node of the window one token shorter: the failure target of a new node
             for k in range(1, len(old) + 1):  # k: length of the window after adding t
@@ -286,24 +335,23 @@ class Automaton:
                         nxt[x] = n
                         nxt[a] = x
                         prv[n] = x
-                pinned[x] = 1
+                pinned[x] += 1
                 new.append(x)
                 shorter = x
-            for x in old:
-                pinned[x] = 0
+            for j in range(1, len(old)):
+                pinned[old[j]] -= 1
             if len(new) > ngram:  # the window of length ngram is complete
-                pinned[new.pop()] = 0
-            for x in new:
-                pinned[x] = 1
-            pinned[_ROOT] = 0
-            self._active = new
+                pinned[new.pop()] -= 1
+            cur.active = new
             self._num_tokens += 1
 
-    def start_text(self) -> None:
-        """Start a new text (a new row): no window spans the boundary. Trie, counts and state are kept."""
-        for x in self._active:
-            self._pinned[x] = 0
-        self._active = [_ROOT]
+    def start_text(self, cursor: "Cursor | None" = None) -> None:
+        """Start a new text (a new row) on ``cursor``: no window spans the boundary. Trie, counts and state
+        are kept."""
+        cur = self._cur(cursor)
+        for x in cur.active[1:]:
+            self._pinned[x] -= 1
+        cur.active = [_ROOT]
 
     def _grow(self) -> int:
         """A fresh node id above the high-water mark (the caller fills it in)."""
@@ -330,10 +378,10 @@ class Automaton:
         children = self._children
         nref = self._nref
         pinned = self._pinned
-        state = self._state
+        states = {c.state for c in self._cursors}
         x = prv[_ROOT]
         while x != _ROOT:
-            if not children[x] and not nref[x] and not pinned[x] and x != state:
+            if not children[x] and not nref[x] and not pinned[x] and x not in states:
                 break
             x = prv[x]
         else:
@@ -350,11 +398,11 @@ class Automaton:
 
     # ------------------------------------------------------------------ matching
 
-    def reset_state(self) -> None:
+    def reset_state(self, cursor: "Cursor | None" = None) -> None:
         """Move the matching state back to the trie root (the text and the trie are kept)."""
-        self._state = _ROOT
+        self._cur(cursor).state = _ROOT
 
-    def advance(self, token: int) -> list[int]:
+    def advance(self, token: int, cursor: "Cursor | None" = None) -> list[int]:
         """Move the matching state by one token and return the borders, deepest first.
 
         Walks the failure chain of the state (the trie root excluded); every state ``s`` with a child on
@@ -364,14 +412,16 @@ class Automaton:
         matches are touched (just behind their parents, shallowest first), which keeps their ancestors too.
 
         Example: text ``1 2 3 1 2``, ``ngram=3``, state "1 2": ``advance(3)`` returns the nodes of
-        "1 2 3" and "2 3" and the state becomes "1 2 3".
+        "1 2 3" and "2 3" and the state becomes "1 2 3". ``cursor``: whose state moves (default: the
+        automaton's own).
         """
         t = operator.index(token)
         if t < 0:
             raise ValueError(f"token ids must be >= 0, got {t}")
         children = self._children
         fail_of = self._fail
-        s = self._state
+        cur = self._cur(cursor)
+        s = cur.state
         v = _ROOT
         while s != _ROOT:
             c = children[s].get(t)
@@ -403,7 +453,7 @@ class Automaton:
                 nxt[x] = n
                 nxt[a] = x
                 prv[n] = x
-        self._state = v
+        cur.state = v
         min_depth = max(2, self._min_border_depth)
         depth_of = self._depth
         return [x for x in chain if depth_of[x] >= min_depth]
@@ -586,18 +636,19 @@ class Automaton:
             check(pos[self._fail[x]] < pos[x],
                   f"node {x} {path_of[x]} is ahead of its failure target in the recency list")
         # Growing windows and the state.
-        act = self._active
-        check(act[0] == _ROOT and len(act) <= self._ngram, f"active windows {act}")
-        for j in range(1, len(act)):
-            check(0 < act[j] < size and self._depth[act[j]] == j and self._fail[act[j]] == act[j - 1],
-                  f"active window {j} is node {act[j]}, not a suffix chain")
-        check({x for x in range(size) if self._pinned[x]} == set(act[1:]),
-              f"pinned nodes differ from the active windows {act}")
-        check(0 <= self._state < size,
-              f"state {self._state} is not live")
+        pins = [0] * size
+        for cur in self._cursors:
+            act = cur.active
+            check(act[0] == _ROOT and len(act) <= self._ngram, f"active windows {act}")
+            for j in range(1, len(act)):
+                check(0 < act[j] < size and self._depth[act[j]] == j and self._fail[act[j]] == act[j - 1],
+                      f"active window {j} is node {act[j]}, not a suffix chain")
+                pins[act[j]] += 1
+            check(0 <= cur.state < size, f"state {cur.state} is not live")
+        check(pins == list(self._pinned), "pin counts differ from the open cursors' active windows")
 
 
-def prefill_automaton(automaton: Automaton, prompt_ids: Sequence[int]) -> list[int]:
+def prefill_automaton(automaton: Automaton, prompt_ids: Sequence[int], cursor: Cursor | None = None) -> list[int]:
     """Feed a prompt and set the matching state from its last ``ngram`` tokens; return the last borders.
 
     Starts a new text (no window spans from a previous row into the prompt), extends with the prompt, then
@@ -606,10 +657,10 @@ def prefill_automaton(automaton: Automaton, prompt_ids: Sequence[int]) -> list[i
     Example: ``prefill_automaton(Automaton(ngram=3), [1, 2, 3, 1, 2])`` leaves the state at "3 1 2" and
     returns the nodes of "3 1 2" and "1 2".
     """
-    automaton.start_text()
-    automaton.extend(prompt_ids)
-    automaton.reset_state()
+    automaton.start_text(cursor)
+    automaton.extend(prompt_ids, cursor)
+    automaton.reset_state(cursor)
     borders: list[int] = []
     for tok in list(prompt_ids)[-automaton.ngram :]:
-        borders = automaton.advance(tok)
+        borders = automaton.advance(tok, cursor)
     return borders

@@ -137,3 +137,6 @@ class Drafter(Protocol):
     def update(self, verified: Verified) -> None:
         """Learn from a verification step."""
 
+    # optional: ``close()`` -- the row ended (the engine calls it once, also on errors and cancels); drafters
+    # that hold a cursor in shared state (the automaton's) release it here
+

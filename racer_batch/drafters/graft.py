@@ -163,6 +163,13 @@ class GraftDrafter:
         self.calibrator: ConfidenceCalibrator = state.calibrator
         self._last: tuple[Draft, dict[int, int]] | None = None
         self.last_accounting: GraftAccounting | None = None
+        self.cursor = None  # this row's automaton cursor (its windows and matching state), opened at start
+
+    def close(self) -> None:
+        """The row ended: close its automaton cursor (the engine calls this once per row)."""
+        if self.cursor is not None and self.state.automaton is not None:
+            self.state.automaton.close_cursor(self.cursor)
+        self.cursor = None
 
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         st = self.state
@@ -170,11 +177,12 @@ class GraftDrafter:
         st.rows += 1
         if prompt_topk is not None and len(prompt_ids):
             st.store.update(np.asarray(prompt_ids, dtype=np.int64), prompt_topk)  # probabilities unknown
-        prefill_automaton(st.automaton, list(prompt_ids))
+        self.cursor = st.automaton.new_cursor()
+        prefill_automaton(st.automaton, list(prompt_ids), self.cursor)
 
     def propose(self, root: int, *, capacity: int, max_depth: int) -> Draft:
         st = self.state
-        borders = st.automaton.advance(root)  # always advanced, to keep the matching state
+        borders = st.automaton.advance(root, self.cursor)  # always advanced, to keep the matching state
         builder = TrieBuilder(root=root, capacity=capacity)
         edge_bins: dict[int, int] = {}
         pruned = 0
@@ -224,9 +232,9 @@ class GraftDrafter:
         if len(verified.node_tokens):
             st.store.update(verified.node_tokens, verified.node_topk, verified.node_topk_probs)
         if verified.committed:
-            st.automaton.extend(verified.committed)
+            st.automaton.extend(verified.committed, self.cursor)
             for tok in verified.committed[:-1]:
-                st.automaton.advance(tok)
+                st.automaton.advance(tok, self.cursor)
 
 
 def _graft_state(config: Any, *, scope: str, vocab_size: int, tokenizer: Any) -> LiteratureState:

@@ -73,6 +73,13 @@ class TreeDrafter:
         self.use_logits = use_logits
         self.max_breadth = max_breadth
         self.name = "racer" if use_retrieval and use_logits else ("retrieval" if use_retrieval else "logits")
+        self.cursor = None  # this row's automaton cursor (its windows and matching state), opened at start
+
+    def close(self) -> None:
+        """The row ended: close its automaton cursor (the engine calls this once per row)."""
+        if self.cursor is not None and self.state.automaton is not None:
+            self.state.automaton.close_cursor(self.cursor)
+        self.cursor = None
 
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         st = self.state
@@ -81,13 +88,14 @@ class TreeDrafter:
         if st.store is not None and prompt_topk is not None and len(prompt_ids):
             st.store.update(np.asarray(prompt_ids, dtype=np.int64), prompt_topk)
         if st.automaton is not None and self.use_retrieval:
-            prefill_automaton(st.automaton, list(prompt_ids))
+            self.cursor = st.automaton.new_cursor()
+            prefill_automaton(st.automaton, list(prompt_ids), self.cursor)
 
     def propose(self, root: int, *, capacity: int, max_depth: int) -> Draft:
         st = self.state
         builder = TrieBuilder(root=root, capacity=capacity)
         if self.use_retrieval and st.automaton is not None:
-            borders = st.automaton.advance(root)
+            borders = st.automaton.advance(root, self.cursor)
             if borders and capacity > 1 and max_depth > 0:
                 cands = st.automaton.candidates(borders, capacity - 1)
                 where = [-1] * len(cands.tokens)  # candidate index -> builder node (-1: dropped)
@@ -105,9 +113,9 @@ class TreeDrafter:
         if st.store is not None and len(verified.node_tokens):
             st.store.update(verified.node_tokens, verified.node_topk)
         if st.automaton is not None and self.use_retrieval and verified.committed:
-            st.automaton.extend(verified.committed)
+            st.automaton.extend(verified.committed, self.cursor)
             for tok in verified.committed[:-1]:
-                st.automaton.advance(tok)
+                st.automaton.advance(tok, self.cursor)
 
 
 AUTOMATON_SETTINGS = ("max_nodes", "ngram", "min_border_depth")  # the automaton's DecodingConfig fields

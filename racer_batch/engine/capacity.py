@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -79,6 +79,7 @@ class CapacityTuner:
         base = self.cost_ms.get(1, min(self.cost_ms[c] for c in self.candidates))
         affordable = [c for c in self.candidates if self.cost_ms[c] <= warmup_cost_ratio * base]
         self.warmup_cap = affordable[-1] if affordable else self.candidates[0]
+        self.warmup_cost_ratio = warmup_cost_ratio
         self.warmup_steps = warmup_steps
         self.explore_every = explore_every
         self.sum_acc = np.zeros(len(self.candidates))  # accepted drafts summed over informative steps
@@ -87,16 +88,40 @@ class CapacityTuner:
         self.steps = 0
         self.current = self.warmup_cap
 
-    def capacity(self) -> int:
-        """Capacity for the next step: ``warmup_cap`` during warm-up; afterwards the chosen one, except every
-        ``explore_every``-th step, which tries the next larger candidate so its estimate stays fresh (a step at
-        the largest capacity would cost t(max)/t(current) times a normal one: 4x on a CPU at 64 vs 8)."""
-        if self.steps < self.warmup_steps:
+    def cost(self, rows: int) -> float:
+        """Verify ms of a forward over ``rows`` tree rows: the measured size at or above it, else a straight
+        line through the two largest measured sizes (the cost is linear in rows once compute-bound)."""
+        sizes = sorted(self.cost_ms)
+        for t in sizes:
+            if t >= rows:
+                return self.cost_ms[t]
+        if len(sizes) == 1:
+            return self.cost_ms[sizes[0]] * rows / sizes[0]
+        a, b = sizes[-2], sizes[-1]
+        slope = (self.cost_ms[b] - self.cost_ms[a]) / (b - a)
+        return self.cost_ms[b] + max(slope, 0.0) * (rows - b)
+
+    def warmup_capacity(self, streams: int = 1) -> int:
+        """The largest candidate whose batch of ``streams`` trees costs at most ``warmup_cost_ratio`` times
+        ``streams`` one-token rows (``warmup_cap`` at one stream)."""
+        if streams <= 1:
             return self.warmup_cap
+        base = self.cost(streams)
+        fits = [c for c in self.candidates if self.cost(streams * c) <= self.warmup_cost_ratio * base]
+        return fits[-1] if fits else self.candidates[0]
+
+    def capacity(self, streams: int = 1) -> int:
+        """Capacity for the next step when ``streams`` streams are verified in one forward: the warm-up size
+        during warm-up; afterwards the chosen one, except every ``explore_every``-th step, which tries the
+        next larger candidate so its estimate stays fresh (a step at the largest capacity would cost
+        t(max)/t(current) times a normal one: 4x on a CPU at 64 vs 8)."""
+        if self.steps < self.warmup_steps:
+            return self.warmup_capacity(streams)
+        best = self.current if streams <= 1 else self.choose(streams)
         if self.explore_every and self.steps % self.explore_every == 0:
-            i = self.candidates.index(self.current)
+            i = self.candidates.index(best)
             return self.candidates[min(i + 1, len(self.candidates) - 1)]
-        return self.current
+        return best
 
     def observe(self, *, used_capacity: int, accepted_creation_idx: list[int], overhead_ms: float) -> None:
         """Record one step: the creation-order indices of the accepted draft nodes (root excluded)."""
@@ -119,16 +144,29 @@ class CapacityTuner:
                 log.info("capacity auto: %d -> %d (expected tokens/s %s)", self.current, best, self.expected_rates())
                 self.current = best
 
-    def expected_rates(self) -> dict[int, float]:
-        """{capacity: expected emitted tokens per second} from the observations so far."""
+    def expected_rates(self, streams: int = 1) -> dict[int, float]:
+        """{capacity: expected emitted tokens per second of all ``streams`` streams together} from the
+        observations so far: ``streams x MAT(c) / (t(streams x c) + streams x overhead)``, the per-stream
+        drafting and acceptance work being serial between the batched forwards."""
         rates = {}
         for i, cap in enumerate(self.candidates):
             if self.n_obs[i] == 0:
                 continue
             mat = 1.0 + self.sum_acc[i] / self.n_obs[i]
-            rates[cap] = round(1000.0 * mat / (self.cost_ms[cap] + self.overhead_ms), 2)
+            rates[cap] = round(1000.0 * streams * mat / (self.cost(streams * cap) + streams * self.overhead_ms), 2)
         return rates
 
-    def choose(self) -> int:
-        rates = self.expected_rates()
-        return max(rates, key=rates.get) if rates else self.warmup_cap
+    def choose(self, streams: int = 1) -> int:
+        rates = self.expected_rates(streams)
+        return max(rates, key=rates.get) if rates else self.warmup_capacity(streams)
+
+    def best_streams(self, choices: Sequence[int]) -> tuple[int, int, float]:
+        """(streams, capacity, expected tokens/s) with the most expected tokens per second among ``choices``
+        of the number of streams in one forward, each at its best capacity (``streams_per_actor: auto``)."""
+        best = (choices[0], self.choose(choices[0]), -1.0)
+        for b in choices:
+            c = self.choose(b)
+            rate = self.expected_rates(b).get(c, 0.0)
+            if rate > best[2]:
+                best = (b, c, rate)
+        return best

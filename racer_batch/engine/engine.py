@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Generator, Sequence, Union
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from ..values import (
     RowStats,
     StepRecord,
 )
+from .batch import Prefill, Verify, drive
 from .capacity import CapacityTuner, measure_cost_curve
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
@@ -95,19 +96,29 @@ class Engine:
         config: DecodingConfig | None = None,
         *,
         drafter_factory: Callable[[DecodingConfig, DraftState], Any] | None = None,
+        streams: int = 1,
     ) -> None:
         """
         Args:
             bundle: the loaded target model.
             config: decoding configuration (default: RACER with the paper's settings).
             drafter_factory: ``(config, state) -> drafter`` replacing the built-in drafters (tests, extensions).
+            streams: the most streams this engine will run at once in a ``StreamBatch``: KV-cache slots are
+                reserved for them and ``capacity: auto`` measures the verify cost up to that many trees.
+
+        Raises:
+            ValueError: ``streams`` < 1.
         """
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
+        self.streams = int(streams)
         self.bundle = bundle
         self.config = config or DecodingConfig()
         self.drafter_factory = drafter_factory or make_drafter
         t_setup = time.perf_counter()
         self.runner = make_runner(bundle, kind=self.config.runner, compile=self.config.compile)
         self._global_state: DraftState | None = None
+        self._in_flight = 0  # streams of this engine started and not ended (a StreamBatch runs several)
         self.tuner: CapacityTuner | None = None
         self.drafts = get_method(self.config.method).drafts
         if not self.drafts:
@@ -119,11 +130,16 @@ class Engine:
             sizes = sorted(set(auto) | {s for s in self.runner.step_sizes(auto[-1]) if s >= auto[0]})
         else:
             sizes = [int(self.config.capacity)]
+        reserve = getattr(self.runner, "reserve_slots", None)
+        if reserve is not None:
+            reserve(self.streams)
         self.runner.warmup(sizes)  # static runner: pack weights / compile every tree size it will use
         self.warmup_s = time.perf_counter() - t_setup  # runner set-up (weight packing) + warm-up, seconds
         if self.config.capacity == "auto" and self.drafts:
             cands = sizes
-            cost = measure_cost_curve(self.runner, cands)
+            # several streams' trees in one forward: the cost of larger totals too (the tuner extrapolates past)
+            batch = [r for r in (96, 128) if self.streams > 1 and r <= self.streams * cands[-1]]
+            cost = measure_cost_curve(self.runner, sorted(set(cands) | set(batch)))
             log.info("verify cost curve t(T)/t(1): %s", {t: round(ms / cost[1], 2) for t, ms in cost.items()})
             self.tuner = CapacityTuner(cost, cands)
             self.cost_curve_ms = cost
@@ -147,11 +163,12 @@ class Engine:
     def encode(self, prompt: Prompt, *, system_prompt: str | None = None) -> list[int]:
         return encode_prompt(self.bundle.tokenizer, prompt, system_prompt=system_prompt)
 
-    def _capacity(self) -> int:
+    def _capacity(self, streams: int = 1) -> int:
+        """Capacity of the next step's draft tree when ``streams`` streams of this engine are in flight."""
         if not self.drafts:
             return 1
         if self.tuner is not None:
-            return self.tuner.capacity()
+            return self.tuner.capacity(streams=max(1, streams))
         return int(self.config.capacity)
 
     # ---- generation ----
@@ -165,7 +182,7 @@ class Engine:
         should_cancel: Callable[[], bool] | None = None,
         keep_steps: bool = False,
     ) -> GenerationResult:
-        """Generate a continuation of ``prompt``.
+        """Generate a continuation of ``prompt`` (one stream alone, batch size 1).
 
         Args:
             prompt: a string, or chat messages ``[{"role", "content"}, ...]``.
@@ -178,6 +195,26 @@ class Engine:
         Raises:
             ValueError: empty prompt, no chat template for chat input, or a prompt that fills the context.
         """
+        return drive(self.stream(prompt, params, state=state, system_prompt=system_prompt,
+                                 should_cancel=should_cancel, keep_steps=keep_steps))
+
+    def stream(
+        self,
+        prompt: Prompt,
+        params: GenerationParams | None = None,
+        *,
+        state: DraftState | None = None,
+        system_prompt: str | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        keep_steps: bool = False,
+    ) -> Generator[Any, Any, GenerationResult]:
+        """``generate`` as a stream for a ``StreamBatch`` (engine/batch.py): a generator that yields the forward
+        it needs next (``Prefill`` once, then one ``Verify`` per step), is sent what the runner returned, and
+        returns the ``GenerationResult``. Arguments and errors as ``generate`` (raised from the first ``next``).
+        Closing it early releases its KV-cache slot and private draft state.
+
+        Streams of one job may share its draft state (scope ``job``): each row keeps its own automaton
+        cursor, so rows in flight together only share what they have learned."""
         params = params or GenerationParams()
         bundle = self.bundle
         prompt_ids = self.encode(prompt, system_prompt=system_prompt)
@@ -193,12 +230,13 @@ class Engine:
         if self.config.scope == "global":
             state, private = self.new_state(), False
         try:
-            return self._generate_ids(prompt_ids, params, state=state, should_cancel=should_cancel, keep_steps=keep_steps)
+            return (yield from self._stream_ids(prompt_ids, params, state=state, should_cancel=should_cancel,
+                                                keep_steps=keep_steps))
         finally:
             if private:
                 state.free()
 
-    def _generate_ids(
+    def _stream_ids(
         self,
         prompt_ids: list[int],
         params: GenerationParams,
@@ -206,7 +244,7 @@ class Engine:
         state: DraftState,
         should_cancel: Callable[[], bool] | None,
         keep_steps: bool,
-    ) -> GenerationResult:
+    ) -> Generator[Any, Any, GenerationResult]:
         bundle, runner, cfg = self.bundle, self.runner, self.config
         drafter = self.drafter_factory(cfg, state)
         k = cfg.max_breadth if getattr(drafter, "needs_topk", False) else 0
@@ -221,19 +259,24 @@ class Engine:
         )
         stats = RowStats(keep_steps=keep_steps)
         cache = runner.new_cache(min(len(prompt_ids) + params.max_new_tokens, bundle.context_length))
+        self._in_flight += 1
         try:
-            return self._decode(prompt_ids, params, drafter=drafter, cache=cache, stops=stops, stats=stats, k=k,
-                                want_probs=want_probs, should_cancel=should_cancel)
+            return (yield from self._decode(prompt_ids, params, drafter=drafter, cache=cache, stops=stops,
+                                            stats=stats, k=k, want_probs=want_probs, should_cancel=should_cancel))
         finally:
+            self._in_flight -= 1
             runner.release(cache)
+            close = getattr(drafter, "close", None)
+            if close is not None:
+                close()
 
     def _decode(self, prompt_ids: list[int], params: GenerationParams, *, drafter: Any, cache: Any,
                 stops: StopChecker, stats: RowStats, k: int, want_probs: bool,
-                should_cancel: Callable[[], bool] | None) -> GenerationResult:
+                should_cancel: Callable[[], bool] | None) -> Generator[Any, Any, GenerationResult]:
         runner, cfg = self.runner, self.config
         gen = make_generator(params.seed)
         t0 = time.perf_counter()
-        last_logits, prompt_topk = runner.prefill(prompt_ids, cache=cache, topk=k)
+        last_logits, prompt_topk = yield Prefill(runner, prompt_ids, cache, k)
         first = int(last_logits.argmax()) if params.greedy else draw(processed_probs(last_logits, params), gen)
         drafter.start(prompt_ids, prompt_topk.numpy() if prompt_topk is not None else None)
         drafter.update(Verified(np.zeros(0, np.int64), np.zeros((0, max(k, 1)), np.int64), [first]))
@@ -249,11 +292,11 @@ class Engine:
                 finish = "cancelled"
                 break
             t_a = time.perf_counter()
-            capacity = self._capacity()
+            capacity = self._capacity(self._in_flight)
             draft = drafter.propose(root, capacity=capacity, max_depth=stops.remaining - 1)
             tree = flatten_tree(draft, committed_len=committed_len, device=runner.device, dtype=runner.dtype)
             t_b = time.perf_counter()
-            logits = runner.verify_tree(tree, cache=cache)  # [T, V]
+            logits = yield Verify(runner, tree, cache)  # [T, V]
             if cfg.acceptance != "lossless":
                 path, bonus = accept_relaxed(tree, logits, config=cfg, params=params, generator=gen)
             elif params.greedy:
@@ -306,7 +349,7 @@ class Engine:
                     overhead_ms=rec.draft_ms + rec.update_ms,
                 )
         decode_ms = (time.perf_counter() - t_decode) * 1000.0
-        stats.capacity = self._capacity()
+        stats.capacity = self._capacity(self._in_flight)
         return GenerationResult(
             token_ids=list(stops.tokens),
             text=stops.text(),

@@ -85,6 +85,11 @@ class ModelRunner:
         return self.verify(input_ids=tree.input_ids, position_ids=tree.position_ids,
                            attention_mask=tree.attention_mask, cache=cache)
 
+    def verify_batch(self, items) -> list[torch.Tensor]:
+        """Several streams' trees ``[(tree, cache), ...]``, one forward each on the eager path (no batched
+        forward here); logits ``[T_b, V]`` per item."""
+        return [self.verify_tree(tree, cache=cache) for tree, cache in items]
+
     @staticmethod
     def keep_rows(cache: DynamicCache, *, committed_len: int, nodes: list[int]) -> None:
         """Keep the committed prefix plus the KV rows of the accepted tree ``nodes`` (flattened indices).

@@ -52,6 +52,7 @@ PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 MATMUL_PATHS = ("auto", "torch", "small_gemm", "mkl_packed", "onednn_packed")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SDPA_MIN_ROWS = 128  # fewer query rows: our own attention (SDPA's CPU kernels cost ~0.2-8 ms at T=1)
+MAX_SLOTS = 256  # KV-cache slots one runner holds at most (streams in flight)
 SMALL_ROWS = 2  # row counts up to this use plain sgemm: prepacking does not pay for one or two rows
 
 
@@ -417,15 +418,36 @@ class StaticRunner:
                   self.kv_bytes_per_slot / 1e6)
 
     def new_cache(self, needed_len: int = 0) -> SlotCache:
-        """Take a free slot for one row that will hold up to ``needed_len`` positions (prompt + new tokens).
+        """Take a free slot for one row that will hold up to ``needed_len`` positions (prompt + new tokens);
+        when every slot is taken, one more slot is added (``reserve_slots``), up to ``MAX_SLOTS``.
 
         Raises:
-            RuntimeError: every slot is taken (a row that never released its slot).
+            RuntimeError: ``MAX_SLOTS`` slots are taken (rows that never released theirs).
         """
         if not self._free_slots:
-            raise RuntimeError(f"all {self.slots} KV-cache slots are in use")
+            if self.slots >= MAX_SLOTS:
+                raise RuntimeError(f"all {self.slots} KV-cache slots are in use")
+            self.reserve_slots(self.slots + 1)
         self._grow(needed_len + self.buckets[-1])
         return SlotCache(self, self._free_slots.pop())
+
+    @torch.inference_mode()
+    def reserve_slots(self, n: int) -> None:
+        """Make the static KV cache hold at least ``n`` slots (streams), copying what is cached. Slots are
+        never taken back; a larger cache drops the captured CUDA graphs (captured again lazily)."""
+        n = int(n)
+        if n <= self.slots:
+            return
+        kv = torch.zeros((self.n_layers, 2, n, self.n_kv, self.max_len, self.head_dim), dtype=self.dtype,
+                         device=self.device)
+        kv[:, :, : self.slots].copy_(self.kv)
+        self.kv = kv
+        self._free_slots = list(range(n - 1, self.slots - 1, -1)) + self._free_slots
+        self.slots = n
+        self._graphs.clear()
+        if self.compiled:
+            self._enable_compile()
+        log.debug("static KV cache: %d slots x %d positions", n, self.max_len)
 
     # ---- the decoder ----
     def _prefill_mask(self, t: int, start: int, device: torch.device) -> torch.Tensor:
@@ -612,6 +634,82 @@ class StaticRunner:
             return self._head(hidden[:t] if t < t_pad else hidden)
         finally:
             self.mask[:t_pad, committed:end].zero_()
+
+    @torch.inference_mode()
+    def verify_batch(self, items: Sequence[tuple[Any, SlotCache]]) -> list[torch.Tensor]:
+        """One forward over several streams' draft trees, each over its own slot: ``items`` is
+        ``[(tree, cache), ...]`` with distinct slots.
+
+        On our CPU kernels the trees are concatenated unpadded (``sum T_b`` rows): every GEMM runs once over all
+        rows, the rotary embedding and KV write use each row's own slot and position, and attention takes each
+        stream's rows over its own slot with its own tree mask (``_forward_segments``). Elsewhere the trees go
+        one by one through ``verify_tree`` (correct, not faster; the padded ``[B, N]`` CUDA-graph step is
+        ``docs/architecture.md``'s open item).
+
+        Returns:
+            logits ``[T_b, V]`` per item, each its own tensor (model dtype).
+
+        Raises:
+            ValueError: two items share a slot.
+        """
+        slots = [c.slot for _, c in items]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"verify_batch: streams share a KV-cache slot ({slots})")
+        if len(items) == 1 or self._ops is None or self.compile_requested:
+            return [self.verify_tree(tree, cache=c).clone() if len(items) > 1 else self.verify_tree(tree, cache=c)
+                    for tree, c in items]
+        need = max(c.length + tree.size for tree, c in items)
+        if need > self.max_len:
+            self._grow(need)
+        sizes = [tree.size for tree, _ in items]
+        rows = sum(sizes)
+        ids = np.concatenate([tree.tokens for tree, _ in items]).astype(np.int64)
+        pos = np.concatenate([c.length + tree.depths for tree, c in items]).astype(np.int64)
+        # per stream: slot, KV start (its committed length), first row; the tree blocks of the mask side by side
+        seg = torch.tensor([[c.slot, c.length, sum(sizes[:i])] for i, (_, c) in enumerate(items)], dtype=torch.long)
+        mask = torch.zeros((rows, need), dtype=self.dtype)
+        neg = float(torch.finfo(self.dtype).min)
+        r = 0
+        for tree, c in items:
+            t = tree.size
+            block = torch.from_numpy(np.where(tree.visible, 0.0, np.float32(neg)))
+            mask[r : r + t, c.length : c.length + t] = block
+            mask[r : r + t, c.length + t :] = neg
+            r += t
+        hidden = self._forward_segments(torch.from_numpy(ids), torch.from_numpy(pos), seg, mask)
+        logits = self._head(hidden)
+        out, r = [], 0
+        for t in sizes:
+            out.append(logits[r : r + t].clone())
+            r += t
+        return out
+
+    def _forward_segments(self, ids: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[R, H]`` of several streams' rows in one pass of our CPU kernels.
+
+        Args:
+            ids, pos: ``[R]`` token ids and positions, the streams' rows one after another.
+            seg: ``[B, 3]`` int64 per stream: KV slot, start (committed length: its rows' KV goes to
+                ``[start, start + T_b)``), first row in ``ids``.
+            mask: ``[R, >= max(start + T_b)]`` additive mask, each row over its own stream's slot.
+        """
+        ops = self._ops
+        x = F.embedding(ids, self.embed)  # [R, H]
+        cos, sin = self._cos[pos], self._sin[pos]
+        nq, eps = self.n_heads, self.eps
+        kv = self.kv
+        for li, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.ln_in, eps)
+            qkv = ops.linear(h, layer.qkv._panels, layer.qkv.bias, layer.qkv.weight.shape[0])
+            keys, vals = kv[li, 0], kv[li, 1]  # [slots, nkv, max_len, d]
+            q = ops.rope_kv_seg_(qkv, cos, sin, keys, vals, seg, nq, layer.q_norm, layer.k_norm, eps)
+            att = ops.attention_seg(q, keys, vals, seg, mask, self.scale)  # [R, nq * d]
+            ops.linear_add_(x, att, layer.o._panels, layer.o.bias)
+            h = ops.rms_norm(x, layer.ln_post, eps)
+            gu = ops.linear(h, layer.gate_up._panels, layer.gate_up.bias, layer.gate_up.weight.shape[0])
+            ops.linear_add_(x, ops.silu_mul(gu), layer.down._panels, layer.down.bias)
+        return ops.rms_norm(x, self.final_norm, eps)
 
     # ---- the compiled step: static input buffers, one CUDA graph or compiled graph per (slot, bucket) ----
     def _static_step(self, slot: int, t_pad: int) -> torch.Tensor:

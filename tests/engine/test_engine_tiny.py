@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 from helpers import tiny_bundle
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
+from racer_batch.engine.batch import drive
 from racer_batch.engine.capacity import CapacityTuner
 from racer_batch.engine.kernels import cpu_ops
 
@@ -185,7 +186,8 @@ def test_lossless_sampling_matches_autoregressive_distribution():
     counts = np.zeros((V, V, V))
     accepted = 0
     for seed in range(n):
-        out = engine._generate_ids(prompt, GenerationParams(seed=seed, **params_kw), state=None, should_cancel=None, keep_steps=False)
+        out = drive(engine._stream_ids(prompt, GenerationParams(seed=seed, **params_kw), state=None, should_cancel=None,
+                                       keep_steps=False))
         a, b, c = out.token_ids
         counts[a, b, c] += 1
         accepted += out.stats.emitted_tokens - out.stats.steps

@@ -460,3 +460,46 @@ def test_bad_tokens_and_borders_raise():
         a.candidates(borders + borders, 4)
     with pytest.raises(ValueError, match="border 0"):
         a.candidates([0], 4)
+
+
+# ---- cursors: rows decoded together over one job's automaton (issue 14)
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(a=st.lists(st.integers(0, 4), min_size=1, max_size=40), b=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+       max_nodes=st.integers(4, 200), ngram=st.integers(2, 5))
+def test_interleaved_cursors_keep_their_own_windows_and_state(a, b, max_nodes, ngram):
+    """Two texts read token by token in turn, each on its own cursor: without eviction the trie counts equal
+    those of the texts read one after the other; with any pool size the invariants hold (each cursor's windows
+    pinned, both states kept) and each cursor's state is a suffix of its own text."""
+    shared = Automaton(max_nodes=max_nodes, ngram=ngram)
+    ca, cb = shared.new_cursor(), shared.new_cursor()
+    for i in range(max(len(a), len(b))):
+        for text, cur in ((a, ca), (b, cb)):
+            if i < len(text):
+                shared.extend([text[i]], cur)
+                shared.advance(text[i], cur)
+                shared.check_invariants()
+                path = shared.node_path(cur.state)
+                assert tuple(text[: i + 1][len(text[: i + 1]) - len(path):]) == path
+    if max_nodes >= 200 and shared.num_evicted == 0:
+        alone = Automaton(max_nodes=max_nodes, ngram=ngram)
+        alone.extend(a)
+        alone.start_text()
+        alone.extend(b)
+        assert {p: v.freq for p, v in shared.snapshot().items()} == {p: v.freq for p, v in alone.snapshot().items()}
+    shared.close_cursor(ca)
+    shared.close_cursor(cb)
+    shared.close_cursor(cb)  # idempotent
+    shared.check_invariants()
+    assert sum(shared._pinned) == 0  # a closed cursor pins nothing
+    with pytest.raises(ValueError, match="closed"):
+        shared.advance(1, ca)
+
+
+def test_prefill_on_a_cursor_leaves_the_default_cursor_alone():
+    aut = Automaton(ngram=3)
+    prefill_automaton(aut, [1, 2, 3, 1, 2])
+    state = aut.state
+    cur = aut.new_cursor()
+    prefill_automaton(aut, [7, 8, 9, 7], cur)
+    assert aut.state == state and aut.node_path(cur.state) == (8, 9, 7)

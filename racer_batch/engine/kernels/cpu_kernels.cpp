@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -351,6 +352,23 @@ inline void rope_row(const float* x, const float* cos, const float* sin, float* 
   }
 }
 
+// One row of the fused projection src [(nq + 2 nkv) d]: its q heads rotated into q_out [nq, d], its k heads
+// rotated into krow + g * ks0 and its v heads copied to vrow + g * vs0 (g the KV head). Optional q/k RMSNorm.
+inline void rope_kv_row(const float* src, const float* ct, const float* st, float* q_out, float* krow, int64_t ks0,
+                        float* vrow, int64_t vs0, int64_t nq, int64_t nkv, int64_t d, const float* qn,
+                        const float* kn, float* tmp, double eps) {
+  for (int64_t h = 0; h < nq + nkv; ++h) {
+    const float* in = src + h * d;
+    if (qn != nullptr) {
+      rms_row(in, h < nq ? qn : kn, tmp, d, static_cast<float>(eps));
+      in = tmp;
+    }
+    float* out = h < nq ? q_out + h * d : krow + (h - nq) * ks0;
+    rope_row(in, ct, st, out, d);
+  }
+  for (int64_t g = 0; g < nkv; ++g) std::memcpy(vrow + g * vs0, src + (nq + nkv + g) * d, sizeof(float) * d);
+}
+
 // From the fused projection qkv [T, (nq + 2 nkv) d]: q [T, nq, d] rotated (returned), k rotated and v written
 // into the layer's cache rows keys/values [nkv, max_len, d] at positions start .. start + T. Optional per-head
 // RMSNorm of q and k before the rotation (Qwen3's q_norm / k_norm, weights [d]). cos, sin: [T, d].
@@ -385,20 +403,60 @@ at::Tensor rope_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   at::Tensor tmp_t = at::empty({d}, x.options());  // normed head (q/k norm), reused for every head
   float* tmp = tmp_t.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
-    const float* src = xp + t * row;
-    const float* ct = c.data_ptr<float>() + t * d;
-    const float* st = s.data_ptr<float>() + t * d;
-    for (int64_t h = 0; h < nq + nkv; ++h) {
-      const float* in = src + h * d;
-      if (norm) {
-        rms_row(in, (h < nq ? qn : kn).data_ptr<float>(), tmp, d, static_cast<float>(eps));
-        in = tmp;
-      }
-      float* out = h < nq ? qp + (t * nq + h) * d : kp + (h - nq) * ks0 + (start + t) * ks1;
-      rope_row(in, ct, st, out, d);
-    }
-    for (int64_t g = 0; g < nkv; ++g) {
-      std::memcpy(vp + g * vs0 + (start + t) * vs1, src + (nq + nkv + g) * d, sizeof(float) * d);
+    rope_kv_row(xp + t * row, c.data_ptr<float>() + t * d, s.data_ptr<float>() + t * d, qp + t * nq * d,
+                kp + (start + t) * ks1, ks0, vp + (start + t) * vs1, vs0, nq, nkv, d,
+                norm ? qn.data_ptr<float>() : nullptr, norm ? kn.data_ptr<float>() : nullptr, tmp, eps);
+  }
+  return q;
+}
+
+// rope_kv_ for several streams' rows at once: qkv [R, (nq + 2 nkv) d], cos/sin [R, d]; keys/values
+// [slots, nkv, max_len, d] (one layer of the cache, every slot); seg [B, 3] int64 per stream: slot, start
+// (its rows' KV goes to positions start ..), first row (ascending; stream b's rows end where b + 1's begin).
+at::Tensor rope_kv_seg_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
+                        at::Tensor values, const at::Tensor& seg, int64_t nq, const c10::optional<at::Tensor>& q_norm,
+                        const c10::optional<at::Tensor>& k_norm, double eps) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat,
+              "racer::rope_kv_seg_: float32 only");
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.stride(3) == 1 && values.stride(3) == 1,
+              "racer::rope_kv_seg_: keys/values must be [slots, nkv, max_len, d] with unit last stride");
+  TORCH_CHECK(seg.scalar_type() == at::kLong && seg.dim() == 2 && seg.size(1) == 3, "racer::rope_kv_seg_: seg [B, 3] int64");
+  const int64_t slots = keys.size(0), nkv = keys.size(1), maxlen = keys.size(2), d = keys.size(3);
+  const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous(), sg = seg.contiguous();
+  const int64_t R = x.size(0), B = sg.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == (nq + 2 * nkv) * d, "racer::rope_kv_seg_: qkv ", x.sizes(),
+              " is not [R, (nq + 2 nkv) d]");
+  TORCH_CHECK(c.size(0) == R && c.size(-1) == d && s.sizes() == c.sizes(), "racer::rope_kv_seg_: cos/sin must be [R, d]");
+  const int64_t* sp = sg.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t r0 = sp[3 * b + 2], r1 = b + 1 < B ? sp[3 * b + 5] : R;
+    TORCH_CHECK(sp[3 * b] >= 0 && sp[3 * b] < slots && sp[3 * b + 1] >= 0 && r0 >= 0 && r0 <= r1 && r1 <= R &&
+                sp[3 * b + 1] + (r1 - r0) <= maxlen, "racer::rope_kv_seg_: bad segment ", b);
+  }
+  const bool norm = q_norm.has_value() && q_norm->defined();
+  at::Tensor qn, kn;
+  if (norm) {
+    TORCH_CHECK(k_norm.has_value() && k_norm->defined(), "racer::rope_kv_seg_: q_norm without k_norm");
+    qn = q_norm->contiguous();
+    kn = k_norm->contiguous();
+  }
+  at::Tensor q = at::empty({R, nq, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  const int64_t row = (nq + 2 * nkv) * d;
+  const int64_t kss = keys.stride(0), ks0 = keys.stride(1), ks1 = keys.stride(2);
+  const int64_t vss = values.stride(0), vs0 = values.stride(1), vs1 = values.stride(2);
+  at::Tensor tmp_t = at::empty({d}, x.options());
+  float* tmp = tmp_t.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t slot = sp[3 * b], start = sp[3 * b + 1], r0 = sp[3 * b + 2], r1 = b + 1 < B ? sp[3 * b + 5] : R;
+    float* kp = keys.data_ptr<float>() + slot * kss;
+    float* vp = values.data_ptr<float>() + slot * vss;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t at_pos = start + (r - r0);
+      rope_kv_row(xp + r * row, c.data_ptr<float>() + r * d, s.data_ptr<float>() + r * d, qp + r * nq * d,
+                  kp + at_pos * ks1, ks0, vp + at_pos * vs1, vs0, nq, nkv, d,
+                  norm ? qn.data_ptr<float>() : nullptr, norm ? kn.data_ptr<float>() : nullptr, tmp, eps);
     }
   }
   return q;
@@ -665,6 +723,87 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   return out;
 }
 
+// Tree attention of several streams' rows at once: q [R, nq, d] (the streams' rows one after another),
+// keys/values [slots, nkv, max_len, d] (one layer of the cache, every slot), seg [B, 3] int64 per stream: slot,
+// start (its committed length), first row; stream b's rows read positions [0, start + T_b) of its own slot with
+// its rows of the additive mask [R, >= start + T_b]. Returns [R, nq * d]. Each row's arithmetic is that of
+// `attention` over its stream alone (same blocks of 4 rows of one KV head), so batch-mates change nothing.
+at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& seg,
+                         const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat,
+              "racer::attention_seg: float32 only");
+  const at::Tensor qc = q.contiguous(), sg = seg.contiguous();
+  TORCH_CHECK(qc.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && keys.stride(3) == 1 &&
+              values.stride(3) == 1, "racer::attention_seg: q [R, nq, d], keys/values [slots, nkv, max_len, d]");
+  TORCH_CHECK(sg.scalar_type() == at::kLong && sg.dim() == 2 && sg.size(1) == 3, "racer::attention_seg: seg [B, 3] int64");
+  const int64_t R = qc.size(0), nq = qc.size(1), d = qc.size(2);
+  const int64_t slots = keys.size(0), nkv = keys.size(1), maxlen = keys.size(2), B = sg.size(0);
+  TORCH_CHECK(keys.size(3) == d && nq % nkv == 0, "racer::attention_seg: q ", qc.sizes(), " vs keys ", keys.sizes());
+  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == R && mask.stride(1) == 1, "racer::attention_seg: mask [R, S] unit stride");
+  const int64_t* sp = sg.data_ptr<int64_t>();
+  int64_t smax = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t r0 = sp[3 * b + 2], r1 = b + 1 < B ? sp[3 * b + 5] : R, S = sp[3 * b + 1] + (r1 - r0);
+    TORCH_CHECK(sp[3 * b] >= 0 && sp[3 * b] < slots && r0 >= 0 && r0 < r1 && r1 <= R && S <= maxlen &&
+                S <= mask.size(1), "racer::attention_seg: bad segment ", b);
+    smax = std::max(smax, S);
+  }
+  at::Tensor out = at::empty({R, nq * d}, qc.options());
+  const int64_t rep = nq / nkv;
+  if (d % 16 != 0) {  // other head sizes: the one-stream op per stream
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t r0 = sp[3 * b + 2], r1 = b + 1 < B ? sp[3 * b + 5] : R, S = sp[3 * b + 1] + (r1 - r0);
+      out.slice(0, r0, r1).copy_(attention(qc.slice(0, r0, r1), keys.select(0, sp[3 * b]), values.select(0, sp[3 * b]),
+                                           S, mask.slice(0, r0, r1), scale));
+    }
+    return out;
+  }
+  // tasks: (stream, KV head, block of 4 of its rep * T_b rows), as `attention` orders them per stream
+  std::vector<int64_t> task_seg, task_g, task_r;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t T = (b + 1 < B ? sp[3 * b + 5] : R) - sp[3 * b + 2], blocks = (rep * T + 3) / 4;
+    for (int64_t g = 0; g < nkv; ++g) {
+      for (int64_t k = 0; k < blocks; ++k) {
+        task_seg.push_back(b);
+        task_g.push_back(g);
+        task_r.push_back(4 * k);
+      }
+    }
+  }
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const float* mp = mask.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ms = mask.stride(0);
+  const int64_t kss = keys.stride(0), ks0 = keys.stride(1), ks1 = keys.stride(2);
+  const int64_t vss = values.stride(0), vs0 = values.stride(1), vs1 = values.stride(2);
+  const float sc = static_cast<float>(scale);
+  at::Tensor scratch = at::empty({at::get_num_threads(), 4 * smax}, qc.options());  // see `attention`
+  const int64_t ntasks = static_cast<int64_t>(task_seg.size());
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 8 * smax * d));
+  at::parallel_for(0, ntasks, grain, [&](int64_t a0, int64_t a1) {
+    float* p = scratch.data_ptr<float>() + at::get_thread_num() * 4 * smax;
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t b = task_seg[a], g = task_g[a], r0 = task_r[a];
+      const int64_t row0 = sp[3 * b + 2], T = (b + 1 < B ? sp[3 * b + 5] : R) - row0, S = sp[3 * b + 1] + T;
+      const int64_t slot = sp[3 * b], rows = rep * T;
+      const int nr = static_cast<int>(std::min<int64_t>(4, rows - r0));
+      const float* qr[4];
+      const float* mr[4];
+      float* orow[4];
+      for (int j = 0; j < nr; ++j) {
+        const int64_t h = g * rep + (r0 + j) / T, t = row0 + (r0 + j) % T;
+        qr[j] = qp + (t * nq + h) * d;
+        mr[j] = mp + t * ms;
+        orow[j] = op + t * nq * d + h * d;
+      }
+      attend4(nr, qr, mr, orow, kp + slot * kss + g * ks0, ks1, vp + slot * vss + g * vs0, vs1, S, d, sc, p);
+    }
+  });
+  return out;
+}
+
 // silu(gate) * up for gu [T, 2I] = [gate | up]; returns [T, I].
 at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0, "racer::silu_mul: float32 [T, 2I]");
@@ -707,6 +846,9 @@ TORCH_LIBRARY(racer, m) {
         "Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor keys, Tensor values, int S, Tensor? mask, float scale) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("rope_kv_seg_(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor seg, int nq, "
+        "Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
+  m.def("attention_seg(Tensor q, Tensor keys, Tensor values, Tensor seg, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(racer, CPU, m) {
@@ -718,4 +860,6 @@ TORCH_LIBRARY_IMPL(racer, CPU, m) {
   m.impl("rope_kv_", rope_kv_);
   m.impl("attention", attention);
   m.impl("silu_mul", silu_mul);
+  m.impl("rope_kv_seg_", rope_kv_seg_);
+  m.impl("attention_seg", attention_seg);
 }

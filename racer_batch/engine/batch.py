@@ -1,0 +1,214 @@
+"""Several streams decoded together: each stream is a generator that yields the forward it needs next, and a
+``StreamBatch`` runs one step of every stream in flight, verifying their draft trees in one batched forward.
+
+A stream (``Engine.stream``) keeps batch-1 RACER semantics: its own draft tree, committed length, stop rules,
+seeded generator and KV-cache slot. It yields a ``Prefill`` (the prompt, once, at its first step) or a
+``Verify`` (one flattened draft tree over its slot) and is sent back what the runner returned for it; it
+returns its ``GenerationResult``. ``drive`` runs one stream alone (``Engine.generate``); a ``StreamBatch`` runs
+many: at each step every stream's pending ``Verify`` goes into one ``runner.verify_batch`` call (the trees
+concatenated, each with its own tree mask over its own slot), while a joining stream's ``Prefill`` runs on its
+own just before (a separate prefill: it stalls the others for one prompt forward, measured in
+benchmarks/throughput-*.md). Streams join and leave between steps (continuous batching): the caller adds a
+new stream whenever one finishes.
+
+Isolation: a stream that raises (a bad row) ends alone with its exception; if the batched forward itself
+raises, each stream of that forward is retried alone, so only the one that fails again ends with the error.
+The arithmetic of one stream's rows does not depend on its batch-mates on our CPU kernels and on the
+padded CUDA path (each row's GEMM reduction order is fixed), so greedy and seeded sampled outputs are those of
+the stream decoded alone (tests/engine/test_batch.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Generator, Hashable, Optional
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefill:
+    """A stream's prompt forward: ``runner.prefill(prompt_ids, cache=cache, topk=topk)``."""
+
+    runner: Any
+    prompt_ids: list[int]
+    cache: Any
+    topk: int
+
+
+@dataclass
+class Verify:
+    """One draft tree (``tree.TreeInputs``) verified over the stream's KV-cache slot ``cache``."""
+
+    runner: Any
+    tree: Any
+    cache: Any
+
+
+Request = Any  # Prefill | Verify
+Stream = Generator[Request, Any, Any]
+
+
+def run_one(req: Request) -> Any:
+    """What the runner returns for one request, on its own (batch size 1)."""
+    if isinstance(req, Prefill):
+        return req.runner.prefill(req.prompt_ids, cache=req.cache, topk=req.topk)
+    return req.runner.verify_tree(req.tree, cache=req.cache)
+
+
+def drive(stream: Stream) -> Any:
+    """Run one stream to its end alone; returns its result (exceptions propagate)."""
+    try:
+        req = next(stream)
+        while True:
+            req = stream.send(run_one(req))
+    except StopIteration as stop:
+        return stop.value
+
+
+@dataclass
+class Finished:
+    """A stream that ended during a step: its key, and its result or the exception it raised."""
+
+    key: Hashable
+    result: Any = None
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class _Live:
+    stream: Stream
+    request: Request
+
+
+@dataclass
+class BatchStats:
+    """Counters of a StreamBatch (for benchmarks and logs)."""
+
+    steps: int = 0  # batched verify forwards
+    rows: int = 0  # tree rows verified in them
+    streams: int = 0  # stream-steps (sum of the batch sizes)
+    prefills: int = 0
+    prefill_ms: float = 0.0  # time the batch stood still for joining streams' prefills
+    verify_ms: float = 0.0
+    fallbacks: int = 0  # batched forwards that raised and were retried stream by stream
+    sizes: dict = field(default_factory=dict)  # batch size -> steps
+
+
+class StreamBatch:
+    """Streams in flight together, stepped in lockstep.
+
+    ``add(key, stream)`` starts a stream (its first request is taken at once; a stream that fails before its
+    first forward ends in the next ``step``); ``step()`` runs one forward for every stream in flight (prefills
+    first, each alone, then one ``verify_batch`` per runner) and returns the streams that ended.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[Hashable, _Live] = {}
+        self._done: list[Finished] = []
+        self.stats = BatchStats()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._live
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return list(self._live)
+
+    def add(self, key: Hashable, stream: Stream) -> None:
+        """Start ``stream`` under ``key`` (unique among the streams in flight).
+
+        Raises:
+            KeyError: ``key`` is already in flight.
+        """
+        if key in self._live:
+            raise KeyError(f"stream {key!r} is already in flight")
+        try:
+            self._live[key] = _Live(stream, next(stream))
+        except StopIteration as stop:
+            self._done.append(Finished(key, result=stop.value))
+        except Exception as exc:  # noqa: BLE001 - a bad row ends alone
+            self._done.append(Finished(key, error=exc))
+
+    def cancel(self, key: Hashable) -> None:
+        """Drop a stream now (closing its generator releases its slot); nothing is reported for it."""
+        live = self._live.pop(key, None)
+        if live is not None:
+            live.stream.close()
+
+    def close(self) -> None:
+        """Drop every stream in flight (their slots are released)."""
+        for key in list(self._live):
+            self.cancel(key)
+
+    def _send(self, key: Hashable, value: Any = None, error: Optional[BaseException] = None) -> None:
+        live = self._live[key]
+        try:
+            live.request = live.stream.throw(error) if error is not None else live.stream.send(value)
+        except StopIteration as stop:
+            del self._live[key]
+            self._done.append(Finished(key, result=stop.value))
+        except Exception as exc:  # noqa: BLE001 - the stream's own failure ends that stream only
+            del self._live[key]
+            self._done.append(Finished(key, error=exc))
+
+    def step(self) -> list[Finished]:
+        """One step of every stream in flight; returns the streams that ended (in the order they ended)."""
+        st = self.stats
+        for key in [k for k, v in self._live.items() if isinstance(v.request, Prefill)]:
+            t0 = time.perf_counter()
+            try:
+                out = run_one(self._live[key].request)
+            except Exception as exc:  # noqa: BLE001
+                self._send(key, error=exc)
+            else:
+                self._send(key, out)
+            st.prefills += 1
+            st.prefill_ms += (time.perf_counter() - t0) * 1000.0
+        groups: dict[int, list[Hashable]] = {}
+        for key, live in self._live.items():
+            if isinstance(live.request, Verify):
+                groups.setdefault(id(live.request.runner), []).append(key)
+        for keys in groups.values():
+            reqs = [self._live[k].request for k in keys]
+            t0 = time.perf_counter()
+            outs = self._verify(reqs)
+            st.verify_ms += (time.perf_counter() - t0) * 1000.0
+            st.steps += 1
+            st.streams += len(keys)
+            st.rows += sum(r.tree.size for r in reqs)
+            st.sizes[len(keys)] = st.sizes.get(len(keys), 0) + 1
+            for key, out in zip(keys, outs):
+                if isinstance(out, BaseException):
+                    self._send(key, error=out)
+                else:
+                    self._send(key, out)
+        done, self._done = self._done, []
+        return done
+
+    def _verify(self, reqs: list[Verify]) -> list[Any]:
+        """Logits per request from one batched forward; if it raises, each request alone (its own outcome)."""
+        runner = reqs[0].runner
+        if len(reqs) > 1 and hasattr(runner, "verify_batch"):
+            try:
+                return list(runner.verify_batch([(r.tree, r.cache) for r in reqs]))
+            except Exception as exc:  # noqa: BLE001 - find the stream that fails by itself
+                log.warning("batched verify of %d streams failed (%r); verifying them one by one", len(reqs), exc)
+                self.stats.fallbacks += 1
+        outs: list[Any] = []
+        for r in reqs:
+            try:
+                outs.append(_own_copy(run_one(r)) if len(reqs) > 1 else run_one(r))
+            except Exception as exc:  # noqa: BLE001
+                outs.append(exc)
+        return outs
+
+
+def _own_copy(logits: Any) -> Any:
+    """Runners reuse one logits buffer per call: a stream's logits from a one-by-one pass are copied."""
+    return logits.clone() if hasattr(logits, "clone") else logits

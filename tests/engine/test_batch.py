@@ -1,0 +1,183 @@
+"""Several streams in one forward (engine/batch.py, StaticRunner.verify_batch; issue 14).
+
+The oracle for a batch is the same stream decoded alone: a stream's logits, greedy tokens and seeded samples
+must not depend on its batch-mates. ``generate_reference`` (the HF forward, one token at a time) checks that
+the batched engine stays lossless.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import tiny_bundle
+from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
+from racer_batch.drafters.base import Draft
+from racer_batch.engine.batch import Prefill, StreamBatch, Verify, drive
+from racer_batch.engine.kernels import cpu_ops
+from racer_batch.engine.static_runner import StaticRunner
+from racer_batch.engine.tree import flatten_tree
+from test_static_runner import V, bundle_of, make_model, rand_tokens
+
+needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="the batched forward runs on our CPU kernels")
+
+PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat",
+           "xyz", "abababababababababababab abababab", "q", "mississippi mississippi miss",
+           "a longer prompt that goes on and on: the quick brown fox jumps over the lazy dog, the quick brown"]
+
+
+def _draft(gen: torch.Generator, size: int) -> Draft:
+    """A random tree of ``size`` nodes (node 0 the root)."""
+    toks = rand_tokens(gen, size)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
+    return Draft(toks, parents, [0] * size)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family,over", [("llama", {}), ("qwen3", {}), ("qwen2", {}), ("llama_mqa", {}),
+                                         ("llama", {"hidden_size": 96, "num_attention_heads": 4})])
+def test_verify_batch_equals_each_stream_alone(family, over):
+    """Every stream's logits from one batched forward equal (bit for bit) its own forward, over slots holding
+    different committed lengths and trees of different sizes; the KV rows written are the same too."""
+    model = make_model(family, seed=3, **over)
+    gen = torch.Generator().manual_seed(7)
+    lens, sizes = [5, 40, 1, 17], [3, 1, 9, 6]
+    results = {}
+    for mode in ("alone", "batched"):
+        runner = StaticRunner(bundle_of(model))
+        assert runner._ops is not None
+        gen.manual_seed(7)
+        caches, trees = [], []
+        for n, t in zip(lens, sizes):
+            cache = runner.new_cache(64)
+            prompt = rand_tokens(gen, n)
+            runner.prefill(prompt, cache=cache, topk=0)
+            caches.append(cache)
+            trees.append(flatten_tree(_draft(gen, t), committed_len=n, device="cpu", dtype=torch.float32))
+        if mode == "alone":
+            out = [runner.verify_tree(tr, cache=c).clone() for tr, c in zip(trees, caches)]
+        else:
+            out = runner.verify_batch(list(zip(trees, caches)))
+        kv = [runner.kv[:, :, c.slot, :, : n + t].clone() for c, n, t in zip(caches, lens, sizes)]
+        results[mode] = (out, kv)
+    for a, b in zip(results["alone"][0], results["batched"][0]):
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
+    for a, b in zip(results["alone"][1], results["batched"][1]):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_verify_batch_rejects_a_shared_slot():
+    runner = StaticRunner(bundle_of(make_model("llama")))
+    cache = runner.new_cache(16)
+    runner.prefill([5, 6, 7], cache=cache, topk=0)
+    tree = flatten_tree(Draft.chain([8, 9]), committed_len=3, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="share a KV-cache slot"):
+        runner.verify_batch([(tree, cache), (tree, cache)])
+
+
+def _run_batch(engine: Engine, prompts, params_of, *, width: int, state=None):
+    """Decode ``prompts`` with at most ``width`` streams in flight, a finished stream's place taken by the next
+    prompt (continuous batching). Returns {index: result or exception} and the batch stats."""
+    batch = StreamBatch()
+    todo = list(enumerate(prompts))
+    out = {}
+    while todo or len(batch):
+        while todo and len(batch) < width:
+            i, p = todo.pop(0)
+            batch.add(i, engine.stream(p, params_of(i), state=state))
+        for f in batch.step():
+            out[f.key] = f.error if f.error is not None else f.result
+    return out, batch.stats
+
+
+@pytest.mark.parametrize("method,capacity", [("racer", 12), ("pld", 8), ("ar", 1), ("racer", "auto")])
+def test_batched_greedy_equals_alone_and_reference(method, capacity):
+    """B = 1, 2, 4, 8 streams of mixed lengths (continuous batching): every row's greedy tokens equal its
+    batch-1 output and the HF greedy reference."""
+    bundle = tiny_bundle(seed=1, head_scale=60.0)
+    cfg = DecodingConfig(method=method, capacity=capacity)
+    params = lambda i: GenerationParams(max_new_tokens=24 + 7 * (i % 3))  # noqa: E731
+    alone = Engine(bundle, cfg)
+    ref = {i: generate_reference(bundle, p, params(i)).token_ids for i, p in enumerate(PROMPTS)}
+    for i, p in enumerate(PROMPTS):
+        assert alone.generate(p, params(i)).token_ids == ref[i], (method, i)
+    for width in (1, 2, 4, 8):
+        engine = Engine(bundle, cfg, streams=width)
+        out, stats = _run_batch(engine, PROMPTS, params, width=width, state=engine.new_state())
+        for i in range(len(PROMPTS)):
+            assert out[i].token_ids == ref[i], (method, width, i)
+        if width > 1 and cpu_ops() is not None:
+            assert max(stats.sizes) == width  # the streams did share forwards
+        assert engine.runner.slots >= width
+
+
+def test_seeded_sample_is_independent_of_batch_mates():
+    """A sampled row with a given seed gives the same tokens alone and among any batch-mates (vLLM #9441)."""
+    bundle = tiny_bundle(seed=2, head_scale=30.0)
+    cfg = DecodingConfig(method="racer", capacity=8)
+    target = "the cat sat on the mat. the cat"
+    params = lambda i: GenerationParams(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=1234 if i == 0 else i)  # noqa: E731
+    alone = Engine(bundle, cfg).generate(target, params(0)).token_ids
+    for mates in (["xyz"], ["abcabcabd", "q", "hello world, hello"], PROMPTS[:7]):
+        engine = Engine(bundle, cfg, streams=len(mates) + 1)
+        out, _ = _run_batch(engine, [target, *mates], params, width=len(mates) + 1)
+        assert out[0].token_ids == alone, mates
+
+
+def test_a_failing_stream_ends_alone():
+    """A prompt that fills the context (ValueError at its start) and a stream cancelled mid-way end alone; their batch-mates' outputs are those of a run without them."""
+    bundle = tiny_bundle(seed=1, head_scale=60.0, context_length=128)
+    good = ["abcabcabd", "hello world, hello", "0123012301"]
+    engine = Engine(bundle, DecodingConfig(method="racer", capacity=8), streams=6)
+    params = GenerationParams(max_new_tokens=20)
+    expect = [engine.generate(p, params).token_ids for p in good]
+    batch = StreamBatch()
+    for i, p in enumerate(good):
+        batch.add(i, engine.stream(p, params))
+    batch.add("long", engine.stream("x" * 200, params))
+    steps = {"n": 0}
+    batch.add("cancel", engine.stream("abcabc", GenerationParams(max_new_tokens=50),
+                                      should_cancel=lambda: steps["n"] >= 3))
+
+    out = {}
+    while len(batch):
+        for f in batch.step():
+            out[f.key] = f
+        steps["n"] += 1
+    assert isinstance(out["long"].error, ValueError) and "context" in str(out["long"].error)
+    assert out["cancel"].result.finish_reason == "cancelled"
+    assert [out[i].result.token_ids for i in range(3)] == expect
+    assert not engine.runner._free_slots or len(engine.runner._free_slots) == engine.runner.slots  # all released
+
+
+@needs_kernels
+def test_batched_forward_failure_falls_back_stream_by_stream(monkeypatch):
+    """If the batched forward raises, each stream is verified alone: outputs unchanged, the fallback counted."""
+    bundle = tiny_bundle(seed=1, head_scale=60.0)
+    engine = Engine(bundle, DecodingConfig(method="racer", capacity=8), streams=3)
+    params = GenerationParams(max_new_tokens=16)
+    expect = [engine.generate(p, params).token_ids for p in PROMPTS[:3]]
+
+    def broken(items):
+        raise RuntimeError("injected batched-forward failure")
+
+    monkeypatch.setattr(engine.runner, "verify_batch", broken)
+    out, stats = _run_batch(engine, PROMPTS[:3], lambda i: params, width=3)
+    assert [out[i].token_ids for i in range(3)] == expect
+    assert stats.fallbacks > 0
+
+
+def test_drive_matches_generate_and_stream_yields_requests():
+    bundle = tiny_bundle(seed=1)
+    engine = Engine(bundle, DecodingConfig(method="racer", capacity=4))
+    s = engine.stream("abcabc", GenerationParams(max_new_tokens=5))
+    first = next(s)
+    assert isinstance(first, Prefill) and first.prompt_ids == engine.encode("abcabc")
+    s.close()  # an abandoned stream releases its slot
+    assert engine.runner.slots == len(engine.runner._free_slots)
+    assert drive(engine.stream("abcabc", GenerationParams(max_new_tokens=9))).token_ids == \
+        engine.generate("abcabc", GenerationParams(max_new_tokens=9)).token_ids
+    assert Verify  # the request type a step yields after the prefill
