@@ -118,6 +118,7 @@ class Engine:
         t_setup = time.perf_counter()
         self.runner = make_runner(bundle, kind=self.config.runner, compile=self.config.compile)
         self._global_state: DraftState | None = None
+        self._stream_cost: dict[int, float] | None = None  # choose_streams' cost curve (fixed capacity)
         self._in_flight = 0  # streams of this engine started and not ended (a StreamBatch runs several)
         self.tuner: CapacityTuner | None = None
         self.drafts = get_method(self.config.method).drafts
@@ -143,6 +144,27 @@ class Engine:
             log.info("verify cost curve t(T)/t(1): %s", {t: round(ms / cost[1], 2) for t, ms in cost.items()})
             self.tuner = CapacityTuner(cost, cands)
             self.cost_curve_ms = cost
+
+    def choose_streams(self, choices: Sequence[int]) -> int:
+        """How many streams to verify in one forward (``resources.streams_per_actor: auto``): the choice with
+        the most expected output tokens per second. With ``capacity: auto`` it is chosen together with the
+        capacity from the tuner's observed acceptance and the measured cost curve (``best_streams``); with a
+        fixed capacity c from the cost curve alone, ``B / t(B x c)`` (the acceptance per tree does not depend
+        on B), measured here once on first use.
+
+        Raises:
+            ValueError: no choices.
+        """
+        choices = sorted(set(int(b) for b in choices))
+        if not choices:
+            raise ValueError("no stream counts to choose from")
+        if self.tuner is not None and self.tuner.steps >= self.tuner.warmup_steps:
+            return self.tuner.best_streams(choices)[0]
+        cap = self._capacity(1) if self.tuner is None else self.tuner.warmup_cap
+        if self._stream_cost is None:
+            self._stream_cost = measure_cost_curve(self.runner, sorted({cap * b for b in choices}))
+        tuner = CapacityTuner(self._stream_cost, [cap * b for b in choices][:1])
+        return max(choices, key=lambda b: b / tuner.cost(b * cap))
 
     # ---- state lifecycle (RACER.md section 7) ----
     def new_state(self) -> DraftState:
