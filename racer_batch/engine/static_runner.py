@@ -52,6 +52,7 @@ PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 MATMUL_PATHS = ("auto", "torch", "small_gemm", "mkl_packed", "onednn_packed")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SDPA_MIN_ROWS = 128  # fewer query rows: our own attention (SDPA's CPU kernels cost ~0.2-8 ms at T=1)
+STREAM_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded stream counts of the batched static step
 MAX_SLOTS = 256  # KV-cache slots one runner holds at most (streams in flight)
 SMALL_ROWS = 2  # row counts up to this use plain sgemm: prepacking does not pay for one or two rows
 
@@ -221,6 +222,7 @@ class SlotCache:
         if not self.released:
             self.released = True
             self.runner._free_slots.append(self.slot)
+            self.runner._live.pop(self.slot, None)
 
 
 @torch.no_grad()
@@ -367,12 +369,16 @@ class StaticRunner:
         self._logits = torch.empty(0)  # kernel path: reused [rows, V] output of the lm_head (see _head)
         self.slots = slots
         self._free_slots = list(range(slots))[::-1]
+        self._live: dict[int, SlotCache] = {}  # slot -> the row's handle, while taken
         self.max_len = 0
         self.kv: torch.Tensor = torch.empty(0)
         self._cos = self._sin = torch.empty(0)
         self.compiled = False
         self.compile_requested = bool(compile)
         self._graphs: dict[tuple[int, int], Any] = {}  # (slot, bucket) -> (CUDA graph, its logits)
+        self._batch_graphs: dict[tuple[int, int], Any] = {}  # (streams bucket, tree bucket) -> (graph, logits)
+        self._bbuf: Optional[dict[str, torch.Tensor]] = None  # static inputs of the batched step
+        self.last_batch_path = ""  # how the last verify_batch ran: segments | padded | padded-graph | per-stream
         self._compiled_fn: Any = None
         self.warmup_s: dict[int, float] = {}
         # the additive mask [max bucket, max_len] is kept 0 outside the tree block of the current step
@@ -412,6 +418,8 @@ class StaticRunner:
         self.mask = torch.zeros((self.buckets[-1], new_len), dtype=self.dtype, device=self.device)
         self.max_len = new_len
         self._graphs.clear()  # captured graphs point at the old buffers
+        self._batch_graphs.clear()
+        self._bbuf = None
         if self.compiled:
             self._enable_compile()  # static buffers of the new width (a compiled step recompiles for it)
         log.debug("static KV cache: %d slots x %d positions (%.1f MB per slot)", self.slots, new_len,
@@ -429,7 +437,11 @@ class StaticRunner:
                 raise RuntimeError(f"all {self.slots} KV-cache slots are in use")
             self.reserve_slots(self.slots + 1)
         self._grow(needed_len + self.buckets[-1])
-        return SlotCache(self, self._free_slots.pop())
+        slot = min(self._free_slots)  # the lowest free slot: streams stay in [0, B), the batched graphs' range
+        self._free_slots.remove(slot)
+        cache = SlotCache(self, slot)
+        self._live[slot] = cache
+        return cache
 
     @torch.inference_mode()
     def reserve_slots(self, n: int) -> None:
@@ -445,6 +457,8 @@ class StaticRunner:
         self._free_slots = list(range(n - 1, self.slots - 1, -1)) + self._free_slots
         self.slots = n
         self._graphs.clear()
+        self._batch_graphs.clear()
+        self._bbuf = None
         if self.compiled:
             self._enable_compile()
         log.debug("static KV cache: %d slots x %d positions", n, self.max_len)
@@ -643,8 +657,9 @@ class StaticRunner:
         On our CPU kernels the trees are concatenated unpadded (``sum T_b`` rows): every GEMM runs once over all
         rows, the rotary embedding and KV write use each row's own slot and position, and attention takes each
         stream's rows over its own slot with its own tree mask (``_forward_segments``). Elsewhere the trees go
-        one by one through ``verify_tree`` (correct, not faster; the padded ``[B, N]`` CUDA-graph step is
-        ``docs/architecture.md``'s open item).
+        padded to ``[B_pad, N_pad]`` through one static-shape step (``_verify_padded``): streams in slots
+        ``[0, B_pad)``, trees padded to the tree bucket; on CUDA with ``compile`` that step is one CUDA graph
+        per ``(B_pad, N_pad)`` bucket, captured on first use. A compiled CPU step verifies one by one.
 
         Returns:
             logits ``[T_b, V]`` per item, each its own tensor (model dtype).
@@ -655,9 +670,13 @@ class StaticRunner:
         slots = [c.slot for _, c in items]
         if len(set(slots)) != len(slots):
             raise ValueError(f"verify_batch: streams share a KV-cache slot ({slots})")
-        if len(items) == 1 or self._ops is None or self.compile_requested:
+        if len(items) == 1 or (self.device.type != "cuda" and self.compile_requested):
+            self.last_batch_path = "per-stream"
             return [self.verify_tree(tree, cache=c).clone() if len(items) > 1 else self.verify_tree(tree, cache=c)
                     for tree, c in items]
+        if self._ops is None:
+            return self._verify_padded(items)
+        self.last_batch_path = "segments"
         need = max(c.length + tree.size for tree, c in items)
         if need > self.max_len:
             self._grow(need)
@@ -683,6 +702,128 @@ class StaticRunner:
             out.append(logits[r : r + t].clone())
             r += t
         return out
+
+    @torch.inference_mode()
+    def _verify_padded(self, items: Sequence[tuple[Any, SlotCache]]) -> list[torch.Tensor]:
+        """The batch as one ``[B_pad, N_pad]`` static-shape step: B_pad the smallest stream bucket holding every
+        item's slot (slots ``[0, B_pad)``; a slot of the range that is not in the batch gets a padding tree
+        that writes only its own scratch rows), N_pad the tree bucket of the largest tree."""
+        n_pad = pick_bucket(max(tree.size for tree, _ in items), self.buckets)
+        if n_pad > self.buckets[-1]:
+            self.add_bucket(n_pad)
+        b_pad = pick_bucket(max(c.slot for _, c in items) + 1, STREAM_BUCKETS)
+        if b_pad > self.slots:
+            b_pad = self.slots
+        need = max(self._live[s].length if s in self._live else 0 for s in range(b_pad)) + n_pad
+        if need > self.max_len:
+            self._grow(need)
+        buf = self._batch_buffers()
+        by_slot = {c.slot: (tree, c) for tree, c in items}
+        neg = torch.finfo(self.dtype).min
+        ids = torch.zeros((b_pad, n_pad), dtype=torch.long)
+        pos = torch.zeros((b_pad, n_pad), dtype=torch.long)
+        write = torch.zeros((b_pad, n_pad), dtype=torch.long)
+        mask = torch.full((b_pad, n_pad, self.max_len), neg, dtype=self.dtype)
+        for b in range(b_pad):
+            length = self._live[b].length if b in self._live else 0
+            write[b] = torch.arange(length, length + n_pad)
+            pos[b] = length
+            if b in by_slot:
+                tree, _ = by_slot[b]
+                t = tree.size
+                ids[b, :t] = torch.from_numpy(tree.tokens)
+                pos[b, :t] += torch.from_numpy(tree.depths)
+                mask[b, :, :length] = 0.0
+                block = torch.from_numpy(np.where(np.eye(n_pad, dtype=bool), 0.0, np.float32(neg))).to(self.dtype)
+                block[:t, :t] = torch.from_numpy(np.where(tree.visible, 0.0, np.float32(neg)))
+                mask[b, :, length : length + n_pad] = block
+            else:  # not in this batch: padding rows that see only themselves, written past the slot's rows
+                mask[b, :, length : length + n_pad] = torch.where(torch.eye(n_pad, dtype=torch.bool), 0.0, neg)
+        buf["ids"][:b_pad, :n_pad].copy_(ids)
+        buf["pos"][:b_pad, :n_pad].copy_(pos)
+        buf["write"][:b_pad, :n_pad].copy_(write)
+        buf["mask"][:b_pad, :n_pad].copy_(mask)
+        if self.compiled and self.device.type == "cuda":
+            graph = self._batch_graphs.get((b_pad, n_pad))
+            if graph is None:
+                graph = self._capture_batch(b_pad, n_pad)
+            graph[0].replay()
+            logits = graph[1]
+            self.last_batch_path = "padded-graph"
+        else:
+            logits = self._batch_step(b_pad, n_pad)
+            self.last_batch_path = "padded"
+        logits = logits.view(b_pad, n_pad, -1)
+        return [logits[c.slot, : tree.size].clone() for tree, c in items]
+
+    def _batch_buffers(self) -> dict[str, torch.Tensor]:
+        """Static inputs of the batched step, sized for every slot and the largest tree bucket."""
+        b, t = self.slots, self.buckets[-1]
+        buf = self._bbuf
+        if buf is None or buf["ids"].shape != (b, t) or buf["mask"].shape[-1] != self.max_len:
+            dev = self.device
+            buf = self._bbuf = {
+                "ids": torch.zeros((b, t), dtype=torch.long, device=dev),
+                "pos": torch.zeros((b, t), dtype=torch.long, device=dev),
+                "write": torch.zeros((b, t), dtype=torch.long, device=dev),
+                "mask": torch.zeros((b, t, self.max_len), dtype=self.dtype, device=dev),
+            }
+            self._batch_graphs.clear()
+        return buf
+
+    def _batch_step(self, b_pad: int, n_pad: int) -> torch.Tensor:
+        """Logits ``[b_pad * n_pad, V]`` of the static batch buffers: streams in slots ``[0, b_pad)``, each
+        writing its KV at its ``write`` positions and attending over its whole slot with its ``mask`` row
+        block, so no shape depends on a committed length (what a CUDA graph needs)."""
+        buf = self._bbuf
+        assert buf is not None
+        ids, pos = buf["ids"][:b_pad, :n_pad], buf["pos"][:b_pad, :n_pad]
+        write, mask = buf["write"][:b_pad, :n_pad], buf["mask"][:b_pad, :n_pad].unsqueeze(1)  # [B, 1, N, L]
+        nq, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        rows = b_pad * n_pad
+        x = F.embedding(ids.reshape(rows), self.embed)  # [R, H]
+        cos = self._cos[pos.reshape(rows)].view(b_pad, n_pad, 1, d)
+        sin = self._sin[pos.reshape(rows)].view(b_pad, n_pad, 1, d)
+        bidx = torch.arange(b_pad, device=self.device).view(b_pad, 1)
+        for li, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.ln_in, self.eps)
+            qkv = layer.qkv(h).view(b_pad, n_pad, nq + 2 * nkv, d)
+            v = qkv[:, :, nq + nkv :]
+            if layer.q_norm is None:
+                qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)
+                q, k = qk[:, :, :nq], qk[:, :, nq:]
+            else:
+                q = _rotate(_rms_norm(qkv[:, :, :nq], layer.q_norm, self.eps), cos, sin)
+                k = _rotate(_rms_norm(qkv[:, :, nq : nq + nkv], layer.k_norm, self.eps), cos, sin)
+            keys, vals = self.kv[li, 0, :b_pad], self.kv[li, 1, :b_pad]  # [B, nkv, L, d] views
+            keys.transpose(1, 2)[bidx, write] = k  # [B, N, nkv, d] into each stream's own slot rows
+            vals.transpose(1, 2)[bidx, write] = v
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=nkv != nq)  # [B, nq, N, d]
+            x = x + layer.o(att.transpose(1, 2).reshape(rows, nq * d))
+            h = _rms_norm(x, layer.ln_post, self.eps)
+            gu = layer.gate_up(h)
+            inter = gu.shape[-1] // 2
+            x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        return self.lm_head(_rms_norm(x, self.final_norm, self.eps))
+
+    def _capture_batch(self, b_pad: int, n_pad: int) -> tuple[Any, torch.Tensor]:
+        """Capture the batched step of ``(b_pad, n_pad)`` as one CUDA graph over the static batch buffers
+        (warm-up runs on a side stream first, as capture requires)."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._batch_step(b_pad, n_pad)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._batch_step(b_pad, n_pad)
+        self._graph_pool = graph.pool()
+        self._batch_graphs[(b_pad, n_pad)] = (graph, out)
+        self.warmup_s[n_pad] = self.warmup_s.get(n_pad, 0.0) + time.perf_counter() - t0
+        return graph, out
 
     def _forward_segments(self, ids: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor,
                           mask: torch.Tensor) -> torch.Tensor:

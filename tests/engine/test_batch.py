@@ -181,3 +181,42 @@ def test_drive_matches_generate_and_stream_yields_requests():
     assert drive(engine.stream("abcabc", GenerationParams(max_new_tokens=9))).token_ids == \
         engine.generate("abcabc", GenerationParams(max_new_tokens=9)).token_ids
     assert Verify  # the request type a step yields after the prefill
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "llama_mqa"])
+def test_padded_batched_step_matches_each_stream_alone(family):
+    """The static-shape ``[B_pad, N_pad]`` step (the CUDA-graph path, run eagerly here on plain matmuls): each
+    stream's logits match its own forward, a slot in the range that is not in the batch keeps its KV rows."""
+    model = make_model(family, seed=5)
+    runner = StaticRunner(bundle_of(model), matmul="torch")
+    assert runner._ops is None
+    gen = torch.Generator().manual_seed(11)
+    caches = []
+    for n in (6, 30, 2):
+        c = runner.new_cache(64)
+        runner.prefill(rand_tokens(gen, n), cache=c, topk=0)
+        caches.append(c)
+    idle = caches[1]  # slot 1 holds a row but sits this step out
+    before = runner.kv[:, :, idle.slot, :, : idle.length].clone()
+    items = [(flatten_tree(_draft(gen, t), committed_len=c.length, device="cpu", dtype=torch.float32), c)
+             for t, c in ((5, caches[0]), (3, caches[2]))]
+    alone = [runner.verify_tree(tree, cache=c).clone() for tree, c in items]
+    batched = runner.verify_batch(items)
+    assert runner.last_batch_path == "padded"
+    for a, b in zip(alone, batched):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert torch.equal(runner.kv[:, :, idle.slot, :, : idle.length], before)
+
+
+def test_padded_path_streams_stay_lossless(monkeypatch):
+    """Whole streams on the padded path (no CPU kernels): greedy output equals the HF reference at B = 4."""
+    monkeypatch.setenv("RACER_MATMUL", "torch")
+    bundle = tiny_bundle(seed=1, head_scale=60.0)
+    engine = Engine(bundle, DecodingConfig(method="racer", capacity=8), streams=4)
+    assert engine.runner._ops is None
+    params = lambda i: GenerationParams(max_new_tokens=20 + 5 * (i % 3))  # noqa: E731
+    out, stats = _run_batch(engine, PROMPTS, params, width=4, state=engine.new_state())
+    for i, p in enumerate(PROMPTS):
+        assert out[i].token_ids == generate_reference(bundle, p, params(i)).token_ids, i
+    assert max(stats.sizes) == 4 and engine.runner.last_batch_path == "padded"
