@@ -286,14 +286,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class StaticRunner:
-    """Runs the target model with a static KV cache and fixed verify shapes (batch size 1 per slot).
+    """Runs the target model with a static KV cache and fixed verify shapes: one stream per slot, one or
+    several streams per forward (`verify_batch`).
 
     The same calls as the eager ``ModelRunner`` (``new_cache``, ``prefill``, ``verify_tree``,
     ``keep_rows``), so the engine's step loop does not know which one runs.
 
     Args:
         bundle: the loaded target model (a Llama-family checkpoint; see ``describe_unsupported``).
-        slots: streams the KV cache holds (a later issue verifies several slots in one forward).
+        slots: streams the KV cache holds at start (more are added on demand: `reserve_slots`, `new_cache`).
         max_len: KV positions per slot at start (at least one bucket + 1; 0: the context or
             ``INITIAL_POSITIONS``, whichever is smaller, plus one bucket of tree padding); grows on demand up to the context (growing drops the
             captured CUDA graphs, which are captured again lazily, and recompiles a compiled CPU step).
