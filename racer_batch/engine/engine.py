@@ -37,6 +37,8 @@ from .tree import accept_greedy, accept_relaxed, accept_sampling, flatten_tree
 
 log = logging.getLogger(__name__)
 
+SMALL_BATCH_CAPACITIES = (1, 2, 3)  # extra capacity: auto candidates when several streams share a forward
+
 Prompt = Union[str, Sequence[dict], Sequence[int]]
 
 
@@ -129,6 +131,8 @@ class Engine:
             # what one of 4 does on our CPU kernels): output-neutral, so the config (and its hash) stays as set
             auto = sorted(set(self.config.auto_capacities))
             sizes = sorted(set(auto) | {s for s in self.runner.step_sizes(auto[-1]) if s >= auto[0]})
+            if self.streams > 1:  # with B trees per forward the best tree is small (B x 3 rows at B = 4 on a CPU)
+                sizes = sorted(set(sizes) | {c for c in SMALL_BATCH_CAPACITIES if c < sizes[0]})
         else:
             sizes = [int(self.config.capacity)]
         reserve = getattr(self.runner, "reserve_slots", None)
