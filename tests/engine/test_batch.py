@@ -220,3 +220,25 @@ def test_padded_path_streams_stay_lossless(monkeypatch):
     for i, p in enumerate(PROMPTS):
         assert out[i].token_ids == generate_reference(bundle, p, params(i)).token_ids, i
     assert max(stats.sizes) == 4 and engine.runner.last_batch_path == "padded"
+
+
+def test_tuner_picks_a_smaller_tree_for_more_streams():
+    """Same acceptance, the CPU-kernel cost shape (flat to 6 rows, then steps): one stream affords a 4+ node
+    tree, four streams in one forward do best with 3 nodes each, and best_streams prefers more streams."""
+    from racer_batch.engine.capacity import CapacityTuner
+
+    cost = {1: 26.0, 2: 26.0, 3: 26.0, 4: 27.0, 6: 30.0, 8: 37.0, 12: 42.0, 16: 63.0, 24: 68.0, 32: 100.0,
+            48: 150.0, 64: 196.0}
+    cands = [1, 2, 3, 4, 6, 8, 12]
+    tuner = CapacityTuner(cost, cands, warmup_steps=0, explore_every=0)
+    rng = np.random.default_rng(0)
+    for _ in range(400):  # each next draft node accepted with probability 0.6, creation order = depth
+        n = 0
+        while n < 11 and rng.random() < 0.6:
+            n += 1
+        tuner.observe(used_capacity=12, accepted_creation_idx=list(range(1, n + 1)), overhead_ms=0.5)
+    assert tuner.capacity(streams=1) >= 4
+    assert tuner.capacity(streams=4) in (2, 3)
+    assert tuner.cost(96) > tuner.cost(64)  # extrapolated past the last measured size
+    b, c, rate = tuner.best_streams((1, 2, 4))
+    assert b == 4 and rate > tuner.expected_rates(1)[tuner.capacity(streams=1)]
