@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -159,11 +158,14 @@ def test_an_engine_without_stream_runs_one_row_at_a_time(tmp_path):
         def generate(self, *args, **kw):
             return self._inner.generate(*args, **kw)
 
+    made = []
     write_parquet(tmp_path / "in.parquet", _rows(4))
     spec = load_spec(None, base_overrides(tmp_path, **{"resources.streams_per_actor": 4}))
-    runner = RowRunner(worker_name="t", engine_factory=lambda bundle, cfg, **kw: OldEngine(bundle, cfg))
-    res = runner.run_shard(_task(spec, job_id="j", hi=4))
-    assert res["streams"] == 1 and res["ok"] == 4
+    runner = RowRunner(worker_name="t", engine_factory=lambda bundle, cfg, **kw: made.append(kw) or OldEngine(bundle, cfg))
+    for _ in range(2):
+        res = runner.run_shard(_task(spec, job_id="j", hi=4))
+        assert res["streams"] == 1 and res["ok"] == 4
+    assert made == [{"streams": 4}]  # made once, with room for 4 (it ignores it)
 
 
 # ---- a real tiny model (the engine's StreamBatch under the runner)
@@ -209,7 +211,8 @@ def test_tiny_model_b4_equals_b1_with_turns_samples_and_shadow(tmp_path, scope):
     rows.append({"id": "bad", "prompt": None, "turns": None, "temperature": None})
     write_parquet(tmp_path / "in.parquet", rows)
     out, shadow, sizes = {}, {}, {}
-    for b in (1, 4):
+    widths = (1, 4, "auto") if scope == "request" else (1, 4)
+    for b in widths:
         spec = load_spec(None, {
             "input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / f"b{b}"),
             "output.shard_rows": len(rows), "model.name": "tiny-test", "decoding.method": "racer",
@@ -223,11 +226,119 @@ def test_tiny_model_b4_equals_b1_with_turns_samples_and_shadow(tmp_path, scope):
         shadow[b] = sorted(((r["id"], r["side"], r["ran_first"], r["text"], r["status"])
                             for r in read_shadow(spec.output.path).to_pylist()))
         sizes[b] = _shard_meta(spec.output.path, 0)["batch_sizes"]
-        assert runner._engines[spec.decoding.config_hash()].streams == b
-    assert _content(out[4], steps=scope == "request") == _content(out[1], steps=scope == "request")
-    assert shadow[4] == shadow[1] and len(shadow[1]) == 2 * 6
+        assert runner._engines[spec.decoding.config_hash()].streams == (len(rows) if b == "auto" else b)
+    for b in widths[1:]:
+        assert _content(out[b], steps=scope == "request") == _content(out[1], steps=scope == "request"), b
+        assert shadow[b] == shadow[1] and len(shadow[1]) == 2 * 6
     assert {r["side"] for r in read_shadow(tmp_path / "b4").to_pylist()} == {"method", "baseline"}
     assert max(int(k) for k in sizes[4]) >= 3  # rows really shared forwards
     t2 = _content(out[4])["t2"]
     assert len(t2["turn_texts"]) == 3 and [s["sample"] for s in t2["samples"]] == [0, 1]
     assert all(len(r["samples"]) == 2 for r in out[4] if r["status"] == "ok")
+
+
+# ---- against the real Redis and a local Ray (stand-in engine)
+def _reference(queue, tmp_path: Path, rows: list[dict], **over) -> dict[str, dict]:
+    """The B = 1 outputs of the job (the stand-in without its sleep: same words, see the module docstring)."""
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
+        "model.name": "stand-in?mat=1", "output.path": str(tmp_path / "ref"), "resources.streams_per_actor": 1}))
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
+    return _content(read_output(spec.output.path).to_pylist())
+
+
+def _each_id_once(out_dir, rows: list[dict]) -> list[dict]:
+    got = read_output(out_dir).to_pylist()
+    ids = [r["id"] for r in got]
+    assert sorted(ids) == [r["id"] for r in rows], "every id exactly once"
+    return got
+
+
+def test_b4_job_cancelled_mid_shard_then_resumed_equals_b1(ray_session, queue, redis_url, tmp_path):
+    """B = 4 on a Ray actor, with a bad row and a model error, cancelled while a shard has rows done, rows in
+    flight and rows not started: the rows in flight end ``cancelled`` at their next step, those not started
+    are marked so, the rows that ended are B = 1's; re-submitted, the job ends with every id once and every
+    output identical to the B = 1 run."""
+    from tests.reliability.util import BackgroundWorker, wait_for
+
+    rows = _rows(30, bad=(13,), model_error=(16,), base_tokens=30)
+    over = {"output.shard_rows": 10}
+    ref = _reference(queue, tmp_path, rows, **over)
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
+        "model.name": "stand-in?ms_per_step=25&mat=1", "output.path": str(tmp_path / "b4"),
+        "resources.streams_per_actor": 4}))
+    executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="b4")
+    bg = BackgroundWorker(Worker(queue, executor, name="b4", lease_s=10), max_jobs=1, idle_exit_s=30).start()
+    try:
+        def shard1_partly_done() -> bool:
+            got = queue.r.hget(queue.k_job(sub.job_id, "inflight"), "1")
+            return got is not None and json.loads(got)["rows"] >= 3
+
+        wait_for(shard1_partly_done, timeout_s=90, what="shard 1 with some rows done", poll_s=0.005)
+        assert queue.cancel(sub.job_id) == "cancelling"
+        wait_for(lambda: queue.status(sub.job_id).state == "cancelled", timeout_s=60, what="the job to end")
+        bg.thread.join(timeout=60)
+        assert bg.error is None, bg.error
+    finally:
+        bg.stop()
+        executor.shutdown()
+    partial = {r["id"]: r for r in pq.read_table(part_path(spec.output.path, 1)).to_pylist()}
+    assert sorted(partial) == [f"r{i}" for i in range(10, 20)]  # the stopped shard, written for inspection
+    in_flight = [i for i, r in partial.items() if r["status"] == "cancelled" and r["finish_reason"] == "cancelled"]
+    not_started = [i for i, r in partial.items() if r["status"] == "cancelled" and "before this row ran" in r["error"]]
+    ended = [i for i, r in partial.items() if r["status"] != "cancelled"]
+    assert in_flight and not_started and len(ended) >= 3, {i: (r["status"], r["error"]) for i, r in partial.items()}
+    assert all(0 < partial[i]["output_tokens"] < ref[i]["output_tokens"] for i in in_flight)
+    assert _content(list(map(partial.get, ended))) == {i: ref[i] for i in ended}
+    assert ref["r13"]["status"] == "error" and "r13" in ended  # the bad row ends at once, alone
+    assert _shard_meta(spec.output.path, 0)["streams"] == 4
+    assert max(int(k) for k in _shard_meta(spec.output.path, 0)["batch_sizes"]) == 4
+
+    again = submit_job(queue, spec)
+    assert again.job_id == sub.job_id and again.action == "resumed"
+    assert run_until_done(queue, sub.job_id, url=redis_url, prefix=queue.prefix, executor_kind="ray").state == "done"
+    assert _content(_each_id_once(spec.output.path, rows)) == ref
+    st = queue.status(sub.job_id)
+    assert st.rows_done == 30 and (st.totals.ok, st.totals.error) == (28, 2)
+
+
+def test_b4_worker_killed_mid_job_resumed_elsewhere_equals_b1(ray_session, queue, redis_url, tmp_path):
+    """A worker running B = 4 is SIGKILLed mid-shard; a second worker (Ray actors) reclaims the expired
+    lease and finishes the job: every id exactly once, every output identical to the B = 1 run."""
+    rows = _rows(24, bad=(5,), model_error=(18,), base_tokens=16)
+    over = {"output.shard_rows": 8}
+    ref = _reference(queue, tmp_path, rows, **over)
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
+        "model.name": "stand-in?ms_per_step=20&mat=1", "output.path": str(tmp_path / "b4"),
+        "resources.streams_per_actor": 4}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "racer_batch", "worker", "--no-ray", "--lease-s", "3",
+         "--redis-url", redis_url, "--prefix", queue.prefix, "--name", "doomed"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def mid_job() -> bool:  # a shard committed and another one part done
+            inflight = queue.r.hgetall(queue.k_job(sub.job_id, "inflight"))
+            return queue.status(sub.job_id).shards_done >= 1 and any(
+                0 < json.loads(v)["rows"] < 8 for v in inflight.values())
+
+        deadline = time.monotonic() + 90
+        while not mid_job() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.005)
+        assert mid_job(), "the doomed worker never got mid-job"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    st = queue.status(sub.job_id)
+    assert st.state == "running" and st.owner == "doomed" and st.shards_done < 3
+    w = Worker(queue, make_executor("ray", url=redis_url, prefix=queue.prefix, name="rescuer"), name="rescuer",
+               lease_s=3)
+    try:
+        assert w.run(max_jobs=1, idle_exit_s=20) == 1
+    finally:
+        w.executor.shutdown()
+    st = queue.status(sub.job_id)
+    assert st.state == "done" and st.rows_done == 24 and int(queue.job_fields(sub.job_id)["attempts"]) == 2
+    assert _content(_each_id_once(spec.output.path, rows)) == ref
+    metas = [_shard_meta(spec.output.path, s) for s in range(3)]
+    assert any(m["worker"].startswith("rescuer") for m in metas) and all(m["streams"] == 4 for m in metas)
+    assert all(max(int(k) for k in m["batch_sizes"]) == 4 for m in metas)

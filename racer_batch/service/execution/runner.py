@@ -24,8 +24,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from collections import deque
-from typing import Any, Callable, Generator, Optional, Protocol, Union
+from typing import Any, Callable, Generator, Iterable, Optional, Protocol, Union
 
 from racer_batch.service.job.inputs import (InputPlan, RowTask, answer_columns, iter_raw_rows, parse_row,
                                        row_fingerprint, shard_fingerprint)
@@ -36,7 +35,7 @@ from racer_batch.service.results.sinks import RowSink
 from racer_batch.service.job.spec import AUTO_STREAMS, JobSpec, ModelSpec
 from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
 from racer_batch.service.results.tally import Tally
-from racer_batch.engine.batch import StreamBatch, drive
+from racer_batch.engine.batch import BatchStats, StreamBatch, drive
 from racer_batch.values import DecodingConfig, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -206,6 +205,7 @@ class RowRunner:
         self._model_key: Optional[tuple] = None
         self._bundle: Any = None
         self._engines: dict[str, Any] = {}  # config hash -> Engine
+        self._room: dict[str, int] = {}  # config hash -> the streams its engine was made for
         self._states: dict[str, tuple[Any, Any]] = {}  # job id -> (engine, draft state)
         self._specs: dict[tuple[str, str], JobSpec] = {}  # (job id, spec hash) -> validated spec
         self.models_loaded = 0
@@ -217,6 +217,7 @@ class RowRunner:
             for job_id in list(self._states):
                 self.end_job(job_id)
             self._engines.clear()
+            self._room.clear()
             self._bundle = None
             self._bundle = self._loader(spec.model, allow_remote_code=self.allow_remote_code, device=self.device)
             self._model_key = key
@@ -230,10 +231,10 @@ class RowRunner:
         move to the new one)."""
         h = decoding.config_hash()
         old = self._engines.get(h)
-        if old is None or getattr(old, "streams", 1) < streams:
+        if old is None or self._room[h] < streams:
             engine = (self._engine_factory(self._bundle, decoding, streams=streams) if streams > 1
                       else self._engine_factory(self._bundle, decoding))
-            self._engines[h] = engine
+            self._engines[h], self._room[h] = engine, streams
             for key, (e, state) in list(self._states.items()):
                 if e is old:
                     self._states[key] = (engine, state)
@@ -329,63 +330,38 @@ class RowRunner:
                            device=str(getattr(engine.bundle, "device", "cpu")), model=spec.model.name,
                            method=spec.decoding.method, config_hash=spec.decoding.config_hash(), job_id=task.job_id)
         tally = Tally()
+        in_order = _InRowOrder(writer)
         stopped: Optional[str] = None
-        batch = StreamBatch()
-        in_flight: set[int] = set()  # positions added to the batch and not yet ended
-        order: deque[int] = deque()  # positions (0, 1, ... in row order) not yet written
-        ended: dict[int, tuple[RowRecord, list[ShadowRecord]]] = {}
+
+        def start(pos: int, row_idx: int, raw: dict) -> Optional[Generator]:
+            """Read one row: its stream, or None when it ends at once (the job was stopped)."""
+            nonlocal stopped
+            row = parse_row(spec, row_idx, raw)
+            writer.add_input(row_idx, row.id, raw)
+            row_origin = dataclasses.replace(origin, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
+            stopped = stopped or (None if verdict() == KEEP_GOING else verdict())
+            if stopped is None:
+                return self._row_stream(engine, state, spec, row, row_origin, job_id=task.job_id,
+                                        should_cancel=lambda: verdict() != KEEP_GOING, streamed=width > 1)
+            end(pos, RowRecord.without_answer(status="cancelled", origin=row_origin,
+                                              error=f"job stopped before this row ran ({stopped})"), [])
+            return None
 
         def end(pos: int, rec: RowRecord, pair: list[ShadowRecord]) -> None:
-            """A row ended: telemetry now; the part file takes it once every earlier row has ended."""
+            """A row ended: telemetry now, the part file in row order."""
+            nonlocal stopped
+            if rec.status == "cancelled":
+                stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
             rec.finished_at = now_utc()
             tally.observe_row(rec)
             self.sink.observe(rec, progress=tally)
-            ended[pos] = (rec, pair)
-            while order and order[0] in ended:
-                done_rec, done_pair = ended.pop(order.popleft())
-                writer.observe_shadow(done_pair)
-                writer.observe(done_rec)
+            in_order.end(pos, rec, pair)
 
-        rows = iter(self._rows(task, spec, plan))
-        exhausted = False
-        try:
-            while True:
-                while not exhausted and len(in_flight) < width:  # continuous batching: fill the free places
-                    got = next(rows, None)
-                    if got is None:
-                        exhausted = True
-                        break
-                    row_idx, raw = got
-                    row = parse_row(spec, row_idx, raw)
-                    writer.add_input(row_idx, row.id, raw)
-                    row_origin = dataclasses.replace(origin, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
-                    pos = len(writer.row_fps) - 1  # the row's place in the shard
-                    order.append(pos)
-                    stopped = stopped or (None if verdict() == KEEP_GOING else verdict())
-                    if stopped is not None:
-                        end(pos, RowRecord.without_answer(status="cancelled", origin=row_origin,
-                                                          error=f"job stopped before this row ran ({stopped})"), [])
-                        continue
-                    batch.add(pos, self._row_stream(engine, state, spec, row, row_origin, job_id=task.job_id,
-                                                    should_cancel=lambda: verdict() != KEEP_GOING,
-                                                    streamed=width > 1))
-                    in_flight.add(pos)
-                if not in_flight:
-                    break
-                for fin in batch.step():
-                    in_flight.discard(fin.key)
-                    if fin.error is not None:  # not a row's fault (those become records): a bug, as before
-                        raise fin.error
-                    rec, pair = fin.result
-                    if rec.status == "cancelled":
-                        stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
-                    end(fin.key, rec, pair)
-        finally:
-            batch.close()
-        assert not order and not ended, f"shard {task.shard}: rows {list(order)[:5]} never ended"
+        stats = _feed(self._rows(task, spec, plan), width=width, start=start, end=end)
+        assert in_order.waiting == 0, f"shard {task.shard}: {in_order.waiting} rows ended before an earlier one"
         meta = writer.summary(tally, worker=self.worker_name, attempt=task.attempt,
                               elapsed_s=time.perf_counter() - t0, streams=width,
-                              batch_sizes={str(b): n for b, n in sorted(batch.stats.sizes.items())})
+                              batch_sizes={str(b): n for b, n in sorted(stats.sizes.items())})
         written = writer.commit(meta, stopped=stopped)
         return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)))
 
@@ -495,6 +471,58 @@ class RowRunner:
         if turns and turns[-1].finish_reason == "cancelled":
             return done("cancelled", "cancelled during generation")
         return done("ok", None)
+
+
+def _feed(rows: Iterable[tuple[int, dict]], *, width: int,
+          start: Callable[[int, int, dict], Optional[Generator]],
+          end: Callable[[int, RowRecord, list[ShadowRecord]], None]) -> BatchStats:
+    """Continuous batching of a shard's rows: up to ``width`` in flight in one StreamBatch, a row that ends
+    making room for the next. ``start(pos, row_idx, raw)`` gives the row's stream (None: it ended already);
+    ``end(pos, record, shadow pair)`` takes each row that ran, in the order they end. ``pos`` counts the
+    shard's rows from 0. A stream that raises (not a row's failure: those are records) ends the shard with
+    its exception, as a failure outside the rows did before. Returns the batch's counters."""
+    batch = StreamBatch()
+    in_flight: set[int] = set()
+    it = enumerate(rows)
+    try:
+        while True:
+            while len(in_flight) < width and (got := next(it, None)) is not None:
+                pos, (row_idx, raw) = got
+                stream = start(pos, row_idx, raw)
+                if stream is not None:
+                    batch.add(pos, stream)
+                    in_flight.add(pos)
+            if not in_flight:
+                return batch.stats
+            for fin in batch.step():
+                in_flight.discard(fin.key)
+                if fin.error is not None:
+                    raise fin.error
+                end(fin.key, *fin.result)
+    finally:
+        batch.close()
+
+
+class _InRowOrder:
+    """Hands a shard's ended rows to its writer in row order (rows in flight together end in any order)."""
+
+    def __init__(self, writer: ShardWriter) -> None:
+        self.writer = writer
+        self._next = 0  # the position the writer takes next
+        self._ended: dict[int, tuple[RowRecord, list[ShadowRecord]]] = {}
+
+    @property
+    def waiting(self) -> int:
+        """Rows ended and held back for an earlier one."""
+        return len(self._ended)
+
+    def end(self, pos: int, rec: RowRecord, pair: list[ShadowRecord]) -> None:
+        self._ended[pos] = (rec, pair)
+        while self._next in self._ended:
+            rec, pair = self._ended.pop(self._next)
+            self.writer.observe_shadow(pair)
+            self.writer.observe(rec)
+            self._next += 1
 
 
 _SHADOW_SUFFIX = "\0shadow"
