@@ -91,13 +91,21 @@ def test_streams_per_actor_setting_is_a_resource():
             load_spec(None, dict(over, **{"resources.streams_per_actor": bad}))
 
 
-def test_submit_flag_sets_streams_per_actor(cli, tmp_path):
+def test_submit_flag_sets_streams_per_actor(cli, tmp_path, redis_url, prefix, queue):
+    """``submit --streams-per-actor`` sets the resource (an integer or auto); a bad value names the flag."""
     from click.testing import CliRunner
 
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
-    res = CliRunner().invoke(cli, ["submit", "--input", str(tmp_path / "in.parquet"), "--streams-per-actor", "0",
-                                   "--redis-url", "redis://127.0.0.1:1/0"])
-    assert res.exit_code == 2 and "streams_per_actor" in res.output and "--streams-per-actor" in res.output, res.output
+    common = ["submit", "--input", str(tmp_path / "in.parquet"), "--model", "stand-in",
+              "--redis-url", redis_url, "--prefix", prefix]
+    for value, want in (("3", 3), ("auto", "auto")):
+        res = CliRunner().invoke(cli, [*common, "--output", str(tmp_path / f"o{value}"), "--streams-per-actor", value])
+        assert res.exit_code == 0, res.output
+        spec = json.loads(queue.job_fields(res.stdout.strip().splitlines()[0])["spec"])
+        assert spec["resources"]["streams_per_actor"] == want
+    for bad in ("0", "lots"):
+        res = CliRunner().invoke(cli, [*common, "--streams-per-actor", bad])
+        assert res.exit_code == 2 and "--streams-per-actor" in res.output, res.output
 
 
 # ---- the runner, directly (no Redis, no Ray)
