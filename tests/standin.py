@@ -6,10 +6,12 @@ Not part of the shipped package: the service reaches it through the engine hook
 started afterwards find it too; tests/conftest.py calls it for every test run.
 
 Model name ``stand-in`` (options as a query string: ``stand-in?ms_per_step=2&mat=2&context=512``). It
-speaks the Engine interface the service uses (``encode``, ``generate``, ``new_state``, ``free_state``,
-``bundle``), "tokenises" by whitespace, and answers with deterministic words derived from the prompt.
-Each step emits ``mat`` tokens and sleeps ``ms_per_step``. A prompt containing ``[[stand-in:raise]]``
-raises RuntimeError, standing in for a model error. No torch, no weights.
+speaks the Engine interface the service uses (``encode``, ``generate``, ``stream``, ``choose_streams``,
+``new_state``, ``free_state``, ``bundle``), "tokenises" by whitespace, and answers with deterministic words
+derived from the prompt and the seed (never from ``ms_per_step`` or the batch-mates). Each step emits ``mat``
+tokens; its forward is a call on a ``StandInRunner``, which sleeps ``ms_per_step`` once per call, so a
+``StreamBatch`` step of B streams costs what one stream's step does (the ideal of batched verification).
+A prompt containing ``[[stand-in:raise]]`` raises RuntimeError, standing in for a model error. No weights.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generator, Optional, Sequence
 
+from racer_batch.engine.batch import Prefill, Verify, drive
 from racer_batch.service.execution.engine_hook import ENGINE_HOOK_ENV
 from racer_batch.values import DecodingConfig, GenerationParams, GenerationResult, RowStats, StepRecord
 
@@ -74,10 +77,45 @@ def _render(prompt: Any) -> str:
     return "\n".join(f"<{m['role']}> {m['content']}" for m in prompt)
 
 
+@dataclass
+class StandInTree:
+    """What a stand-in Verify carries: only the size a StreamBatch counts."""
+
+    size: int
+
+
+class StandInRunner:
+    """The forwards of the stand-in: each call (one stream's prefill or verify, or one batched verify of
+    several streams) sleeps ``ms_per_step`` once and returns nothing useful (the stand-in's words come from
+    the prompt). ``batch_sizes``: streams per ``verify_batch`` call -> calls."""
+
+    def __init__(self, ms_per_step: float) -> None:
+        self.ms_per_step = ms_per_step
+        self.batch_sizes: dict[int, int] = {}
+
+    def _forward(self) -> None:
+        if self.ms_per_step:
+            time.sleep(self.ms_per_step / 1000.0)
+
+    def prefill(self, prompt_ids: list[int], *, cache: Any, topk: int) -> tuple[None, None]:
+        self._forward()
+        return None, None
+
+    def verify_tree(self, tree: StandInTree, *, cache: Any) -> None:
+        self._forward()
+
+    def verify_batch(self, items: Sequence[tuple[StandInTree, Any]]) -> list[None]:
+        self._forward()
+        self.batch_sizes[len(items)] = self.batch_sizes.get(len(items), 0) + 1
+        return [None] * len(items)
+
+
 class StandInEngine:
-    def __init__(self, bundle: StandInBundle, config: Optional[DecodingConfig] = None) -> None:
+    def __init__(self, bundle: StandInBundle, config: Optional[DecodingConfig] = None, *, streams: int = 1) -> None:
         self.bundle = bundle
         self.config = config or DecodingConfig()
+        self.streams = streams
+        self.runner = StandInRunner(bundle.ms_per_step)
 
     def new_state(self) -> StandInState:
         return StandInState()
@@ -88,8 +126,17 @@ class StandInEngine:
     def encode(self, prompt: Any) -> list[int]:
         return [int(hashlib.blake2b(w.encode(), digest_size=2).hexdigest(), 16) for w in _render(prompt).split()]
 
+    def choose_streams(self, choices: Sequence[int]) -> int:
+        """A step costs the same for any number of streams here: the most streams win."""
+        return max(choices)
+
     def generate(self, prompt: Any, params: Optional[GenerationParams] = None, *, state: Any = None,
                  should_cancel: Optional[Callable[[], bool]] = None) -> GenerationResult:
+        return drive(self.stream(prompt, params, state=state, should_cancel=should_cancel))
+
+    def stream(self, prompt: Any, params: Optional[GenerationParams] = None, *, state: Any = None,
+               should_cancel: Optional[Callable[[], bool]] = None) -> Generator[Any, Any, GenerationResult]:
+        """``generate`` as a stream (engine/batch.py): yields one Prefill, then one Verify per step."""
         params = params or GenerationParams()
         text_in = _render(prompt)
         if not text_in.strip():
@@ -116,9 +163,11 @@ class StandInEngine:
                 finish = "cancelled"
                 break
             ts = time.perf_counter()
-            if self.bundle.ms_per_step:
-                time.sleep(self.bundle.ms_per_step / 1000.0)
             emit = 1 if step == 0 else min(self.bundle.mat, params.max_new_tokens - len(words))
+            if step == 0:
+                yield Prefill(self.runner, [], None, 0)
+            else:
+                yield Verify(self.runner, StandInTree(size=emit), None)
             for _ in range(emit):
                 words.append(f"w{seed[len(words) % len(seed)]}")
             step_ms = (time.perf_counter() - ts) * 1000.0
@@ -149,8 +198,8 @@ class StandInHook:
     def owns(self, bundle: Any) -> bool:
         return isinstance(bundle, StandInBundle)
 
-    def engine(self, bundle: StandInBundle, decoding: DecodingConfig) -> StandInEngine:
-        return StandInEngine(bundle, decoding)
+    def engine(self, bundle: StandInBundle, decoding: DecodingConfig, *, streams: int = 1) -> StandInEngine:
+        return StandInEngine(bundle, decoding, streams=streams)
 
 
 STANDIN_HOOK = StandInHook()

@@ -93,10 +93,12 @@ _OVERRIDE_FLAGS = {
     "model": ("--model", "model.name"), "preset": ("--preset", "preset"),
     "method": ("--method", "decoding.method"), "capacity": ("--capacity", "decoding.capacity"),
     "max_new_tokens": ("--max-new-tokens", "generation.max_new_tokens"),
-    "num_actors": ("--num-actors", "resources.num_actors"), "shard_rows": ("--shard-rows", "output.shard_rows"),
+    "num_actors": ("--num-actors", "resources.num_actors"),
+    "streams_per_actor": ("--streams-per-actor", "resources.streams_per_actor"),
+    "shard_rows": ("--shard-rows", "output.shard_rows"),
     "priority": ("--priority", "priority"), "seed": ("--seed", "seed"),
 }
-_INT_OR_AUTO = ("--capacity", "--num-actors")
+_INT_OR_AUTO = ("--capacity", "--num-actors", "--streams-per-actor")
 
 
 @click.command(epilog=_SUBMIT_EPILOG)
@@ -113,6 +115,8 @@ _INT_OR_AUTO = ("--capacity", "--num-actors")
 @click.option("--capacity", default=None, help="Override decoding.capacity (integer or auto).")
 @click.option("--max-new-tokens", type=int, default=None, help="Override generation.max_new_tokens.")
 @click.option("--num-actors", default=None, help="Override resources.num_actors (integer or auto).")
+@click.option("--streams-per-actor", default=None,
+              help="Override resources.streams_per_actor: rows each actor decodes at once (1..64 or auto).")
 @click.option("--shard-rows", type=int, default=None, help="Override output.shard_rows.")
 @click.option("--priority", type=int, default=None, help="Override priority (0..9, 9 first).")
 @click.option("--seed", type=int, default=None, help="Override seed.")

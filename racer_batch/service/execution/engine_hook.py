@@ -9,10 +9,12 @@ be importable there (on ``PYTHONPATH``). The object implements ``EngineHook``::
     hook.claims("stand-in?mat=2")  -> True     # this model name is the hook's
     hook.load("stand-in?mat=2")    -> bundle   # instead of load_model (ValueError for a bad name)
     hook.owns(bundle)              -> True     # a bundle this hook loaded
-    hook.engine(bundle, decoding)  -> engine   # instead of Engine(bundle, decoding)
+    hook.engine(bundle, decoding, streams=4)  -> engine   # instead of Engine(bundle, decoding, streams=4)
 
 The engine needs the methods the service calls on an Engine: ``encode``, ``generate``, ``new_state``,
-``free_state`` and the ``bundle`` attribute.
+``free_state`` and the ``bundle`` attribute; for ``resources.streams_per_actor`` above 1 also ``stream`` (a
+generator yielding ``engine.batch.Prefill``/``Verify`` requests, as ``Engine.stream``) and, for ``auto``,
+``choose_streams``. ``streams`` is passed only when above 1, so a hook without it serves one-stream jobs.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class EngineHook(Protocol):
 
     def owns(self, bundle: Any) -> bool: ...
 
-    def engine(self, bundle: Any, decoding: DecodingConfig) -> Any: ...
+    def engine(self, bundle: Any, decoding: DecodingConfig, *, streams: int = 1) -> Any: ...
 
 
 @functools.lru_cache(maxsize=4)
@@ -68,9 +70,10 @@ def hooked_bundle(model_name: str) -> Optional[Any]:
     return hook.load(model_name)
 
 
-def hooked_engine(bundle: Any, decoding: DecodingConfig) -> Optional[Any]:
-    """The hook's engine for a bundle the hook loaded; None for any other bundle or without a hook."""
+def hooked_engine(bundle: Any, decoding: DecodingConfig, *, streams: int = 1) -> Optional[Any]:
+    """The hook's engine (room for ``streams`` rows at once) for a bundle the hook loaded; None for any other
+    bundle or without a hook."""
     hook = engine_hook()
     if hook is None or not hook.owns(bundle):
         return None
-    return hook.engine(bundle, decoding)
+    return hook.engine(bundle, decoding, streams=streams) if streams > 1 else hook.engine(bundle, decoding)

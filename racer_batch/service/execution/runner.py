@@ -4,6 +4,13 @@
 directly. It keeps one loaded model (reused by every job naming the same model), one Engine per decoding
 config, and one draft state per job (RACER.md section 7, scope ``job``), freed by ``end_job``.
 
+Up to B rows of a shard are in flight at once (``resources.streams_per_actor``, issue 14): each row is a
+generator (``_row_stream``) that runs the row's sequential logic (turns, samples, shadow baseline) and
+``yield from``s the engine's streams, so the rows' forwards go through one ``StreamBatch`` and their draft
+trees are verified together; a finished row's place goes to the next row of the shard (continuous
+batching). Rows are written to the part file in row order; telemetry sees each row when it ends. With B = 1
+each row is answered by ``engine.generate`` as before.
+
 A bad row never stops the shard: input problems found by ``parse_row`` and ValueErrors raised by the
 engine (prompt too long for the context, missing chat template, ...) become ``status=error`` with the
 message; any other exception while generating a row is reported as a model error for that row.
@@ -17,7 +24,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Generator, Iterable, Optional, Protocol, Union
 
 from racer_batch.service.job.inputs import (InputPlan, RowTask, answer_columns, iter_raw_rows, parse_row,
                                        row_fingerprint, shard_fingerprint)
@@ -25,10 +32,11 @@ from racer_batch.service.results.output import part_path, shard_complete, write_
 from racer_batch.service.results.record import RowOrigin, RowRecord, ShadowRecord, now_utc
 from racer_batch.service.results.shadow import baseline_first, sample_seed, shadow_path, shadow_selected, write_shadow
 from racer_batch.service.results.sinks import RowSink
-from racer_batch.service.job.spec import JobSpec, ModelSpec
+from racer_batch.service.job.spec import AUTO_STREAMS, JobSpec, ModelSpec
 from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
 from racer_batch.service.results.tally import Tally
-from racer_batch.values import DecodingConfig
+from racer_batch.engine.batch import BatchStats, StreamBatch, drive
+from racer_batch.values import DecodingConfig, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -162,14 +170,15 @@ def default_loader(model: ModelSpec, *, allow_remote_code: bool, device: Optiona
     return load_model(model.name, device=device, dtype=model.dtype, trust_remote_code=model.trust_remote_code)
 
 
-def default_engine(bundle: Any, decoding: DecodingConfig) -> Any:
-    """The engine of a bundle: the engine hook's for a bundle it loaded, else racer_batch.engine.Engine."""
-    engine = hooked_engine(bundle, decoding)
+def default_engine(bundle: Any, decoding: DecodingConfig, *, streams: int = 1) -> Any:
+    """The engine of a bundle, with room for ``streams`` rows at once: the engine hook's for a bundle it
+    loaded, else racer_batch.engine.Engine."""
+    engine = hooked_engine(bundle, decoding, streams=streams)
     if engine is not None:
         return engine
     from racer_batch.engine import Engine
 
-    return Engine(bundle, decoding)
+    return Engine(bundle, decoding, streams=streams)
 
 
 class RowRunner:
@@ -182,8 +191,10 @@ class RowRunner:
         allow_remote_code: bool = False,
         probe_interval_s: float = 0.05,
         loader: Callable[..., Any] = default_loader,
-        engine_factory: Callable[[Any, DecodingConfig], Any] = default_engine,
+        engine_factory: Callable[..., Any] = default_engine,
     ) -> None:
+        """``engine_factory(bundle, decoding)`` makes an engine; ``engine_factory(bundle, decoding, streams=B)``
+        one with room for B rows at once (called so only for B > 1)."""
         self.worker_name = worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.sink = sink or NullSink()
         self.device = device
@@ -194,30 +205,62 @@ class RowRunner:
         self._model_key: Optional[tuple] = None
         self._bundle: Any = None
         self._engines: dict[str, Any] = {}  # config hash -> Engine
+        self._room: dict[str, int] = {}  # config hash -> the streams its engine was made for
         self._states: dict[str, tuple[Any, Any]] = {}  # job id -> (engine, draft state)
         self._specs: dict[tuple[str, str], JobSpec] = {}  # (job id, spec hash) -> validated spec
         self.models_loaded = 0
 
     # ---- model, engines and per-job state
-    def _engine_for(self, spec: JobSpec) -> Any:
+    def _engine_for(self, spec: JobSpec, *, streams: int = 1) -> Any:
         key = (spec.model.name, spec.model.trust_remote_code, spec.model.dtype)
         if key != self._model_key:
             for job_id in list(self._states):
                 self.end_job(job_id)
             self._engines.clear()
+            self._room.clear()
             self._bundle = None
             self._bundle = self._loader(spec.model, allow_remote_code=self.allow_remote_code, device=self.device)
             self._model_key = key
             self.models_loaded += 1
             log.info("loaded model %s on %s", spec.model.name, getattr(self._bundle, "device", "?"))
-        return self._engine_for_config(spec.decoding)
+        return self._engine_for_config(spec.decoding, streams=streams)
 
-    def _engine_for_config(self, decoding: DecodingConfig) -> Any:
-        """The engine of one decoding config on the loaded model (the job's, or a shadow baseline's)."""
+    def _engine_for_config(self, decoding: DecodingConfig, *, streams: int = 1) -> Any:
+        """The engine of one decoding config on the loaded model (the job's, or a shadow baseline's), with
+        room for ``streams`` rows at once: a cached engine with fewer is replaced (the job states it served
+        move to the new one)."""
         h = decoding.config_hash()
-        if h not in self._engines:
-            self._engines[h] = self._engine_factory(self._bundle, decoding)
+        old = self._engines.get(h)
+        if old is None or self._room[h] < streams:
+            engine = (self._engine_factory(self._bundle, decoding, streams=streams) if streams > 1
+                      else self._engine_factory(self._bundle, decoding))
+            self._engines[h], self._room[h] = engine, streams
+            for key, (e, state) in list(self._states.items()):
+                if e is old:
+                    self._states[key] = (engine, state)
         return self._engines[h]
+
+    @staticmethod
+    def _slots_for(spec: JobSpec) -> int:
+        """Rows at once an engine of this job needs room for: the setting (auto: the largest choice), at most
+        a shard's rows."""
+        want = spec.resources.streams_per_actor
+        top = max(AUTO_STREAMS) if want == "auto" else int(want)
+        return max(1, min(top, spec.output.shard_rows))
+
+    @staticmethod
+    def _width(engine: Any, spec: JobSpec, rows: int) -> int:
+        """B, the rows of this shard in flight at once: the setting, or with ``auto`` the engine's choice
+        among AUTO_STREAMS (``choose_streams``); at most the shard's ``rows``; 1 for an engine without
+        ``stream``."""
+        want = spec.resources.streams_per_actor
+        if not hasattr(engine, "stream"):
+            return 1
+        if want != "auto":
+            return max(1, min(int(want), rows))
+        choices = [b for b in AUTO_STREAMS if b <= max(1, rows)]
+        choose = getattr(engine, "choose_streams", None)
+        return int(choose(choices)) if choose is not None else 1
 
     def _state_for(self, job_id: str, engine: Any) -> Any:
         if job_id not in self._states:
@@ -263,8 +306,8 @@ class RowRunner:
         fields). Draft state is scoped to ``job_id``."""
         engine = self._engine_for(spec)
         state = self._state_for(job_id, engine)
-        return self._run_row(engine, state, spec, row, RowOrigin.of(base), job_id=job_id,
-                             should_cancel=lambda: False)
+        return drive(self._row_stream(engine, state, spec, row, RowOrigin.of(base), job_id=job_id,
+                                      should_cancel=lambda: False, streamed=False))
 
     # ---- one shard
     def run_shard(self, task: Union[ShardTask, dict]) -> dict:
@@ -277,8 +320,9 @@ class RowRunner:
         t0 = time.perf_counter()
         spec = self.spec_of(task)
         plan = task.plan if isinstance(task.plan, InputPlan) else InputPlan.from_dict(task.plan)
-        engine = self._engine_for(spec)
+        engine = self._engine_for(spec, streams=self._slots_for(spec))
         state = self._state_for(task.job_id, engine)
+        width = self._width(engine, spec, task.row_stop - task.row_start)
         verdict = self._make_probe(task)
         writer = ShardWriter(out_dir=spec.output.path, job_id=task.job_id, shard=task.shard, row_range=task.row_range,
                              spec_hash=task.spec_hash, fp_columns=answer_columns(spec.input))
@@ -286,27 +330,38 @@ class RowRunner:
                            device=str(getattr(engine.bundle, "device", "cpu")), model=spec.model.name,
                            method=spec.decoding.method, config_hash=spec.decoding.config_hash(), job_id=task.job_id)
         tally = Tally()
+        in_order = _InRowOrder(writer)
         stopped: Optional[str] = None
-        for row_idx, raw in self._rows(task, spec, plan):
+
+        def start(pos: int, row_idx: int, raw: dict) -> Optional[Generator]:
+            """Read one row: its stream, or None when it ends at once (the job was stopped)."""
+            nonlocal stopped
             row = parse_row(spec, row_idx, raw)
             writer.add_input(row_idx, row.id, raw)
             row_origin = dataclasses.replace(origin, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
             stopped = stopped or (None if verdict() == KEEP_GOING else verdict())
-            if stopped is not None:
-                rec = RowRecord.without_answer(status="cancelled", origin=row_origin,
-                                               error=f"job stopped before this row ran ({stopped})")
-            else:
-                rec, pair = self._run_row(engine, state, spec, row, row_origin, job_id=task.job_id,
-                                          should_cancel=lambda: verdict() != KEEP_GOING)
-                writer.observe_shadow(pair)
-                if rec.status == "cancelled":
-                    stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
+            if stopped is None:
+                return self._row_stream(engine, state, spec, row, row_origin, job_id=task.job_id,
+                                        should_cancel=lambda: verdict() != KEEP_GOING, streamed=width > 1)
+            end(pos, RowRecord.without_answer(status="cancelled", origin=row_origin,
+                                              error=f"job stopped before this row ran ({stopped})"), [])
+            return None
+
+        def end(pos: int, rec: RowRecord, pair: list[ShadowRecord]) -> None:
+            """A row ended: telemetry now, the part file in row order."""
+            nonlocal stopped
+            if rec.status == "cancelled":
+                stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
             rec.finished_at = now_utc()
-            writer.observe(rec)
             tally.observe_row(rec)
             self.sink.observe(rec, progress=tally)
+            in_order.end(pos, rec, pair)
+
+        stats = _feed(self._rows(task, spec, plan), width=width, start=start, end=end)
+        assert in_order.waiting == 0, f"shard {task.shard}: {in_order.waiting} rows ended before an earlier one"
         meta = writer.summary(tally, worker=self.worker_name, attempt=task.attempt,
-                              elapsed_s=time.perf_counter() - t0)
+                              elapsed_s=time.perf_counter() - t0, streams=width,
+                              batch_sizes={str(b): n for b, n in sorted(stats.sizes.items())})
         written = writer.commit(meta, stopped=stopped)
         return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)))
 
@@ -332,11 +387,13 @@ class RowRunner:
 
         return verdict
 
-    def _run_row(self, engine: Any, state: Any, spec: JobSpec, row: RowTask, origin: RowOrigin, *, job_id: str,
-                 should_cancel: Callable[[], bool]) -> tuple[RowRecord, list[ShadowRecord]]:
+    def _row_stream(self, engine: Any, state: Any, spec: JobSpec, row: RowTask, origin: RowOrigin, *, job_id: str,
+                    should_cancel: Callable[[], bool], streamed: bool) -> Generator[Any, Any, tuple[RowRecord, list]]:
         """Answer one row ``spec.n_samples`` times (sample 0 with the row's seed) and, when the row is in the
         shadow sample, once more with the baseline config right before or after sample 0.
-        Returns the output record and the shadow records ([] or [method, baseline])."""
+        A stream for a StreamBatch (``streamed``: the engine's forwards are yielded; else each answer is one
+        ``engine.generate`` call and nothing is yielded). Returns the output record and the shadow records
+        ([] or [method, baseline]); a row's own failures become its record, never an exception."""
         if row.error is not None:
             return RowRecord.without_answer(status="error", error=f"row {row.id!r}: {row.error}", origin=origin), []
         shadow = spec.shadow
@@ -344,20 +401,22 @@ class RowRunner:
         first = with_shadow and baseline_first(shadow.seed, row.id)
         pair: list[ShadowRecord] = []
         baseline = lambda ran_first: self._shadow_baseline(spec, row, origin, job_id=job_id,  # noqa: E731
-                                                           ran_first=ran_first, should_cancel=should_cancel)
+                                                           ran_first=ran_first, should_cancel=should_cancel,
+                                                           streamed=streamed)
         if first:
-            pair.append(baseline(True))
+            pair.append((yield from baseline(True)))
         answers: list[tuple[RowRecord, int]] = []  # (record, seed) per sample
         for k in range(spec.n_samples):
             params = row.params if k == 0 else row.params.model_copy(update={"seed": sample_seed(row.seed, k)})
-            rec = self._answer(engine, state, row, params, origin, should_cancel=should_cancel)
+            rec = yield from self._answer(engine, state, row, params, origin, should_cancel=should_cancel,
+                                          streamed=streamed)
             answers.append((rec, params.seed))
             if k == 0 and with_shadow:
                 method = dataclasses.replace(rec, finished_at=now_utc())
                 pair.insert(0, ShadowRecord(row=method, run="job", side="method", ran_first=not first,
                                             temperature=row.params.temperature, reference=row.reference))
                 if not first:
-                    pair.append(baseline(False))
+                    pair.append((yield from baseline(False)))
             if rec.status != "ok":
                 break
         if spec.n_samples == 1:
@@ -365,21 +424,22 @@ class RowRunner:
         return RowRecord.from_samples(answers), pair
 
     def _shadow_baseline(self, spec: JobSpec, row: RowTask, origin: RowOrigin, *, job_id: str, ran_first: bool,
-                         should_cancel: Callable[[], bool]) -> ShadowRecord:
+                         should_cancel: Callable[[], bool], streamed: bool) -> Generator[Any, Any, ShadowRecord]:
         """The baseline side of a shadow pair: the row's sample 0 with the shadow config, its own draft state."""
         assert spec.shadow is not None
         decoding = spec.shadow.decoding()
-        engine = self._engine_for_config(decoding)
+        engine = self._engine_for_config(decoding, streams=self._slots_for(spec))
         state = self._state_for(_shadow_key(job_id), engine)
-        rec = self._answer(engine, state, row, row.params,
-                           dataclasses.replace(origin, method=decoding.method, config_hash=decoding.config_hash()),
-                           should_cancel=should_cancel)
+        rec = yield from self._answer(engine, state, row, row.params,
+                                      dataclasses.replace(origin, method=decoding.method,
+                                                          config_hash=decoding.config_hash()),
+                                      should_cancel=should_cancel, streamed=streamed)
         rec.finished_at = now_utc()
         return ShadowRecord(row=rec, run="job", side="baseline", ran_first=ran_first,
                             temperature=row.params.temperature, reference=row.reference)
 
     def _answer(self, engine: Any, state: Any, row: RowTask, params: Any, origin: RowOrigin, *,
-                should_cancel: Callable[[], bool]) -> RowRecord:
+                should_cancel: Callable[[], bool], streamed: bool) -> Generator[Any, Any, RowRecord]:
         """One answer to the row (every turn) with these params, as a RowRecord (status ok, error or
         cancelled; the turns answered before an error count)."""
         turns: list[Any] = []
@@ -387,18 +447,22 @@ class RowRunner:
         def done(status: str, error: Optional[str]) -> RowRecord:
             return RowRecord.from_turns(turns, status=status, error=error, origin=origin)
 
+        def generate(prompt: Any) -> Generator[Any, Any, GenerationResult]:
+            if streamed:
+                return (yield from engine.stream(prompt, params, state=state, should_cancel=should_cancel))
+            return engine.generate(prompt, params, state=state, should_cancel=should_cancel)
+
         try:
             if row.turns is not None:
                 chat = list(row.chat or [])
                 for turn in row.turns:
                     chat.append({"role": "user", "content": turn})
-                    turns.append(engine.generate(chat, params, state=state, should_cancel=should_cancel))
+                    turns.append((yield from generate(chat)))
                     if turns[-1].finish_reason == "cancelled":
                         break
                     chat.append({"role": "assistant", "content": turns[-1].text})
             else:
-                turns.append(engine.generate(row.chat if row.chat is not None else row.raw, params, state=state,
-                                             should_cancel=should_cancel))
+                turns.append((yield from generate(row.chat if row.chat is not None else row.raw)))
         except ValueError as exc:
             return done("error", f"row {row.id!r}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a model failure on one row must not kill the job
@@ -407,6 +471,58 @@ class RowRunner:
         if turns and turns[-1].finish_reason == "cancelled":
             return done("cancelled", "cancelled during generation")
         return done("ok", None)
+
+
+def _feed(rows: Iterable[tuple[int, dict]], *, width: int,
+          start: Callable[[int, int, dict], Optional[Generator]],
+          end: Callable[[int, RowRecord, list[ShadowRecord]], None]) -> BatchStats:
+    """Continuous batching of a shard's rows: up to ``width`` in flight in one StreamBatch, a row that ends
+    making room for the next. ``start(pos, row_idx, raw)`` gives the row's stream (None: it ended already);
+    ``end(pos, record, shadow pair)`` takes each row that ran, in the order they end. ``pos`` counts the
+    shard's rows from 0. A stream that raises (not a row's failure: those are records) ends the shard with
+    its exception, as a failure outside the rows did before. Returns the batch's counters."""
+    batch = StreamBatch()
+    in_flight: set[int] = set()
+    it = enumerate(rows)
+    try:
+        while True:
+            while len(in_flight) < width and (got := next(it, None)) is not None:
+                pos, (row_idx, raw) = got
+                stream = start(pos, row_idx, raw)
+                if stream is not None:
+                    batch.add(pos, stream)
+                    in_flight.add(pos)
+            if not in_flight:
+                return batch.stats
+            for fin in batch.step():
+                in_flight.discard(fin.key)
+                if fin.error is not None:
+                    raise fin.error
+                end(fin.key, *fin.result)
+    finally:
+        batch.close()
+
+
+class _InRowOrder:
+    """Hands a shard's ended rows to its writer in row order (rows in flight together end in any order)."""
+
+    def __init__(self, writer: ShardWriter) -> None:
+        self.writer = writer
+        self._next = 0  # the position the writer takes next
+        self._ended: dict[int, tuple[RowRecord, list[ShadowRecord]]] = {}
+
+    @property
+    def waiting(self) -> int:
+        """Rows ended and held back for an earlier one."""
+        return len(self._ended)
+
+    def end(self, pos: int, rec: RowRecord, pair: list[ShadowRecord]) -> None:
+        self._ended[pos] = (rec, pair)
+        while self._next in self._ended:
+            rec, pair = self._ended.pop(self._next)
+            self.writer.observe_shadow(pair)
+            self.writer.observe(rec)
+            self._next += 1
 
 
 _SHADOW_SUFFIX = "\0shadow"

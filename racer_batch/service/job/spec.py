@@ -97,7 +97,9 @@ class GenerationDefaults(BaseModel):
 
 
 # Resources field -> (lowest, highest) allowed number; the field may also be "auto"
-_RESOURCE_RANGES = {"num_actors": (1, 4096), "torch_threads": (1, 512), "gpus_per_actor": (0, 16)}
+_RESOURCE_RANGES = {"num_actors": (1, 4096), "torch_threads": (1, 512), "gpus_per_actor": (0, 16),
+                    "streams_per_actor": (1, 64)}
+AUTO_STREAMS = (1, 2, 4, 8)  # the batch sizes ``streams_per_actor: auto`` chooses from (engine.choose_streams)
 
 
 class Resources(BaseModel):
@@ -114,8 +116,13 @@ class Resources(BaseModel):
     torch_threads: Union[int, Literal["auto"]] = Field(
         "auto", description="intra-op torch threads per actor (auto: 1; more actors beat more threads for small models)"
     )
+    streams_per_actor: Union[int, Literal["auto"]] = Field(
+        1, description="rows an actor decodes at once, their draft trees verified in one forward (1..64; auto: "
+        "the engine's measured best of 1, 2, 4, 8, at most the shard's rows). Outputs do not depend on it; each "
+        "stream holds a KV-cache slot of its own"
+    )
 
-    @field_validator("torch_threads", "num_actors", "gpus_per_actor")
+    @field_validator("torch_threads", "num_actors", "gpus_per_actor", "streams_per_actor")
     @classmethod
     def _in_range_or_auto(cls, v: Union[int, float, str], info: ValidationInfo) -> Union[int, float, str]:
         lo, hi = _RESOURCE_RANGES[info.field_name]

@@ -1,0 +1,352 @@
+"""Several rows of a shard in flight on one actor (``resources.streams_per_actor``, issue 14 part 3).
+
+The oracle is the same job at B = 1: with B rows decoded together (their draft trees verified in one
+forward, a finished row's place taken by the next row), every row's output must be that of the B = 1 run,
+whatever its batch-mates do (a bad row, a model error, a cancel). The part file keeps row order.
+
+The stand-in engine (tests/standin.py) answers from the prompt and seed only, never from ``ms_per_step`` or
+the batch: the B = 1 references of the Ray tests run it with ``ms_per_step=0`` to stay fast, and the
+comparisons leave out the columns that name the model, worker or times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from racer_batch.service.execution.local import make_executor, run_until_done
+from racer_batch.service.execution.runner import NullSink, RowRunner, ShardTask, default_engine
+from racer_batch.service.execution.worker import Worker
+from racer_batch.service.job.inputs import plan_input
+from racer_batch.service.job.spec import SpecError, load_spec
+from racer_batch.service.job.submit import submit_job
+from racer_batch.service.results.output import part_path, read_output
+from racer_batch.service.results.shadow import read_shadow
+from tests.fixtures import base_overrides, queue_url, submit_standin_job, write_parquet
+from tests.standin import RAISE_MARKER, StandInEngine
+
+pytestmark = pytest.mark.service
+ROOT = Path(__file__).resolve().parents[2]
+
+# the output columns, which must not depend on B (not times, worker, model name, finished_at)
+SAME = ("id", "row_idx", "shard", "route", "status", "error", "text", "turn_texts", "prompt_tokens",
+        "output_tokens", "finish_reason", "seed", "samples")
+# how the drafts fared: the same too unless the rows share a job-scoped draft state (then batch-mates learn
+# from each other in another order than at B = 1, and the real engine's drafts differ; never its outputs)
+STEPS = ("steps", "accepted_hist")
+
+
+def _content(rows: list[dict], *, steps: bool = True) -> dict[str, dict]:
+    """{id: the columns that must not depend on B} (``steps``: with STEPS)."""
+    return {r["id"]: {k: r[k] for k in SAME + (STEPS if steps else ())} for r in rows}
+
+
+def _shard_meta(out_dir, shard: int) -> dict:
+    return json.loads(pq.read_schema(part_path(out_dir, shard)).metadata[b"racer_batch.shard"])
+
+
+def _rows(n: int, *, bad: tuple[int, ...] = (), model_error: tuple[int, ...] = (), base_tokens: int = 6) -> list[dict]:
+    """``n`` rows of different lengths (per-row max_new_tokens); ``bad``: no prompt at all (a parse error);
+    ``model_error``: the stand-in raises on them."""
+    rows = []
+    for i in range(n):
+        prompt = None if i in bad else f"prompt {i} {RAISE_MARKER}" if i in model_error else f"prompt number {i}"
+        rows.append({"id": f"r{i:02d}", "prompt": prompt, "max_new_tokens": base_tokens + (7 * i) % 11})
+    return rows
+
+
+def _task(spec, *, job_id: str, shard: int = 0, lo: int = 0, hi: int) -> dict:
+    return ShardTask(job_id=job_id, shard=shard, row_start=lo, row_stop=hi, spec=spec.stored(),
+                     plan=plan_input(spec.input).to_dict(), spec_hash=spec.spec_hash(), owner="t").to_dict()
+
+
+class RecordingSink(NullSink):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def observe(self, record, *, progress) -> None:
+        self.seen.append(record.id)
+        assert progress.rows == len(self.seen)
+
+
+# ---- the setting
+def test_streams_per_actor_setting_is_a_resource():
+    """1..64 or auto, default 1; a resource, so not in the spec hash; the error names the key and value."""
+    over = {"input.path": "in.parquet", "output.path": "out"}
+    assert load_spec(None, over).resources.streams_per_actor == 1
+    four = load_spec(None, dict(over, **{"resources.streams_per_actor": 4}))
+    auto = load_spec(None, dict(over, **{"resources.streams_per_actor": "auto"}))
+    assert (four.resources.streams_per_actor, auto.resources.streams_per_actor) == (4, "auto")
+    assert four.spec_hash() == auto.spec_hash() == load_spec(None, over).spec_hash()
+    for bad in (0, 65, "many"):
+        with pytest.raises(SpecError, match="resources.streams_per_actor"):
+            load_spec(None, dict(over, **{"resources.streams_per_actor": bad}))
+
+
+def test_submit_flag_sets_streams_per_actor(cli, tmp_path, redis_url, prefix, queue):
+    """``submit --streams-per-actor`` sets the resource (an integer or auto); a bad value names the flag."""
+    from click.testing import CliRunner
+
+    write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
+    common = ["submit", "--input", str(tmp_path / "in.parquet"), "--model", "stand-in",
+              "--redis-url", redis_url, "--prefix", prefix]
+    for value, want in (("3", 3), ("auto", "auto")):
+        res = CliRunner().invoke(cli, [*common, "--output", str(tmp_path / f"o{value}"), "--streams-per-actor", value])
+        assert res.exit_code == 0, res.output
+        spec = json.loads(queue.job_fields(res.stdout.strip().splitlines()[0])["spec"])
+        assert spec["resources"]["streams_per_actor"] == want
+    for bad in ("0", "lots"):
+        res = CliRunner().invoke(cli, [*common, "--streams-per-actor", bad])
+        assert res.exit_code == 2 and "--streams-per-actor" in res.output, res.output
+
+
+# ---- the runner, directly (no Redis, no Ray)
+def test_runner_batches_rows_and_keeps_row_order(tmp_path):
+    """B = 4 on the stand-in: rows of different lengths with a bad row and a model error; the part file
+    holds the rows in row order, identical to B = 1; telemetry saw every row once; the forwards were
+    batched four at a time."""
+    rows = _rows(11, bad=(2,), model_error=(5,))
+    write_parquet(tmp_path / "in.parquet", rows)
+    out = {}
+    for b in (1, 4):
+        spec = load_spec(None, base_overrides(tmp_path, **{"output.path": str(tmp_path / f"b{b}"),
+                                                           "output.shard_rows": 11,
+                                                           "resources.streams_per_actor": b}))
+        sink = RecordingSink()
+        res = RowRunner(worker_name="t", sink=sink).run_shard(_task(spec, job_id=f"j{b}", hi=11))
+        assert res["written"] and res["rows"] == 11 and (res["ok"], res["error"]) == (9, 2)
+        assert res["streams"] == b
+        assert sorted(sink.seen) == [r["id"] for r in rows]
+        out[b] = read_output(spec.output.path).to_pylist()
+        assert [r["id"] for r in out[b]] == [r["id"] for r in rows]  # row order
+    assert _content(out[4]) == _content(out[1])
+    assert "all null" in _content(out[4])["r02"]["error"] and "model error" in _content(out[4])["r05"]["error"]
+    meta = _shard_meta(tmp_path / "b4", 0)
+    assert max(int(k) for k in meta["batch_sizes"]) == 4 and meta["streams"] == 4
+    assert _shard_meta(tmp_path / "b1", 0)["batch_sizes"] == {}  # B = 1: each row by engine.generate
+
+
+def test_auto_is_bounded_by_the_shards_rows_and_engines_grow(tmp_path):
+    """``auto`` asks the engine (the stand-in picks the most) among 1, 2, 4, 8 at most the shard's rows; a
+    later job wanting more streams gets an engine with more room, and the job states move to it."""
+    write_parquet(tmp_path / "in.parquet", _rows(3))
+    runner = RowRunner(worker_name="t")
+    spec = load_spec(None, base_overrides(tmp_path, **{"output.path": str(tmp_path / "a"),
+                                                       "resources.streams_per_actor": "auto"}))
+    assert runner.run_shard(_task(spec, job_id="a", hi=3))["streams"] == 2
+    engine = runner._states["a"][0]
+    assert engine.streams == 4  # shard_rows = 4 bounds the room made
+    spec8 = load_spec(None, base_overrides(tmp_path, **{"output.path": str(tmp_path / "b"), "output.shard_rows": 16,
+                                                        "resources.streams_per_actor": 8}))
+    assert runner.run_shard(_task(spec8, job_id="b", hi=3))["streams"] == 3
+    assert runner._states["a"][0] is runner._states["b"][0] and runner._states["a"][0].streams == 8
+
+
+def test_an_engine_without_stream_runs_one_row_at_a_time(tmp_path):
+    """An engine that only has ``generate`` (an older hook's) still serves a job asking for 4 streams."""
+
+    class OldEngine:
+        def __init__(self, bundle, cfg) -> None:
+            self._inner, self.bundle = StandInEngine(bundle, cfg), bundle
+
+        def new_state(self):
+            return self._inner.new_state()
+
+        def free_state(self, state) -> None:
+            self._inner.free_state(state)
+
+        def generate(self, *args, **kw):
+            return self._inner.generate(*args, **kw)
+
+    made = []
+    write_parquet(tmp_path / "in.parquet", _rows(4))
+    spec = load_spec(None, base_overrides(tmp_path, **{"resources.streams_per_actor": 4}))
+    runner = RowRunner(worker_name="t", engine_factory=lambda bundle, cfg, **kw: made.append(kw) or OldEngine(bundle, cfg))
+    for _ in range(2):
+        res = runner.run_shard(_task(spec, job_id="j", hi=4))
+        assert res["streams"] == 1 and res["ok"] == 4
+    assert made == [{"streams": 4}]  # made once, with room for 4 (it ignores it)
+
+
+# ---- a real tiny model (the engine's StreamBatch under the runner)
+class _ChatCharTokenizer:
+    """helpers.CharTokenizer with a tiny chat template: ``<role>content;`` per message, then ``<a>``."""
+
+    def __init__(self, base) -> None:
+        self._base = base
+        self.chat_template = "test"
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return self._base(text, add_special_tokens)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
+        text = "".join(f"<{m['role'][0]}>{m['content']};" for m in messages) + ("<a>" if add_generation_prompt else "")
+        known = self._base.ALPHABET[: self._base.vocab_size]
+        return self._base("".join(c if c in known else " " for c in text))["input_ids"]
+
+
+@pytest.mark.parametrize("scope", ["job", "request"])
+def test_tiny_model_b4_equals_b1_with_turns_samples_and_shadow(tmp_path, scope):
+    """The real engine on a tiny random model: B = 4 gives every row, sample and shadow record of B = 1,
+    with a multi-turn row, n_samples = 2 (sampled, seeded), a greedy row, a bad row and a shadow baseline
+    (ar) on every row. With draft state per request even the steps and acceptance are B = 1's; with the
+    job's shared state the rows learn from their batch-mates, so only the outputs must agree."""
+    import dataclasses
+
+    from helpers import tiny_bundle
+
+    base = tiny_bundle(seed=1, head_scale=60.0)
+    bundle = dataclasses.replace(base, tokenizer=_ChatCharTokenizer(base.tokenizer))
+    rows = [{"id": f"t{i}", "prompt": p, "turns": None, "temperature": None}
+            for i, p in enumerate(["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat",
+                                   "mississippi miss", "xyz"])]
+    rows[2] = {"id": "t2", "prompt": None, "turns": ["abab abab", "and again", "once more"], "temperature": None}
+    rows[4]["temperature"] = 0.0
+    rows.append({"id": "bad", "prompt": None, "turns": None, "temperature": None})
+    write_parquet(tmp_path / "in.parquet", rows)
+    out, shadow, sizes = {}, {}, {}
+    widths = (1, 4, "auto") if scope == "request" else (1, 4)
+    for b in widths:
+        spec = load_spec(None, {
+            "input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / f"b{b}"),
+            "output.shard_rows": len(rows), "model.name": "tiny-test", "decoding.method": "racer",
+            "decoding.capacity": 8, "decoding.scope": scope, "generation.max_new_tokens": 14, "generation.temperature": 0.8,
+            "n_samples": 2, "shadow.config": {"method": "ar"}, "shadow.fraction": 1.0,
+            "resources.streams_per_actor": b})
+        runner = RowRunner(worker_name="t", loader=lambda model, **kw: bundle, engine_factory=default_engine)
+        res = runner.run_shard(_task(spec, job_id="tiny", hi=len(rows)))
+        assert res["written"] and (res["ok"], res["error"]) == (6, 1), res
+        out[b] = read_output(spec.output.path).to_pylist()
+        shadow[b] = sorted(((r["id"], r["side"], r["ran_first"], r["text"], r["status"])
+                            for r in read_shadow(spec.output.path).to_pylist()))
+        sizes[b] = _shard_meta(spec.output.path, 0)["batch_sizes"]
+        assert runner._engines[spec.decoding.config_hash()].streams == (len(rows) if b == "auto" else b)
+    for b in widths[1:]:
+        assert _content(out[b], steps=scope == "request") == _content(out[1], steps=scope == "request"), b
+        assert shadow[b] == shadow[1] and len(shadow[1]) == 2 * 6
+    assert {r["side"] for r in read_shadow(tmp_path / "b4").to_pylist()} == {"method", "baseline"}
+    assert max(int(k) for k in sizes[4]) >= 3  # rows really shared forwards
+    t2 = _content(out[4])["t2"]
+    assert len(t2["turn_texts"]) == 3 and [s["sample"] for s in t2["samples"]] == [0, 1]
+    assert all(len(r["samples"]) == 2 for r in out[4] if r["status"] == "ok")
+
+
+# ---- against the real Redis and a local Ray (stand-in engine)
+def _reference(queue, tmp_path: Path, rows: list[dict], **over) -> dict[str, dict]:
+    """The B = 1 outputs of the job (the stand-in without its sleep: same words, see the module docstring)."""
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
+        "model.name": "stand-in?mat=1", "output.path": str(tmp_path / "ref"), "resources.streams_per_actor": 1}))
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
+    return _content(read_output(spec.output.path).to_pylist())
+
+
+def _each_id_once(out_dir, rows: list[dict]) -> list[dict]:
+    got = read_output(out_dir).to_pylist()
+    ids = [r["id"] for r in got]
+    assert sorted(ids) == [r["id"] for r in rows], "every id exactly once"
+    return got
+
+
+def test_b4_job_cancelled_mid_shard_then_resumed_equals_b1(ray_session, queue, redis_url, tmp_path):
+    """B = 4 on a Ray actor, with a bad row and a model error, cancelled while a shard has rows done, rows in
+    flight and rows not started: the rows in flight end ``cancelled`` at their next step, those not started
+    are marked so, the rows that ended are B = 1's; re-submitted, the job ends with every id once and every
+    output identical to the B = 1 run."""
+    from tests.reliability.util import BackgroundWorker, wait_for
+
+    rows = _rows(30, bad=(13,), model_error=(16,), base_tokens=30)
+    over = {"output.shard_rows": 10}
+    ref = _reference(queue, tmp_path, rows, **over)
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
+        "model.name": "stand-in?ms_per_step=25&mat=1", "output.path": str(tmp_path / "b4"),
+        "resources.streams_per_actor": 4}))
+    executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="b4")
+    bg = BackgroundWorker(Worker(queue, executor, name="b4", lease_s=10), max_jobs=1, idle_exit_s=30).start()
+    try:
+        def shard1_partly_done() -> bool:
+            got = queue.r.hget(queue.k_job(sub.job_id, "inflight"), "1")
+            return got is not None and json.loads(got)["rows"] >= 3
+
+        wait_for(shard1_partly_done, timeout_s=90, what="shard 1 with some rows done", poll_s=0.005)
+        assert queue.cancel(sub.job_id) == "cancelling"
+        wait_for(lambda: queue.status(sub.job_id).state == "cancelled", timeout_s=60, what="the job to end")
+        bg.thread.join(timeout=60)
+        assert bg.error is None, bg.error
+    finally:
+        bg.stop()
+        executor.shutdown()
+    partial = {r["id"]: r for r in pq.read_table(part_path(spec.output.path, 1)).to_pylist()}
+    assert sorted(partial) == [f"r{i}" for i in range(10, 20)]  # the stopped shard, written for inspection
+    in_flight = [i for i, r in partial.items() if r["status"] == "cancelled" and r["finish_reason"] == "cancelled"]
+    not_started = [i for i, r in partial.items() if r["status"] == "cancelled" and "before this row ran" in r["error"]]
+    ended = [i for i, r in partial.items() if r["status"] != "cancelled"]
+    assert in_flight and not_started and len(ended) >= 3, {i: (r["status"], r["error"]) for i, r in partial.items()}
+    assert all(0 < partial[i]["output_tokens"] < ref[i]["output_tokens"] for i in in_flight)
+    assert _content(list(map(partial.get, ended))) == {i: ref[i] for i in ended}
+    assert ref["r13"]["status"] == "error" and "r13" in ended  # the bad row ends at once, alone
+    assert _shard_meta(spec.output.path, 0)["streams"] == 4
+    assert max(int(k) for k in _shard_meta(spec.output.path, 0)["batch_sizes"]) == 4
+
+    again = submit_job(queue, spec)
+    assert again.job_id == sub.job_id and again.action == "resumed"
+    assert run_until_done(queue, sub.job_id, url=redis_url, prefix=queue.prefix, executor_kind="ray").state == "done"
+    assert _content(_each_id_once(spec.output.path, rows)) == ref
+    st = queue.status(sub.job_id)
+    assert st.rows_done == 30 and (st.totals.ok, st.totals.error) == (28, 2)
+
+
+def test_b4_worker_killed_mid_job_resumed_elsewhere_equals_b1(ray_session, queue, redis_url, tmp_path):
+    """A worker running B = 4 is SIGKILLed mid-shard; a second worker (Ray actors) reclaims the expired
+    lease and finishes the job: every id exactly once, every output identical to the B = 1 run."""
+    rows = _rows(24, bad=(5,), model_error=(18,), base_tokens=16)
+    over = {"output.shard_rows": 8}
+    ref = _reference(queue, tmp_path, rows, **over)
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
+        "model.name": "stand-in?ms_per_step=20&mat=1", "output.path": str(tmp_path / "b4"),
+        "resources.streams_per_actor": 4}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "racer_batch", "worker", "--no-ray", "--lease-s", "3",
+         "--redis-url", redis_url, "--prefix", queue.prefix, "--name", "doomed"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def mid_job() -> bool:  # a shard committed and another one part done
+            inflight = queue.r.hgetall(queue.k_job(sub.job_id, "inflight"))
+            return queue.status(sub.job_id).shards_done >= 1 and any(
+                0 < json.loads(v)["rows"] < 8 for v in inflight.values())
+
+        deadline = time.monotonic() + 90
+        while not mid_job() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.005)
+        assert mid_job(), "the doomed worker never got mid-job"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    st = queue.status(sub.job_id)
+    assert st.state == "running" and st.owner == "doomed" and st.shards_done < 3
+    w = Worker(queue, make_executor("ray", url=redis_url, prefix=queue.prefix, name="rescuer"), name="rescuer",
+               lease_s=3)
+    try:
+        assert w.run(max_jobs=1, idle_exit_s=20) == 1
+    finally:
+        w.executor.shutdown()
+    st = queue.status(sub.job_id)
+    assert st.state == "done" and st.rows_done == 24 and int(queue.job_fields(sub.job_id)["attempts"]) == 2
+    assert _content(_each_id_once(spec.output.path, rows)) == ref
+    metas = [_shard_meta(spec.output.path, s) for s in range(3)]
+    assert any(m["worker"].startswith("rescuer") for m in metas) and all(m["streams"] == 4 for m in metas)
+    assert all(max(int(k) for k in m["batch_sizes"]) == 4 for m in metas)
