@@ -25,6 +25,7 @@ under the model's chat template, short and long categories alternating (``pick_p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -420,8 +421,11 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
     for s in settings:
         t0 = time.perf_counter()
         engine = Engine(bundle, s.config(), streams=max(bs))
-        shortest = min(prompt_ids, key=len)
-        engine.generate(shortest, GenerationParams(max_new_tokens=8))  # first-touch costs, outside the rounds
+        # first-touch costs outside the rounds: the longest prompt's prefill chunks, and the KV cache grown (all
+        # slots) to what the longest row needs, a few steps decoded, then cancelled
+        ticks = itertools.count()
+        engine.generate(max(prompt_ids, key=len), GenerationParams(max_new_tokens=max_new_tokens),
+                        should_cancel=lambda: next(ticks) >= 4)
         engines[s.label] = engine
         engine_info[s.label] = {"config": s.config().model_dump(mode="json"), "runner": engine.runner.kind,
                                 "matmul": getattr(engine.runner, "matmul", None),
