@@ -14,7 +14,8 @@ Lossless in the same run: every row's tokens at every B are compared with the B=
 method+capacity and with ``ar`` at B=1 of the same round (greedy decoding is lossless, so all equal);
 the mismatch count (must be 0) is in the output. Prompts: a deterministic sample of Spec-Bench first turns
 under the model's chat template, short and long categories alternating (``pick_prompts``). Writes
-``<out>/throughput-<stamp>.json`` and ``.md``, rewritten after every round (a run stopped midway keeps its data).
+``<out>/throughput-<stamp>.json`` and ``.md``, rewritten after every contender (a run stopped midway keeps
+what it measured).
 
     python scripts/throughput_bench.py                                   # the full grid (long: ~1 h here)
     python scripts/throughput_bench.py --smoke                           # 2 prompts, 16 tokens, B 1 and 2
@@ -221,13 +222,15 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare_round(outputs: dict[str, list[list[int]]], settings: list[Setting], bs: list[int]) -> list[dict]:
-    """The mismatches of one round: each contender's rows against the smallest B of the same setting, and
-    against ``ar`` at the smallest B (when ar ran). One dict per mismatching row: contender, reference, row,
-    first differing position."""
-    out = []
+def compare_round(outputs: dict[str, list[list[int]]], settings: list[Setting], bs: list[int]) -> tuple[list[dict], int]:
+    """The mismatches of one round (``outputs``: contender -> rows, the contenders run so far): each
+    contender's rows against the smallest B of the same setting, and against ``ar`` at the smallest B (when ar
+    ran). Returns (one dict per mismatching row: contender, reference, row, first differing position; the
+    number of row comparisons made)."""
+    out, compared = [], 0
     b0 = min(bs)
-    ar = outputs.get(contender_label(Setting("ar", "ar", 1), b0))
+    ar_label = contender_label(Setting("ar", "ar", 1), b0)
+    ar = outputs.get(ar_label)
     for s in settings:
         own = outputs.get(contender_label(s, b0))
         for b in bs:
@@ -238,28 +241,17 @@ def compare_round(outputs: dict[str, list[list[int]]], settings: list[Setting], 
             refs = []
             if b != b0 and s.method != "ar":
                 refs.append((contender_label(s, b0), own))
-            if ar is not None and (s.method != "ar" or b != b0):
-                refs.append((contender_label(Setting("ar", "ar", 1), b0), ar))
+            if s.method != "ar" or b != b0:
+                refs.append((ar_label, ar))
             for ref_label, ref in refs:
                 if ref is None:
                     continue
                 for row_idx, (got, want) in enumerate(zip(rows, ref)):
+                    compared += 1
                     pos = first_difference(got, want)
                     if pos is not None:
                         out.append({"contender": label, "reference": ref_label, "row": row_idx, "position": pos})
-    return out
-
-
-def compared_rows(settings: list[Setting], bs: list[int], n_prompts: int, *, with_ar: bool) -> int:
-    """How many (row, reference) comparisons ``compare_round`` makes in one full round."""
-    b0, n = min(bs), 0
-    for s in settings:
-        for b in bs:
-            if s.method == "ar":
-                n += with_ar and b != b0
-            else:
-                n += (b != b0) + with_ar
-    return n * n_prompts
+    return out, compared
 
 
 # ---- summary ----
@@ -360,8 +352,11 @@ def write_results(d: dict, out_dir: Path, *, stamp: str) -> tuple[Path, Path]:
 
 def render_md(d: dict) -> str:
     m, s, loss = d["machine"], d["settings"], d["lossless"]
-    done = f"{s['rounds_done']} of {s['rounds']} rounds" + ("" if s["rounds_done"] == s["rounds"] else
-                                                            " (**partial: the run is unfinished or was stopped**)")
+    done = f"{s['rounds_done']} of {s['rounds']} rounds"
+    if s.get("contenders_in_partial_round"):
+        done += f" and {s['contenders_in_partial_round']} contenders of the next"
+    if s["rounds_done"] < s["rounds"]:
+        done += " (**partial: the run is unfinished or was stopped**)"
     lens = s["prompt_tokens"]
     lines = [f"# Throughput of one actor, B streams per forward ({d['stamp']})", "",
              f"Reproduce: `{d['command']}`", "",
@@ -414,7 +409,7 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
         rounds: int, on_round: Optional[Callable[[dict], None]] = None, system_prompt: Optional[str] = None,
         command: str = "", stamp: str = "", prompt_source: str = "given prompts") -> dict:
     """Build one engine per setting, then ``rounds`` interleaved rounds over every (setting, B); returns the
-    result dict (``on_round`` gets it after every round too)."""
+    result dict (``on_round`` gets the results so far after every contender too)."""
     prompt_ids = [encode_prompt(bundle.tokenizer, p, system_prompt=system_prompt) for p in prompts]
     engines: dict[str, Engine] = {}
     engine_info: dict[str, dict] = {}
@@ -431,14 +426,40 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
                                 "matmul": getattr(engine.runner, "matmul", None),
                                 "setup_s": round(time.perf_counter() - t0, 1),
                                 "cost_curve_ms": ({str(k): round(v, 2) for k, v in engine.cost_curve_ms.items()}
-                                                  if engine.tuner is not None else None)}
+                                                  if engine.tuner is not None else None),
+                                "auto_candidates": engine.tuner.candidates if engine.tuner is not None else None}
         log.info("engine %s ready in %.1f s", s.label, engine_info[s.label]["setup_s"])
     contenders = [(s, b) for s in settings for b in bs]
     runs: dict[str, list[Optional[RunRecord]]] = {contender_label(s, b): [] for s, b in contenders}
     mismatches: list[dict] = []
-    with_ar = any(s.method == "ar" for s in settings)
     d: dict = {}
     load_start = _loadavg()
+    compared = 0
+
+    def snapshot(rnd: int, outputs: dict[str, list[list[int]]]) -> dict:
+        """The results so far: rounds before ``rnd`` complete, round ``rnd`` up to the contenders in ``outputs``."""
+        now, n_now = compare_round(outputs, settings, bs)
+        bad = mismatches + [dict(x, round=rnd + 1) for x in now]
+        rows = summarize(runs, settings, bs)
+        for row in rows:
+            row["mismatches"] = sum(x["contender"] == row["contender"] for x in bad)
+        full = len(outputs) == len(contenders)
+        return {
+            "command": command, "stamp": stamp, "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+                        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+                        "load_start": load_start, "load_now": _loadavg()},
+            "settings": {"model": bundle.name, "prompts": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids],
+                         "prompt_source": prompt_source, "max_new_tokens": max_new_tokens, "streams": bs,
+                         "rounds": rounds, "rounds_done": rnd + 1 if full else rnd,
+                         "contenders_in_partial_round": 0 if full else len(outputs),
+                         "settings": [s.label for s in settings], "system_prompt": system_prompt},
+            "engines": engine_info,
+            "lossless": {"mismatches": len(bad), "compared": compared + n_now, "examples": bad[:5]},
+            "rows": rows,
+            "runs": {label: [r.to_dict() for r in recs] for label, recs in runs.items()},
+        }
+
     for rnd in range(rounds):
         k = rnd % len(contenders)
         outputs: dict[str, list[list[int]]] = {}
@@ -447,27 +468,12 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
             runs[contender_label(s, b)].append(rec)
             outputs[contender_label(s, b)] = rec.tokens
             log.info("round %d %s: %.2f tokens/s", rnd + 1, contender_label(s, b), rec.tokens_per_s)
-        mismatches += [dict(x, round=rnd + 1) for x in compare_round(outputs, settings, bs)]
-        rows = summarize(runs, settings, bs)
-        for row in rows:
-            row["mismatches"] = sum(x["contender"] == row["contender"] for x in mismatches)
-        d = {
-            "command": command, "stamp": stamp, "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-                        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                        "load_start": load_start, "load_now": _loadavg()},
-            "settings": {"model": bundle.name, "prompts": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids],
-                         "prompt_source": prompt_source, "max_new_tokens": max_new_tokens, "streams": bs, "rounds": rounds, "rounds_done": rnd + 1,
-                         "settings": [s.label for s in settings], "system_prompt": system_prompt},
-            "engines": engine_info,
-            "lossless": {"mismatches": len(mismatches),
-                         "compared": compared_rows(settings, bs, len(prompt_ids), with_ar=with_ar) * (rnd + 1),
-                         "examples": mismatches[:5]},
-            "rows": rows,
-            "runs": {label: [r.to_dict() for r in recs] for label, recs in runs.items()},
-        }
-        if on_round is not None:
-            on_round(d)
+            d = snapshot(rnd, outputs)
+            if on_round is not None:  # after every contender: a run stopped midway keeps what it measured
+                on_round(d)
+        now, n_now = compare_round(outputs, settings, bs)
+        mismatches += [dict(x, round=rnd + 1) for x in now]
+        compared += n_now
     return d
 
 
@@ -537,7 +543,7 @@ def main(argv: Optional[list[str]] = None, *, bundle: Optional[ModelBundle] = No
 
     def write(d: dict) -> None:
         paths[:] = write_results(d, out, stamp=stamp)
-        log.info("wrote %s (round %d of %d)", paths[1], d["settings"]["rounds_done"], d["settings"]["rounds"])
+        log.info("wrote %s (%d of %d rounds done)", paths[1], d["settings"]["rounds_done"], d["settings"]["rounds"])
 
     d = run(bundle, prompts, settings=settings, bs=bs, max_new_tokens=args.max_new_tokens, rounds=args.rounds,
             on_round=write, system_prompt=args.system, command=command, stamp=stamp, prompt_source=source)
