@@ -442,7 +442,8 @@ def write_md(d: dict, path: Path) -> None:
                   f"slot with ~{c['context_tokens']} cached tokens; median of {c['repeats']} interleaved repeats. "
                   "x B=1: tokens per ms over B=1's at the same N (B x t(1, N) / t(B, N)); path: how the runner "
                   "verified the batch (`per-stream`: one forward per stream).", "",
-                  "| B | N | ms per forward | tokens per forward | tokens per ms | throughput x B=1 | ms x B=1 | path |",
+                  "| B | N | ms per forward | tokens per forward | tokens per ms | throughput x B=1 | ms x B=1 "
+                  "| path |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in bv["rows"]:
             lines.append(f"| {r['streams']} | {r['nodes']} | {r['ms']} | {r['tokens_per_forward']} | "

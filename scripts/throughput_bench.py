@@ -153,7 +153,8 @@ class RunRecord:
                 "stream_steps": self.stream_steps, "sizes": {str(k): v for k, v in sorted(self.sizes.items())},
                 "prefills": self.prefills, "prefill_ms": round(self.prefill_ms, 1), "stall_ms": round(self.stall_ms, 1),
                 "stall_stream_ms": round(self.stall_stream_ms, 1), "verify_ms": round(self.verify_ms, 1),
-                "row_steps": self.row_steps, "mat": round(self.output_tokens / self.row_steps, 3) if self.row_steps else None,
+                "row_steps": self.row_steps,
+                "mat": round(self.output_tokens / self.row_steps, 3) if self.row_steps else None,
                 "row_capacities": {str(k): v for k, v in sorted(self.row_capacities.items())},
                 "tuner_choice": self.tuner_choice}
 
@@ -222,7 +223,8 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare_round(outputs: dict[str, list[list[int]]], settings: list[Setting], bs: list[int]) -> tuple[list[dict], int]:
+def compare_round(outputs: dict[str, list[list[int]]], settings: list[Setting],
+                  bs: list[int]) -> tuple[list[dict], int]:
     """The mismatches of one round (``outputs``: contender -> rows, the contenders run so far): each
     contender's rows against the smallest B of the same setting, and against ``ar`` at the smallest B (when ar
     ran). Returns (one dict per mismatching row: contender, reference, row, first differing position; the
@@ -306,7 +308,8 @@ def summarize(runs: dict[str, list[Optional[RunRecord]]], settings: list[Setting
                 "prefill_ms_per_join": _r(med(lambda r: r.prefill_ms / r.prefills if r.prefills else None), 1),
                 "prefill_share": _r(med(lambda r: r.prefill_ms / 1000.0 / r.wall_s), 4),
                 "stall_share": _r(med(lambda r: r.stall_ms / 1000.0 / r.wall_s), 4),
-                "stall_stream_ms_per_join": _r(med(lambda r: r.stall_stream_ms / r.prefills if r.prefills else None), 1),
+                "stall_stream_ms_per_join": _r(med(lambda r: r.stall_stream_ms / r.prefills if r.prefills else None),
+                                               1),
                 "tuner_capacity": statistics.median_low(choices) if choices else None,
                 "row_capacities": caps or None,
                 "wall_s": _r(med(lambda r: r.wall_s), 2),
@@ -363,7 +366,8 @@ def render_md(d: dict) -> str:
              f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']} with {m['torch_threads']} threads; load "
              f"average {m['load_start']} at start, {m['load_now']} at the last write.", "",
              f"Settings: model {s['model']}, {s['prompts']} {s['prompt_source']} (prompt tokens "
-             f"{min(lens)}..{max(lens)}, median {statistics.median(lens):g}), {s['max_new_tokens']} new tokens, greedy, "
+             f"{min(lens)}..{max(lens)}, median {statistics.median(lens):g}), {s['max_new_tokens']} new tokens, "
+             "greedy, "
              f"B in {s['streams']}, {done}, contenders interleaved in an order rotated per round. One Engine per "
              f"config ({', '.join(s['settings'])}) with streams={max(s['streams'])}; a fresh job draft state per "
              "contender and round.", "",
@@ -449,7 +453,8 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
             "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                         "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                         "load_start": load_start, "load_now": _loadavg()},
-            "settings": {"model": bundle.name, "prompts": len(prompt_ids), "prompt_tokens": [len(p) for p in prompt_ids],
+            "settings": {"model": bundle.name, "prompts": len(prompt_ids),
+                         "prompt_tokens": [len(p) for p in prompt_ids],
                          "prompt_source": prompt_source, "max_new_tokens": max_new_tokens, "streams": bs,
                          "rounds": rounds, "rounds_done": rnd + 1 if full else rnd,
                          "contenders_in_partial_round": 0 if full else len(outputs),
@@ -490,7 +495,8 @@ def parse_list(text: str, *, allow_auto: bool = False) -> list:
         elif item.isdigit() and int(item) > 0:
             out.append(int(item))
         else:
-            raise argparse.ArgumentTypeError(f"{item!r} is not a positive integer" + (" or 'auto'" if allow_auto else ""))
+            what = "a positive integer" + (" or 'auto'" if allow_auto else "")
+            raise argparse.ArgumentTypeError(f"{item!r} is not {what}")
     if not out:
         raise argparse.ArgumentTypeError("empty list")
     return out
