@@ -357,7 +357,8 @@ def render_md(d: dict) -> str:
     m, s, loss = d["machine"], d["settings"], d["lossless"]
     done = f"{s['rounds_done']} of {s['rounds']} rounds"
     if s.get("contenders_in_partial_round"):
-        done += f" and {s['contenders_in_partial_round']} contenders of the next"
+        done += (f" and {s['contenders_in_partial_round']} of the {s['contenders']} contenders of round "
+                 f"{s['rounds_done'] + 1}")
     if s["rounds_done"] < s["rounds"]:
         done += " (**partial: the run is unfinished or was stopped**)"
     lens = s["prompt_tokens"]
@@ -457,7 +458,7 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
                          "prompt_tokens": [len(p) for p in prompt_ids],
                          "prompt_source": prompt_source, "max_new_tokens": max_new_tokens, "streams": bs,
                          "rounds": rounds, "rounds_done": rnd + 1 if full else rnd,
-                         "contenders_in_partial_round": 0 if full else len(outputs),
+                         "contenders": len(contenders), "contenders_in_partial_round": 0 if full else len(outputs),
                          "settings": [s.label for s in settings], "system_prompt": system_prompt},
             "engines": engine_info,
             "lossless": {"mismatches": len(bad), "compared": compared + n_now, "examples": bad[:5]},

@@ -297,3 +297,16 @@ def test_throughput_bench_prompts_alternate_short_and_long(throughput):
     first = [len(it.turns[0]) for it in items[:6]]
     assert len({it.group for it in items[:6]}) == 6  # one per category before any repeats
     assert first[1] > first[0] and first[1] > first[2]  # short, long, short, ...
+
+
+def test_throughput_bench_writes_partial_results_after_every_contender(throughput):
+    S = throughput.Setting
+    snaps = []
+    d = throughput.run(tiny_bundle(seed=1, head_scale=60.0), ["abcabcabd", "hello world, hello"],
+                       settings=[S("ar", "ar", 1), S("racer-c8", "racer", 8)], bs=[1, 2], max_new_tokens=8,
+                       rounds=1, on_round=snaps.append)
+    assert [s["settings"]["contenders_in_partial_round"] for s in snaps] == [1, 2, 3, 0]
+    assert [s["settings"]["rounds_done"] for s in snaps] == [0, 0, 0, 1] and snaps[-1] is d
+    assert [len(s["rows"]) for s in snaps] == [1, 2, 3, 4]
+    assert [s["lossless"]["compared"] for s in snaps] == [0, 2, 4, 8] and d["lossless"]["mismatches"] == 0
+    assert "**partial" in throughput.render_md(snaps[1]) and "**partial" not in throughput.render_md(d)
