@@ -30,9 +30,10 @@ weights built from its config on the GPU, so nothing is downloaded. Steps:
    every stream on its own KV-cache slot holding its own cached context (``--context`` minus 8 tokens per
    stream index, so the slots differ), for B in ``--batch-streams`` and N in ``--batch-nodes``, interleaved
    like step 1, on the default runner. Reported: ms per forward, tokens per forward (B x N) and the
-   throughput ratio to B=1 at the same N (``B x t(1, N) / t(B, N)``), and which path ran:
-   ``runner.last_batch_path`` when the runner sets it, else ``concatenated`` (our CPU kernels: one forward
-   over all rows) or ``per-stream`` (one ``verify_tree`` per stream).
+   throughput ratio to B=1 at the same N (``B x t(1, N) / t(B, N)``), and which path ran, as the runner's
+   ``last_batch_path`` says (``segments``: our CPU kernels, one forward over all rows; ``padded`` /
+   ``padded-graph``: the ``[B_pad, N_pad]`` static step, on CUDA one graph per bucket; ``per-stream``: one
+   ``verify_tree`` per stream, which is also how a single stream goes).
 
 ``--tiny`` runs the same steps on a tiny Llama on the CPU (float32) in seconds, with the eager and static
 runners only (``--compile-cpu`` adds the compiled one: minutes of compilation): the smoke test the suite
@@ -264,15 +265,15 @@ def random_tree(gen: torch.Generator, size: int, vocab: int) -> Draft:
 
 def batch_path(runner: Any, streams: int) -> str:
     """Which way ``verify_batch`` verified ``streams`` trees: the runner's own ``last_batch_path`` when it
-    keeps one, else ``single`` (one stream), ``concatenated`` (our CPU kernels: one forward over every
-    stream's rows) or ``per-stream`` (one ``verify_tree`` per stream: the CUDA / compiled fallback)."""
+    keeps one, else a guess for a runner that does not say: ``single`` (one stream), ``segments`` (our CPU
+    kernels: one forward over every stream's rows) or ``per-stream`` (one ``verify_tree`` per stream)."""
     path = getattr(runner, "last_batch_path", None)
     if path is not None:
         return str(path)
     if streams == 1:
         return "single"
     on_kernels = getattr(runner, "_ops", None) is not None and not getattr(runner, "compile_requested", False)
-    return "concatenated" if on_kernels else "per-stream"
+    return "segments" if on_kernels else "per-stream"
 
 
 @torch.inference_mode()
@@ -441,7 +442,7 @@ def write_md(d: dict, path: Path) -> None:
                   f"`runner.verify_batch` over B streams' random trees of N nodes, each stream on its own KV-cache "
                   f"slot with ~{c['context_tokens']} cached tokens; median of {c['repeats']} interleaved repeats. "
                   "x B=1: tokens per ms over B=1's at the same N (B x t(1, N) / t(B, N)); path: how the runner "
-                  "verified the batch (`per-stream`: one forward per stream).", "",
+                  "verified the batch (`runner.last_batch_path`; `per-stream`: one forward per stream).", "",
                   "| B | N | ms per forward | tokens per forward | tokens per ms | throughput x B=1 | ms x B=1 "
                   "| path |",
                   "|---|---|---|---|---|---|---|---|"]

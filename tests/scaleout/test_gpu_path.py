@@ -111,8 +111,9 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
     for r in bv["rows"]:
         assert r["ms"] > 0 and r["tokens_per_forward"] == r["streams"] * r["nodes"]
         assert r["throughput_vs_b1"] == pytest.approx(r["streams"] / r["ms_vs_b1"], rel=0.01)
-        assert r["path"] == ("single" if r["streams"] == 1 else
-                             "concatenated" if cpu_ops() is not None else "per-stream")
+        # the runner's own word: one stream goes alone, several in one forward (our CPU kernels' segments, else
+        # the padded [B, N] step)
+        assert r["path"] == ("per-stream" if r["streams"] == 1 else "segments" if cpu_ops() is not None else "padded")
     md = (tmp_path / "out" / "gpu_bench-tiny-cpu.md").read_text()
     assert "## Batched verify: B streams x N tree nodes in one call (static)" in md
     assert "say nothing about a GPU" in md
