@@ -26,6 +26,15 @@ weights built from its config on the GPU, so nothing is downloaded. Steps:
    ``--mat``; and, per T, the MAT needed to break even. MAT depends on the capacity: only the row at the
    benchmark's capacity is a projection, the others show the cost side.
 
+5. Batched verify (issue 14): one ``runner.verify_batch`` call over B streams' draft trees of N nodes each,
+   every stream on its own KV-cache slot holding its own cached context (``--context`` minus 8 tokens per
+   stream index, so the slots differ), for B in ``--batch-streams`` and N in ``--batch-nodes``, interleaved
+   like step 1, on the default runner. Reported: ms per forward, tokens per forward (B x N) and the
+   throughput ratio to B=1 at the same N (``B x t(1, N) / t(B, N)``), and which path ran, as the runner's
+   ``last_batch_path`` says (``segments``: our CPU kernels, one forward over all rows; ``padded`` /
+   ``padded-graph``: the ``[B_pad, N_pad]`` static step, on CUDA one graph per bucket; ``per-stream``: one
+   ``verify_tree`` per stream, which is also how a single stream goes).
+
 ``--tiny`` runs the same steps on a tiny Llama on the CPU (float32) in seconds, with the eager and static
 runners only (``--compile-cpu`` adds the compiled one: minutes of compilation): the smoke test the suite
 runs. A runner that fails (construction, warm-up, a timed forward, a decode) is dropped and its error
@@ -246,6 +255,81 @@ def measure_interleaved(runners: dict[str, Any], capacities: list[int], *, bundl
     return {name: {t: statistics.median(times[name][t]) for t in sizes} for name in live}
 
 
+# ---- batched verify: B streams x N tree nodes in one verify_batch call ----
+def random_tree(gen: torch.Generator, size: int, vocab: int) -> Draft:
+    """A draft tree of ``size`` nodes with random tokens and random parents (node 0 the root)."""
+    toks = torch.randint(0, vocab, (size,), generator=gen).tolist()
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
+    return Draft(toks, parents, [0] * size)
+
+
+def batch_path(runner: Any, streams: int) -> str:
+    """Which way ``verify_batch`` verified ``streams`` trees: the runner's own ``last_batch_path`` when it
+    keeps one, else a guess for a runner that does not say: ``single`` (one stream), ``segments`` (our CPU
+    kernels: one forward over every stream's rows) or ``per-stream`` (one ``verify_tree`` per stream)."""
+    path = getattr(runner, "last_batch_path", None)
+    if path is not None:
+        return str(path)
+    if streams == 1:
+        return "single"
+    on_kernels = getattr(runner, "_ops", None) is not None and not getattr(runner, "compile_requested", False)
+    return "segments" if on_kernels else "per-stream"
+
+
+@torch.inference_mode()
+def measure_batch(runner: Any, *, bundle: ModelBundle, streams: list[int], nodes: list[int], context_tokens: int,
+                  repeats: int) -> list[dict]:
+    """Median ms of one ``runner.verify_batch`` over B streams' random trees of N nodes each (every stream on
+    its own slot, stream i with ``context_tokens - 8 i`` cached tokens), up to every stream's argmax copied
+    back, for every (B, N); (B, N) pairs interleaved over ``repeats`` rounds (one untimed round first, which
+    also captures any per-slot graphs). Rows: B, N, ms, tokens per forward, tokens/ms, ratio to B=1, path."""
+    device = str(bundle.device)
+    vocab = bundle.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    top = max(streams)
+    caches, lens = [], []
+    for i in range(top):
+        n = max(1, context_tokens - 8 * i)
+        cache = runner.new_cache(n + max(nodes))
+        runner.prefill(torch.randint(0, vocab, (n,), generator=gen).tolist(), cache=cache, topk=0)
+        caches.append(cache)
+        lens.append(n)
+    trees = {(i, t): flatten_tree(random_tree(gen, t, vocab), committed_len=lens[i], device=runner.device,
+                                  dtype=runner.dtype) for i in range(top) for t in nodes}
+    pairs = [(b, t) for b in streams for t in nodes]
+    times: dict[tuple[int, int], list[float]] = {p: [] for p in pairs}
+    paths: dict[tuple[int, int], str] = {}
+    try:
+        for rnd in range(repeats + 1):
+            k = rnd % len(pairs)
+            for b, t in pairs[k:] + pairs[:k]:
+                items = [(trees[(i, t)], caches[i]) for i in range(b)]
+                sync(device)
+                t0 = time.perf_counter()
+                outs = runner.verify_batch(items)
+                for out in outs:
+                    out.argmax(-1).cpu()
+                ms = (time.perf_counter() - t0) * 1000.0
+                paths[(b, t)] = batch_path(runner, b)
+                for i in range(b):
+                    runner.keep_rows(caches[i], committed_len=lens[i], nodes=[])
+                if rnd:
+                    times[(b, t)].append(ms)
+    finally:
+        for cache in caches:
+            runner.release(cache)
+    med = {p: statistics.median(v) for p, v in times.items()}
+    rows = []
+    for b, t in pairs:
+        ms = med[(b, t)]
+        base = med.get((1, t))
+        rows.append({"streams": b, "nodes": t, "ms": round(ms, 3), "tokens_per_forward": b * t,
+                     "tokens_per_ms": round(b * t / ms, 3),
+                     "throughput_vs_b1": round(b * base / ms, 3) if base else None,
+                     "ms_vs_b1": round(ms / base, 3) if base else None, "path": paths[(b, t)]})
+    return rows
+
+
 # ---- the engine's per-step overhead ----
 def step_overhead(bundle: ModelBundle, curve: dict[int, float], *, method: str, capacity: int, prompt: list[int],
                   max_new_tokens: int, runner_name: str, spec: dict[str, str]) -> tuple[dict, Any]:
@@ -352,6 +436,19 @@ def write_md(d: dict, path: Path) -> None:
         lines.append(f"| {o['runner']} | {o['method']} | {o['capacity']} | {o['steps']} | {o['mean_tree_tokens']} | "
                      f"{o['step_ms']} | {o['forward_ms_from_curve']} | {o['overhead_ms']} | {o['draft_ms']} | "
                      f"{o['verify_ms']} | {o['update_ms']} |")
+    bv = d.get("batch_verify")
+    if bv and bv.get("rows"):
+        lines += ["", f"## Batched verify: B streams x N tree nodes in one call ({bv['runner']})", "",
+                  f"`runner.verify_batch` over B streams' random trees of N nodes, each stream on its own KV-cache "
+                  f"slot with ~{c['context_tokens']} cached tokens; median of {c['repeats']} interleaved repeats. "
+                  "x B=1: tokens per ms over B=1's at the same N (B x t(1, N) / t(B, N)); path: how the runner "
+                  "verified the batch (`runner.last_batch_path`; `per-stream`: one forward per stream).", "",
+                  "| B | N | ms per forward | tokens per forward | tokens per ms | throughput x B=1 | ms x B=1 "
+                  "| path |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in bv["rows"]:
+            lines.append(f"| {r['streams']} | {r['nodes']} | {r['ms']} | {r['tokens_per_forward']} | "
+                         f"{r['tokens_per_ms']} | {r['throughput_vs_b1']} | {r['ms_vs_b1']} | {r['path']} |")
     g = d["greedy_equality"]
     lines += ["", f"## Greedy equality in the model's dtype ({default})", "",
               f"AR reference vs RACER: {g['describe']}", ""]
@@ -374,6 +471,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per overhead run (default 128; tiny 32)")
     p.add_argument("--racer-capacity", type=int, default=None,
                    help="capacity of the racer overhead run (default: the bench file's, else 64; tiny 16)")
+    p.add_argument("--batch-streams", default="1,2,4,8", help="B for the batched-verify part (streams per call)")
+    p.add_argument("--batch-nodes", default="1,4,8,16", help="N for the batched-verify part (tree nodes per stream)")
     p.add_argument("--mat", type=float, default=None, help="MAT to project with (default: newest bench-*.json)")
     p.add_argument("--bench-glob", default=str(ROOT / "benchmarks" / "bench-*.json"))
     p.add_argument("--out", default=str(ROOT / "benchmarks"))
@@ -445,6 +544,34 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"no runner could be timed: {errors}", file=sys.stderr)
         return 4
 
+    # 5 (run here, while nothing else holds memory). Batched verify on the preferred runner: B streams x N nodes.
+    batch_streams = sorted({int(x) for x in args.batch_streams.split(",")})
+    batch_nodes = sorted({int(x) for x in args.batch_nodes.split(",")})
+    batch_verify: dict[str, Any] = {"runner": None, "rows": []}
+    for name in dict.fromkeys([preferred, "static", *specs]):
+        if name not in curves:
+            continue
+        try:
+            runner = build_runner(bundle, specs[name], buckets=buckets,
+                                  max_len=context + max(batch_nodes) + buckets[-1])
+            if hasattr(runner, "reserve_slots"):
+                runner.reserve_slots(max(batch_streams))  # before the warm-up: more slots drop captured graphs
+            warm_runner(runner, batch_nodes, device)
+            batch_verify = {"runner": name, "rows": measure_batch(
+                runner, bundle=bundle, streams=batch_streams, nodes=batch_nodes, context_tokens=context,
+                repeats=repeats)}
+        except Exception as exc:  # noqa: BLE001 - recorded, the other parts go on
+            log.exception("batched verify on runner %s failed", name)
+            errors[f"{name} batch verify"] = f"{type(exc).__name__}: {exc}"
+            continue
+        finally:
+            runner = None
+            release_memory(device)
+        for r in batch_verify["rows"]:
+            log.info("verify_batch B=%d N=%d: %.2f ms (x%.2f throughput vs B=1, %s)", r["streams"], r["nodes"],
+                     r["ms"], r["throughput_vs_b1"] or 0.0, r["path"])
+        break
+
     # 2. Per-step overhead: ar and racer on the default runner (falling back when it fails), ar on the others.
     gen = torch.Generator().manual_seed(1)
     motif = torch.randint(3, shape["vocab_size"], (24,), generator=gen).tolist()
@@ -508,7 +635,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "context_tokens": context, "repeats": repeats, "max_new_tokens": max_new,
                    "racer_capacity": racer_cap, "build_s": round(build_s, 1),
                    "static_buckets": list(buckets),
-                   "static_max_len": max_len, "engine_buckets": list(DEFAULT_BUCKETS)},
+                   "static_max_len": max_len, "engine_buckets": list(DEFAULT_BUCKETS),
+                   "batch_streams": batch_streams, "batch_nodes": batch_nodes},
         "runners": described,
         "default_runner": default,
         # the default runner's curve: what the projection uses
@@ -526,6 +654,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "mat": {"value": mat, "source": source, "bench_capacity": bench_cap},
         "projection": project(curve, mat=mat, o_ar=o_ar["overhead_ms"], o_racer=o_racer["overhead_ms"],
                               bench_capacity=bench_cap),
+        "batch_verify": batch_verify,
         "errors": errors,
     }
     out = Path(args.out)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU cost-model benchmark (scripts/gpu_bench.py) for a CUDA machine with no network: t(T) of the verify
 # forward for the eager, static and cuda-graph runners (interleaved), their warm-up (capture) seconds, the
-# engine's per-step overhead per runner, greedy equality and the projected speedup on the default runner.
+# engine's per-step overhead per runner, greedy equality, the projected speedup on the default runner, and
+# the batched verify cost (issue 14): one runner.verify_batch over B streams x N tree nodes, B in 1,2,4,8 and
+# N in 1,4,8,16 (--batch-streams / --batch-nodes), ms per forward, throughput vs B=1 and the path that ran.
 #
 #   bash scripts/gpu_bench.sh                 # 8B-shaped random bf16 Llama on cuda:0 (~17 GB GPU memory, ~3-5 min)
 #   bash scripts/gpu_bench.sh --tiny          # tiny Llama on the CPU, eager + static runners: checks the script

@@ -218,3 +218,95 @@ def test_merge_bench_pools_token_weighted():
     assert rows["racer"]["exact_match_vs_hf_greedy"] == "4/4"
     with pytest.raises(SystemExit):
         merge.pool([run(1, 1.0, 1.0, 1.0), {**run(1, 1.0, 1.0, 1.0), "config": {"model": "m", "capacity": 8}}])
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "throughput_bench.py"
+    spec = importlib.util.spec_from_file_location("throughput_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["throughput_bench"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_throughput_bench_smoke_on_a_tiny_model(throughput, tmp_path):
+    """--smoke on a tiny model: both files written, every contender measured, zero mismatches."""
+    import torch
+
+    prompts = ["abcabcabd hello world, hello", "the cat sat on the mat. the cat " * 5, "xyz q", "0123012301 0123"]
+    rc = throughput.main(["--smoke", "--prompts", "3", "--threads", str(torch.get_num_threads()),
+                          "--racer-capacities", "auto,8", "--out", str(tmp_path)],
+                         bundle=tiny_bundle(seed=1, head_scale=60.0), prompts=prompts)
+    assert rc == 0
+    (jpath,) = tmp_path.glob("throughput-*.json")
+    d = json.loads(jpath.read_text())
+    assert d["lossless"]["mismatches"] == 0 and d["lossless"]["compared"] == 3 * 10
+    # 3 rows x (ar@B2 vs ar@B1; each other setting at B1 vs ar@B1, at B2 vs its B1 and vs ar@B1)
+    assert d["settings"]["streams"] == [1, 2] and d["settings"]["rounds_done"] == 1
+    assert d["settings"]["max_new_tokens"] == 16 and d["settings"]["prompts"] == 3
+    rows = {r["contender"]: r for r in d["rows"]}
+    assert set(rows) == {f"{s}@B{b}" for s in ("ar", "pld", "racer-auto", "racer-c8") for b in (1, 2)}
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["mismatches"] == 0 and r["output_tokens"] > 0
+        assert r["ratio_to_b1"] == (1.0 if r["streams"] == 1 else r["ratio_to_b1"])
+    assert rows["ar@B1"]["ratio_to_ar_b1"] == 1.0 and rows["ar@B1"]["mat"] == 1.0
+    assert rows["ar@B2"]["streams_per_forward"] > 1.0 and rows["ar@B1"]["streams_per_forward"] == 1.0
+    # racer's rows end at different steps, so the third prompt joins while another stream is in flight at
+    # B=2: its prefill stalls that stream; alone (B=1) nothing waits
+    assert d["runs"]["racer-c8@B2"][0]["stall_ms"] > 0 and rows["racer-c8@B2"]["stall_share"] > 0
+    assert all(r["stall_share"] == 0 for r in rows.values() if r["streams"] == 1)
+    assert rows["racer-auto@B2"]["tuner_capacity"] in d["engines"]["racer-auto"]["auto_candidates"]
+    assert rows["racer-c8@B1"]["tuner_capacity"] is None
+    md = jpath.with_suffix(".md").read_text()
+    assert "Reproduce: `python scripts/throughput_bench.py --smoke" in md and "**Lossless: 0 mismatches**" in md
+    assert "| racer-c8 | 8 | 2 |" in md and "- mismatches: " in md
+
+
+def test_throughput_bench_counts_mismatches_and_ratios(throughput):
+    S = throughput.Setting
+    settings = [S("ar", "ar", 1), S("racer-c8", "racer", 8)]
+    good = [[1, 2, 3], [4, 5]]
+    outputs = {"ar@B1": good, "ar@B4": good, "racer-c8@B1": good, "racer-c8@B4": [[1, 2, 3], [4, 6]]}
+    bad, compared = throughput.compare_round(outputs, settings, [1, 4])
+    # racer-c8@B4 row 1 differs from both its B=1 output and ar's
+    assert [(x["contender"], x["reference"], x["row"], x["position"]) for x in bad] == [
+        ("racer-c8@B4", "racer-c8@B1", 1, 1), ("racer-c8@B4", "ar@B1", 1, 1)]
+    assert compared == 2 * (1 + 1 + 2)  # ar@B4, racer-c8@B1 vs ar, racer-c8@B4 vs both; 2 rows each
+    _, partial = throughput.compare_round({"racer-c8@B1": good, "racer-c8@B4": good}, settings, [1, 4])
+    assert partial == 2  # ar not run yet: only racer-c8@B4 vs its B=1
+    assert throughput.per_round_ratios({"a": [4.0, 3.0], "b": [2.0, 1.0]}, "a", "b") == [2.0, 3.0]
+    order = throughput.settings_of(["pld", "racer"], ["auto", 4])
+    assert [s.label for s in order] == ["pld", "racer-auto", "racer-c4"] and order[0].capacity == 11
+    with pytest.raises(ValueError):
+        throughput.settings_of(["nope"], [4])
+    import doctest
+
+    res = doctest.testmod(throughput)
+    assert res.attempted > 0 and res.failed == 0
+
+
+def test_throughput_bench_prompts_alternate_short_and_long(throughput):
+    items = throughput.pick_prompts(12)
+    assert len(items) == 12 and len({it.item_id for it in items}) == 12
+    assert items == throughput.pick_prompts(12)  # deterministic
+    first = [len(it.turns[0]) for it in items[:6]]
+    assert len({it.group for it in items[:6]}) == 6  # one per category before any repeats
+    assert first[1] > first[0] and first[1] > first[2]  # short, long, short, ...
+
+
+def test_throughput_bench_writes_partial_results_after_every_contender(throughput):
+    S = throughput.Setting
+    snaps = []
+    d = throughput.run(tiny_bundle(seed=1, head_scale=60.0), ["abcabcabd", "hello world, hello"],
+                       settings=[S("ar", "ar", 1), S("racer-c8", "racer", 8)], bs=[1, 2], max_new_tokens=8,
+                       rounds=1, on_round=snaps.append)
+    assert [s["settings"]["contenders_in_partial_round"] for s in snaps] == [1, 2, 3, 0]
+    assert [s["settings"]["rounds_done"] for s in snaps] == [0, 0, 0, 1] and snaps[-1] is d
+    assert [len(s["rows"]) for s in snaps] == [1, 2, 3, 4]
+    assert [s["lossless"]["compared"] for s in snaps] == [0, 2, 4, 8] and d["lossless"]["mismatches"] == 0
+    assert "**partial" in throughput.render_md(snaps[1]) and "**partial" not in throughput.render_md(d)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from racer_batch.engine import Engine
+from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.numerics import Divergence, compare_greedy, first_divergence
 from racer_batch.engine.reference import generate_reference
 from racer_batch.values import DecodingConfig, GenerationParams
@@ -76,6 +77,7 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
     bench = tmp_path / "bench-20260101-000000.json"
     bench.write_text(json.dumps({"config": {"capacity": 16}, "overall": {"racer": {"mat": 2.5}}}))
     rc = gpu_bench.main(["--tiny", "--capacities", "1,4,16", "--max-new-tokens", "16", "--repeats", "2",
+                         "--batch-streams", "1,2,4", "--batch-nodes", "1,8",
                          "--bench-glob", str(tmp_path / "bench-*.json"), "--out", str(tmp_path / "out")])
     assert rc == 0
     d = json.loads((tmp_path / "out" / "gpu_bench-tiny-cpu.json").read_text())
@@ -102,7 +104,18 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
     assert by["static"]["ar"] == d["overhead"]["ar"] and by["eager"]["ar"]["runner"] == "eager"
     assert all(o["ar"]["steps"] == 15 for o in by.values())
     assert d["greedy_equality"]["identical"] or d["greedy_equality"]["is_tie"]
+    # batched verify: every (B, N) timed on the default runner, B=1 the baseline of each N
+    bv = d["batch_verify"]
+    assert bv["runner"] == "static"
+    assert [(r["streams"], r["nodes"]) for r in bv["rows"]] == [(b, n) for b in (1, 2, 4) for n in (1, 8)]
+    for r in bv["rows"]:
+        assert r["ms"] > 0 and r["tokens_per_forward"] == r["streams"] * r["nodes"]
+        assert r["throughput_vs_b1"] == pytest.approx(r["streams"] / r["ms_vs_b1"], rel=0.01)
+        # the runner's own word: one stream goes alone, several in one forward (our CPU kernels' segments, else
+        # the padded [B, N] step)
+        assert r["path"] == ("per-stream" if r["streams"] == 1 else "segments" if cpu_ops() is not None else "padded")
     md = (tmp_path / "out" / "gpu_bench-tiny-cpu.md").read_text()
+    assert "## Batched verify: B streams x N tree nodes in one call (static)" in md
     assert "say nothing about a GPU" in md
     assert "| T | eager ms | static ms |" in md and "Per-step overhead outside the forward" in md
 

@@ -1,0 +1,563 @@
+"""Output tokens/s of one actor with B streams in flight (issue 14, "Throughput benchmark").
+
+One process, one ``Engine`` per decoding config (``streams`` = the largest B, so every B runs on the same
+engine and, for ``capacity: auto``, the same tuner), and for each contender (method, capacity, B) one
+``StreamBatch`` with continuous batching over a fixed list of prompts: at most B streams in flight, a
+finished stream's place taken by the next prompt (engine/batch.py). Contenders are interleaved: every round
+visits each contender once, in an order rotated per round, each decoding the same prompts with a fresh job
+draft state, so drift of a shared machine falls on all of them alike. Reported per contender: the median
+tokens/s over rounds and the per-round ratios (then medianed) to B=1 of the same method+capacity and to
+``ar`` at B=1; verify forwards/s, rows and streams per forward, MAT, and the prefill stall (a joining row's
+prefill runs alone while its batch-mates wait: ms per joining row and share of the batch's wall time).
+
+Lossless in the same run: every row's tokens at every B are compared with the B=1 output of the same
+method+capacity and with ``ar`` at B=1 of the same round (greedy decoding is lossless, so all equal);
+the mismatch count (must be 0) is in the output. Prompts: a deterministic sample of Spec-Bench first turns
+under the model's chat template, short and long categories alternating (``pick_prompts``). Writes
+``<out>/throughput-<stamp>.json`` and ``.md``, rewritten after every contender (a run stopped midway keeps
+what it measured).
+
+    python scripts/throughput_bench.py                                   # the full grid (long: ~1 h here)
+    python scripts/throughput_bench.py --smoke                           # 2 prompts, 16 tokens, B 1 and 2
+    python scripts/throughput_bench.py --methods racer --racer-capacities auto --streams 1,4 --prompts 4 \\
+        --max-new-tokens 32 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from racer_batch.bench import cpu_name  # noqa: E402
+from racer_batch.benchdata import BenchPrompt, conversation, sample_prompts  # noqa: E402
+from racer_batch.engine import Engine  # noqa: E402
+from racer_batch.engine.batch import StreamBatch  # noqa: E402
+from racer_batch.engine.engine import Prompt, encode_prompt  # noqa: E402
+from racer_batch.models import ModelBundle, load_model  # noqa: E402
+from racer_batch.values import DecodingConfig, GenerationParams  # noqa: E402
+
+log = logging.getLogger("throughput_bench")
+
+METHODS = ("ar", "pld", "racer")
+DEFAULTS = dict(prompts=24, max_new_tokens=128, streams="1,2,4,8", rounds=3)
+SMOKE = dict(prompts=2, max_new_tokens=16, streams="1,2", rounds=1)
+
+
+# ---- prompts ----
+def pick_prompts(n: int, root: Optional[Path] = None) -> list[BenchPrompt]:
+    """``n`` Spec-Bench questions, deterministic, short and long mixed: ``ceil(n / 6)`` evenly spaced items per
+    category (``sample_prompts``), then one item per category in turn, the categories ordered shortest,
+    longest, second shortest, second longest, ... by the mean length of their first turns.
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"--prompts must be >= 1, got {n}")
+    per = -(-n // 6)
+    groups: dict[str, list[BenchPrompt]] = {}
+    for it in sample_prompts({"spec_bench": per}, root):
+        groups.setdefault(it.group, []).append(it)
+    by_len = sorted(groups, key=lambda g: statistics.mean(len(it.turns[0]) for it in groups[g]))
+    order = []
+    while by_len:
+        order.append(by_len.pop(0))
+        if by_len:
+            order.append(by_len.pop())
+    out = [groups[g][k] for k in range(per) for g in order if k < len(groups[g])]
+    return out[:n]
+
+
+# ---- contenders ----
+@dataclass(frozen=True)
+class Setting:
+    """One decoding config: ``label`` (``ar``, ``pld``, ``racer-auto``, ``racer-c8``) and its capacity."""
+
+    label: str
+    method: str
+    capacity: Any  # int | "auto"
+
+    def config(self) -> DecodingConfig:
+        return DecodingConfig(method=self.method, capacity=self.capacity)
+
+
+def settings_of(methods: Sequence[str], racer_capacities: Sequence[Any]) -> list[Setting]:
+    """ar at capacity 1, pld at its default chain (``pld_num_tokens`` copied tokens + the root), racer at each
+    of ``racer_capacities``.
+
+    Raises:
+        ValueError: an unknown method or a racer capacity that is neither a positive int nor ``auto``.
+    """
+    out = []
+    for m in methods:
+        if m == "ar":
+            out.append(Setting("ar", "ar", 1))
+        elif m == "pld":
+            out.append(Setting("pld", "pld", DecodingConfig().pld_num_tokens + 1))
+        elif m == "racer":
+            for c in racer_capacities:
+                if c != "auto" and (not isinstance(c, int) or c < 1):
+                    raise ValueError(f"racer capacity must be a positive int or 'auto', got {c!r}")
+                out.append(Setting(f"racer-{'auto' if c == 'auto' else f'c{c}'}", "racer", c))
+        else:
+            raise ValueError(f"unknown method {m!r}; choose from {METHODS}")
+    return out
+
+
+def contender_label(setting: Setting, streams: int) -> str:
+    return f"{setting.label}@B{streams}"
+
+
+@dataclass
+class RunRecord:
+    """One contender decoding every prompt once (one round)."""
+
+    tokens: list[list[int]]  # per prompt, the output token ids
+    wall_s: float
+    output_tokens: int
+    forwards: int  # batched verify forwards (BatchStats.steps)
+    rows: int  # tree rows verified in them
+    stream_steps: int  # sum over forwards of the streams in it
+    sizes: dict[int, int]  # streams per forward -> forwards
+    prefills: int
+    prefill_ms: float  # every joining row's prefill (each runs alone)
+    stall_ms: float  # ... of those, the prefills that ran while other streams were in flight
+    stall_stream_ms: float  # sum over those of prefill ms x streams held up
+    verify_ms: float
+    row_steps: int  # target forwards per row summed (prefill included: MAT's denominator)
+    row_capacities: dict[int, int]  # GenerationResult.stats.capacity -> rows
+    tuner_choice: Optional[int]  # capacity auto: the tuner's choice at B streams after the run
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        return {"wall_s": round(self.wall_s, 3), "output_tokens": self.output_tokens,
+                "tokens_per_s": round(self.tokens_per_s, 3), "forwards": self.forwards, "rows": self.rows,
+                "stream_steps": self.stream_steps, "sizes": {str(k): v for k, v in sorted(self.sizes.items())},
+                "prefills": self.prefills, "prefill_ms": round(self.prefill_ms, 1), "stall_ms": round(self.stall_ms, 1),
+                "stall_stream_ms": round(self.stall_stream_ms, 1), "verify_ms": round(self.verify_ms, 1),
+                "row_steps": self.row_steps,
+                "mat": round(self.output_tokens / self.row_steps, 3) if self.row_steps else None,
+                "row_capacities": {str(k): v for k, v in sorted(self.row_capacities.items())},
+                "tuner_choice": self.tuner_choice}
+
+
+def decode_all(engine: Engine, prompt_ids: list[list[int]], *, streams: int, max_new_tokens: int) -> RunRecord:
+    """Greedy-decode every prompt with at most ``streams`` in flight (continuous batching, prompts in list
+    order), one job draft state for them all. A row that fails raises (a benchmark has no bad rows).
+
+    Raises:
+        RuntimeError: a row ended with an error (the error is chained).
+    """
+    params = GenerationParams(max_new_tokens=max_new_tokens)
+    state = engine.new_state()
+    batch = StreamBatch()
+    todo = list(range(len(prompt_ids)))
+    results: dict[int, Any] = {}
+    stall_ms = stall_stream_ms = 0.0
+    t0 = time.perf_counter()
+    try:
+        while todo or len(batch):
+            joins = 0
+            while todo and len(batch) < streams:
+                i = todo.pop(0)
+                batch.add(i, engine.stream(prompt_ids[i], params, state=state))
+                joins += 1
+            waiting = len(batch) - joins  # streams in flight that this step's prefills hold up
+            before = batch.stats.prefill_ms
+            for f in batch.step():
+                if f.error is not None:
+                    raise RuntimeError(f"prompt {f.key} failed at B={streams}") from f.error
+                results[f.key] = f.result
+            if joins and waiting > 0:
+                d = batch.stats.prefill_ms - before
+                stall_ms += d
+                stall_stream_ms += d * waiting
+    finally:
+        batch.close()
+        engine.free_state(state)
+    wall_s = time.perf_counter() - t0
+    st = batch.stats
+    rows = [results[i] for i in range(len(prompt_ids))]
+    caps: dict[int, int] = {}
+    for r in rows:
+        caps[r.stats.capacity] = caps.get(r.stats.capacity, 0) + 1
+    return RunRecord(
+        tokens=[list(r.token_ids) for r in rows], wall_s=wall_s, output_tokens=sum(r.output_tokens for r in rows),
+        forwards=st.steps, rows=st.rows, stream_steps=st.streams, sizes=dict(st.sizes), prefills=st.prefills,
+        prefill_ms=st.prefill_ms, stall_ms=stall_ms, stall_stream_ms=stall_stream_ms, verify_ms=st.verify_ms,
+        row_steps=sum(r.stats.steps for r in rows), row_capacities=caps,
+        tuner_choice=engine.tuner.choose(streams) if engine.tuner is not None else None)
+
+
+# ---- lossless check ----
+def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first position where two token lists differ (the shorter length if one is a prefix of
+    the other), None when equal.
+
+    >>> first_difference([1, 2, 3], [1, 2, 3]) is None
+    True
+    >>> first_difference([1, 2, 3], [1, 5, 3]), first_difference([1, 2], [1, 2, 3])
+    (1, 2)
+    """
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_round(outputs: dict[str, list[list[int]]], settings: list[Setting],
+                  bs: list[int]) -> tuple[list[dict], int]:
+    """The mismatches of one round (``outputs``: contender -> rows, the contenders run so far): each
+    contender's rows against the smallest B of the same setting, and against ``ar`` at the smallest B (when ar
+    ran). Returns (one dict per mismatching row: contender, reference, row, first differing position; the
+    number of row comparisons made)."""
+    out, compared = [], 0
+    b0 = min(bs)
+    ar_label = contender_label(Setting("ar", "ar", 1), b0)
+    ar = outputs.get(ar_label)
+    for s in settings:
+        own = outputs.get(contender_label(s, b0))
+        for b in bs:
+            label = contender_label(s, b)
+            rows = outputs.get(label)
+            if rows is None:
+                continue
+            refs = []
+            if b != b0 and s.method != "ar":
+                refs.append((contender_label(s, b0), own))
+            if s.method != "ar" or b != b0:
+                refs.append((ar_label, ar))
+            for ref_label, ref in refs:
+                if ref is None:
+                    continue
+                for row_idx, (got, want) in enumerate(zip(rows, ref)):
+                    compared += 1
+                    pos = first_difference(got, want)
+                    if pos is not None:
+                        out.append({"contender": label, "reference": ref_label, "row": row_idx, "position": pos})
+    return out, compared
+
+
+# ---- summary ----
+def _median(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None and x == x]
+    return statistics.median(xs) if xs else None
+
+
+def per_round_ratios(tps: dict[str, list[Optional[float]]], num: str, den: str) -> list[float]:
+    """tokens/s of ``num`` over ``den`` in each round where both ran.
+
+    >>> per_round_ratios({"a": [2.0, 3.0, None], "b": [1.0, 2.0, 1.0]}, "a", "b")
+    [2.0, 1.5]
+    """
+    return [x / y for x, y in zip(tps.get(num, []), tps.get(den, [])) if x is not None and y]
+
+
+def summarize(runs: dict[str, list[Optional[RunRecord]]], settings: list[Setting], bs: list[int]) -> list[dict]:
+    """One row per contender over the rounds done: medians, and the ratios computed per round then medianed."""
+    b0 = min(bs)
+    ar0 = contender_label(Setting("ar", "ar", 1), b0)
+    tps = {k: [r.tokens_per_s if r is not None else None for r in v] for k, v in runs.items()}
+    rows = []
+    for s in settings:
+        for b in bs:
+            label = contender_label(s, b)
+            recs = [r for r in runs.get(label, []) if r is not None]
+            if not recs:
+                continue
+
+            def med(f: Callable[[RunRecord], Optional[float]]) -> Optional[float]:
+                return _median([f(r) for r in recs])
+
+            choices = [r.tuner_choice for r in recs if r.tuner_choice is not None]
+            caps: dict[str, int] = {}
+            for r in recs:
+                for c, n in r.row_capacities.items():
+                    caps[str(c)] = caps.get(str(c), 0) + n
+            vs_b1 = _median(per_round_ratios(tps, label, contender_label(s, b0)))
+            vs_ar = _median(per_round_ratios(tps, label, ar0)) if ar0 in runs else None
+            rows.append({
+                "contender": label, "setting": s.label, "method": s.method, "capacity": s.capacity, "streams": b,
+                "rounds": len(recs),
+                "tokens_per_s": _r(med(lambda r: r.tokens_per_s), 2),
+                "tokens_per_s_min": _r(min(r.tokens_per_s for r in recs), 2),
+                "tokens_per_s_max": _r(max(r.tokens_per_s for r in recs), 2),
+                "ratio_to_b1": _r(vs_b1, 3), "ratio_to_ar_b1": _r(vs_ar, 3),
+                "forwards_per_s": _r(med(lambda r: r.forwards / r.wall_s), 2),
+                "rows_per_forward": _r(med(lambda r: r.rows / r.forwards if r.forwards else None), 2),
+                "streams_per_forward": _r(med(lambda r: r.stream_steps / r.forwards if r.forwards else None), 2),
+                "mat": _r(med(lambda r: r.output_tokens / r.row_steps if r.row_steps else None), 3),
+                "prefill_ms_per_join": _r(med(lambda r: r.prefill_ms / r.prefills if r.prefills else None), 1),
+                "prefill_share": _r(med(lambda r: r.prefill_ms / 1000.0 / r.wall_s), 4),
+                "stall_share": _r(med(lambda r: r.stall_ms / 1000.0 / r.wall_s), 4),
+                "stall_stream_ms_per_join": _r(med(lambda r: r.stall_stream_ms / r.prefills if r.prefills else None),
+                                               1),
+                "tuner_capacity": statistics.median_low(choices) if choices else None,
+                "row_capacities": caps or None,
+                "wall_s": _r(med(lambda r: r.wall_s), 2),
+                "output_tokens": recs[0].output_tokens,
+            })
+    return rows
+
+
+def _r(x: Optional[float], nd: int) -> Optional[float]:
+    return None if x is None else round(x, nd)
+
+
+# ---- output ----
+DEFINITIONS = [
+    "tokens/s: output tokens of all prompts over the wall time of decoding them all (prefills included) with at "
+    "most B streams in flight; the median over rounds (min..max in the JSON).",
+    "x B=1, x ar B=1: tokens/s over that of the same method+capacity at the smallest B, and over ar at the "
+    "smallest B, each computed within a round and then medianed over rounds.",
+    "forwards/s: batched verify forwards per second of wall time (a prefill is not counted); rows/forward: tree "
+    "rows verified per forward (all streams together); streams/forward: streams whose trees shared a forward "
+    "(below B while the batch fills at the start or drains at the end).",
+    "MAT: output tokens per target forward of a row (its prefill counted as one), over all rows.",
+    "prefill ms/join: wall ms of one joining row's prefill (it runs alone, before the step's batched verify: a "
+    "separate prefill); prefill share: all prefills' time over the wall time; stall share: the prefills that "
+    "ran while other streams were in flight (they wait for it) over the wall time; stall stream-ms/join: per "
+    "joining row, its prefill ms times the streams it held up (JSON).",
+    "capacity chosen: capacity auto only, the tuner's choice at B streams after the round (median over rounds; "
+    "the JSON has each row's GenerationResult.stats.capacity); ar is capacity 1, pld its default chain "
+    "(pld_num_tokens copied tokens after the root).",
+    "mismatches: rows whose tokens differ from the smallest-B output of the same method+capacity or from ar at "
+    "the smallest B in the same round (greedy decoding is lossless: must be 0).",
+]
+
+
+def write_results(d: dict, out_dir: Path, *, stamp: str) -> tuple[Path, Path]:
+    """``throughput-<stamp>.json`` and ``.md`` (rewritten with the same stamp after every round)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jpath, mpath = out_dir / f"throughput-{stamp}.json", out_dir / f"throughput-{stamp}.md"
+    jpath.write_text(json.dumps(d, indent=2))
+    mpath.write_text(render_md(d))
+    return jpath, mpath
+
+
+def render_md(d: dict) -> str:
+    m, s, loss = d["machine"], d["settings"], d["lossless"]
+    done = f"{s['rounds_done']} of {s['rounds']} rounds"
+    if s.get("contenders_in_partial_round"):
+        done += (f" and {s['contenders_in_partial_round']} of the {s['contenders']} contenders of round "
+                 f"{s['rounds_done'] + 1}")
+    if s["rounds_done"] < s["rounds"]:
+        done += " (**partial: the run is unfinished or was stopped**)"
+    lens = s["prompt_tokens"]
+    lines = [f"# Throughput of one actor, B streams per forward ({d['stamp']})", "",
+             f"Reproduce: `{d['command']}`", "",
+             f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']} with {m['torch_threads']} threads; load "
+             f"average {m['load_start']} at start, {m['load_now']} at the last write.", "",
+             f"Settings: model {s['model']}, {s['prompts']} {s['prompt_source']} (prompt tokens "
+             f"{min(lens)}..{max(lens)}, median {statistics.median(lens):g}), {s['max_new_tokens']} new tokens, "
+             "greedy, "
+             f"B in {s['streams']}, {done}, contenders interleaved in an order rotated per round. One Engine per "
+             f"config ({', '.join(s['settings'])}) with streams={max(s['streams'])}; a fresh job draft state per "
+             "contender and round.", "",
+             f"**Lossless: {loss['mismatches']} mismatches** in {loss['compared']} row comparisons "
+             "(every row at every B against the smallest-B output of the same method+capacity and against ar).", ""]
+    if loss["examples"]:
+        lines += ["First mismatches: " + "; ".join(
+            f"{x['contender']} row {x['row']} vs {x['reference']} at token {x['position']} (round {x['round']})"
+            for x in loss["examples"]), ""]
+    cols = ["method", "capacity", "B", "tokens/s", "x B=1", "x ar B=1", "forwards/s", "rows/forward",
+            "streams/forward", "MAT", "prefill ms/join", "prefill share", "stall share", "capacity chosen",
+            "mismatches"]
+    lines += ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+
+    def f(x: Any) -> str:
+        return "" if x is None else str(x)
+
+    for r in d["rows"]:
+        cap = "chain" if r["method"] == "pld" else r["capacity"]
+        lines.append("| " + " | ".join(f(x) for x in (
+            r["setting"], cap, r["streams"], r["tokens_per_s"], r["ratio_to_b1"], r["ratio_to_ar_b1"],
+            r["forwards_per_s"], r["rows_per_forward"], r["streams_per_forward"], r["mat"], r["prefill_ms_per_join"],
+            r["prefill_share"], r["stall_share"], r["tuner_capacity"], r["mismatches"])) + " |")
+    at4 = [r for r in d["rows"] if r["streams"] == 4 and r["ratio_to_b1"] is not None and min(s["streams"]) == 1]
+    if at4:
+        lines += ["", "B=4 over B=1 (issue 14's target on this CPU: at least 2x): " + ", ".join(
+            f"{r['setting']} {r['ratio_to_b1']}x" for r in at4) + "."]
+    lines += ["", "Engines (set-up seconds: weight packing, warm-up, capacity auto's cost curve): "
+              + ", ".join(f"{k} {v['setup_s']} s" for k, v in d["engines"].items()), "", "Columns:", "",
+              *[f"- {x}" for x in DEFINITIONS], ""]
+    return "\n".join(lines)
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+# ---- the run ----
+def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], bs: list[int], max_new_tokens: int,
+        rounds: int, on_round: Optional[Callable[[dict], None]] = None, system_prompt: Optional[str] = None,
+        command: str = "", stamp: str = "", prompt_source: str = "given prompts") -> dict:
+    """Build one engine per setting, then ``rounds`` interleaved rounds over every (setting, B); returns the
+    result dict (``on_round`` gets the results so far after every contender too)."""
+    prompt_ids = [encode_prompt(bundle.tokenizer, p, system_prompt=system_prompt) for p in prompts]
+    engines: dict[str, Engine] = {}
+    engine_info: dict[str, dict] = {}
+    for s in settings:
+        t0 = time.perf_counter()
+        engine = Engine(bundle, s.config(), streams=max(bs))
+        # first-touch costs outside the rounds: the longest prompt's prefill chunks, and the KV cache grown (all
+        # slots) to what the longest row needs, a few steps decoded, then cancelled
+        ticks = itertools.count()
+        engine.generate(max(prompt_ids, key=len), GenerationParams(max_new_tokens=max_new_tokens),
+                        should_cancel=lambda: next(ticks) >= 4)
+        engines[s.label] = engine
+        engine_info[s.label] = {"config": s.config().model_dump(mode="json"), "runner": engine.runner.kind,
+                                "matmul": getattr(engine.runner, "matmul", None),
+                                "setup_s": round(time.perf_counter() - t0, 1),
+                                "cost_curve_ms": ({str(k): round(v, 2) for k, v in engine.cost_curve_ms.items()}
+                                                  if engine.tuner is not None else None),
+                                "auto_candidates": engine.tuner.candidates if engine.tuner is not None else None}
+        log.info("engine %s ready in %.1f s", s.label, engine_info[s.label]["setup_s"])
+    contenders = [(s, b) for s in settings for b in bs]
+    runs: dict[str, list[Optional[RunRecord]]] = {contender_label(s, b): [] for s, b in contenders}
+    mismatches: list[dict] = []
+    d: dict = {}
+    load_start = _loadavg()
+    compared = 0
+
+    def snapshot(rnd: int, outputs: dict[str, list[list[int]]]) -> dict:
+        """The results so far: rounds before ``rnd`` complete, round ``rnd`` up to the contenders in ``outputs``."""
+        now, n_now = compare_round(outputs, settings, bs)
+        bad = mismatches + [dict(x, round=rnd + 1) for x in now]
+        rows = summarize(runs, settings, bs)
+        for row in rows:
+            row["mismatches"] = sum(x["contender"] == row["contender"] for x in bad)
+        full = len(outputs) == len(contenders)
+        return {
+            "command": command, "stamp": stamp, "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+                        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+                        "load_start": load_start, "load_now": _loadavg()},
+            "settings": {"model": bundle.name, "prompts": len(prompt_ids),
+                         "prompt_tokens": [len(p) for p in prompt_ids],
+                         "prompt_source": prompt_source, "max_new_tokens": max_new_tokens, "streams": bs,
+                         "rounds": rounds, "rounds_done": rnd + 1 if full else rnd,
+                         "contenders": len(contenders), "contenders_in_partial_round": 0 if full else len(outputs),
+                         "settings": [s.label for s in settings], "system_prompt": system_prompt},
+            "engines": engine_info,
+            "lossless": {"mismatches": len(bad), "compared": compared + n_now, "examples": bad[:5]},
+            "rows": rows,
+            "runs": {label: [r.to_dict() for r in recs] for label, recs in runs.items()},
+        }
+
+    for rnd in range(rounds):
+        k = rnd % len(contenders)
+        outputs: dict[str, list[list[int]]] = {}
+        for s, b in contenders[k:] + contenders[:k]:
+            rec = decode_all(engines[s.label], prompt_ids, streams=b, max_new_tokens=max_new_tokens)
+            runs[contender_label(s, b)].append(rec)
+            outputs[contender_label(s, b)] = rec.tokens
+            log.info("round %d %s: %.2f tokens/s", rnd + 1, contender_label(s, b), rec.tokens_per_s)
+            d = snapshot(rnd, outputs)
+            if on_round is not None:  # after every contender: a run stopped midway keeps what it measured
+                on_round(d)
+        now, n_now = compare_round(outputs, settings, bs)
+        mismatches += [dict(x, round=rnd + 1) for x in now]
+        compared += n_now
+    return d
+
+
+def parse_list(text: str, *, allow_auto: bool = False) -> list:
+    """``"auto,4,8"`` -> ``["auto", 4, 8]`` (``auto`` only where allowed).
+
+    Raises:
+        argparse.ArgumentTypeError: an item that is not a positive int (or ``auto``).
+    """
+    out: list = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if allow_auto and item == "auto":
+            out.append("auto")
+        elif item.isdigit() and int(item) > 0:
+            out.append(int(item))
+        else:
+            what = "a positive integer" + (" or 'auto'" if allow_auto else "")
+            raise argparse.ArgumentTypeError(f"{item!r} is not {what}")
+    if not out:
+        raise argparse.ArgumentTypeError("empty list")
+    return out
+
+
+def main(argv: Optional[list[str]] = None, *, bundle: Optional[ModelBundle] = None,
+         prompts: Optional[list[Prompt]] = None) -> int:
+    """The CLI. ``bundle`` / ``prompts`` replace the model and the Spec-Bench sample (tests: a tiny model with
+    plain-text prompts); the first ``--prompts`` of ``prompts`` are used."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--methods", default="ar,pld,racer", help="comma list of ar, pld, racer")
+    p.add_argument("--racer-capacities", default="auto,4,8,12", help="racer capacities: ints and/or auto")
+    p.add_argument("--streams", default=None, help="B: streams in flight per forward (default 1,2,4,8)")
+    p.add_argument("--prompts", type=int, default=None, help="Spec-Bench first turns, a deterministic sample "
+                   "(default 24)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
+    p.add_argument("--rounds", type=int, default=None, help="default 3")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--system", default=None, help="a system message before every prompt (default none)")
+    p.add_argument("--smoke", action="store_true", help="2 prompts, 16 tokens, B 1 and 2, one round (a quick check)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks"))
+    p.add_argument("--tag", default=None, help="appended to the file stamp")
+    args = p.parse_args(argv)
+    for key, value in (SMOKE if args.smoke else DEFAULTS).items():  # a flag given beats --smoke
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        bs = sorted(set(parse_list(args.streams)))
+        caps = parse_list(args.racer_capacities, allow_auto=True)
+        settings = settings_of([m.strip() for m in args.methods.split(",") if m.strip()], caps)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        p.error(str(exc))
+    if args.rounds < 1 or args.max_new_tokens < 1 or args.prompts < 1:
+        p.error("--rounds, --max-new-tokens and --prompts must be >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    if bundle is None:
+        bundle = load_model(args.model, device="cpu", dtype="float32")
+    if prompts is None:
+        prompts = [conversation([it.turns[0]], []) for it in pick_prompts(args.prompts)]
+        source = "Spec-Bench first turns (chat template, short and long categories alternating)"
+    else:
+        source = "given prompts"
+    prompts = list(prompts)[: args.prompts]
+    stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{args.tag}" if args.tag else "")
+    command = "python scripts/throughput_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    paths: list[Path] = []
+
+    def write(d: dict) -> None:
+        paths[:] = write_results(d, out, stamp=stamp)
+        log.info("wrote %s (%d of %d rounds done)", paths[1], d["settings"]["rounds_done"], d["settings"]["rounds"])
+
+    d = run(bundle, prompts, settings=settings, bs=bs, max_new_tokens=args.max_new_tokens, rounds=args.rounds,
+            on_round=write, system_prompt=args.system, command=command, stamp=stamp, prompt_source=source)
+    print(render_md(d))
+    print(f"wrote {paths[0]} and {paths[1]}")
+    return 1 if d["lossless"]["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
