@@ -117,3 +117,54 @@ def test_stop_string_across_tokens_real_model(smol):
     assert out.finish_reason == "stop"
     assert out.token_ids == ids[: j + 2]
     assert stop not in out.text and base.text.startswith(out.text)
+
+
+def test_batched_streams_match_hf_generate(smol, smoke, hf_outputs):
+    """Issue 14: the 24 smoke items plus very short and long prompts decoded B = 1, 2, 4, 8 rows at a time
+    (continuous batching, one job's draft state shared, capacity auto): every row's greedy tokens equal its
+    batch-1 output and HF generate. Two-turn items stay one stream whose second turn follows its first."""
+    from racer_batch.benchdata import load_set
+    from racer_batch.engine.batch import StreamBatch
+
+    rag = sorted((it for it in load_set("spec_bench") if it.group == "rag"), key=lambda it: -len(it.turns[0]))[:2]
+    extra = {"short-hi": ["Hi"], "short-sum": ["2+2?"], **{f"long-{it.item_id}": [it.turns[0]] for it in rag}}
+    tok = smol.tokenizer
+    want = dict(hf_outputs)
+    for key, turns in extra.items():
+        ids = torch.tensor([Engine(smol).encode(conversation(turns, []))])
+        with torch.inference_mode():
+            out = smol.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                      do_sample=False, eos_token_id=smol.eos_ids, pad_token_id=smol.eos_ids[0])
+        want[key] = [out[0, ids.shape[1]:].tolist()]
+    assert max(len(Engine(smol).encode(conversation(t, []))) for t in extra.values()) > 512  # past one prefill chunk
+    items = [(it.item_id + it.set, list(it.turns)) for it in smoke] + list(extra.items())
+    # interleave long, short and two-turn rows so batch-mates differ in length
+    items = items[::2] + items[1::2]
+    params = GenerationParams(max_new_tokens=MAX_NEW)
+    engine = Engine(smol, DecodingConfig(method="racer", capacity="auto"), streams=8)
+
+    def row(turns):
+        answers, outs = [], []
+        for i in range(len(turns)):
+            r = yield from engine.stream(conversation(turns[: i + 1], answers), params, state=state)
+            outs.append(r.token_ids)
+            answers.append(tok.decode([t for t in r.token_ids if t not in smol.eos_ids], skip_special_tokens=True))
+        return outs
+
+    by_width = {}
+    for width in (1, 2, 4, 8):
+        state = engine.new_state()
+        batch, todo, got = StreamBatch(), list(items), {}
+        while todo or len(batch):
+            while todo and len(batch) < width:
+                key, turns = todo.pop(0)
+                batch.add(key, row(turns))
+            for f in batch.step():
+                assert f.error is None, (f.key, f.error)
+                got[f.key] = f.result
+        engine.free_state(state)
+        _assert_same(got, want, f"racer B={width}")
+        by_width[width] = (got, batch.stats)
+        if width > 1:
+            assert max(batch.stats.sizes) == width and batch.stats.rows > batch.stats.streams  # drafts verified
+    assert all(by_width[w][0] == by_width[1][0] for w in (2, 4, 8))
