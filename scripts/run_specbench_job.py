@@ -98,7 +98,11 @@ def write_md(path: Path, result: dict) -> None:
         f"- model `{result['model']}`, method `{result['method']}` (capacity {result['capacity']}), "
         f"greedy, max_new_tokens {result['max_new_tokens']} (reduced for CPU), questions {result['rows']}",
         f"- job `{result['job_id']}`, wall {result['wall_s']:.0f} s, machine: {result['machine']}",
-        "- tokens/s is token-weighted: output tokens / (prefill + decode time), per category", "",
+        f"- streams per actor: {result.get('streams_per_actor', 1)}, actors: {result.get('num_actors', 'auto')}; "
+        f"**job throughput {cats['all']['output_tokens'] / result['wall_s']:.1f} output tokens/s** "
+        "(all output tokens / job wall time)",
+        "- tokens/s per category is per row: output tokens / (the rows' prefill + decode time), so with several "
+        "rows in flight it is a row's own rate, not the job's", "",
         "| category | rows | errors | output tokens | steps | MAT | tokens/s |", "|---|---|---|---|---|---|---|",
     ]
     for c in order:
@@ -117,6 +121,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--num-actors", default="auto")
+    ap.add_argument("--streams-per-actor", default="1", help="rows one actor decodes at once (int or auto)")
+    ap.add_argument("--capacity", default=None, help="decoding.capacity (default: the preset's)")
+    ap.add_argument("--shard-rows", type=int, default=None, help="output.shard_rows (default: the job file's 16)")
     ap.add_argument("--smoke", action="store_true", help="8 questions per group (48 rows)")
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--prefix", default="racer-batch:")
@@ -130,7 +137,13 @@ def main() -> int:
         "preset": args.preset, "input.path": str(input_path), "output.path": str(work / tag),
         "generation.max_new_tokens": args.max_new_tokens, "model.name": args.model,
         "resources.num_actors": args.num_actors if args.num_actors == "auto" else int(args.num_actors),
+        "resources.streams_per_actor": args.streams_per_actor if args.streams_per_actor == "auto"
+        else int(args.streams_per_actor),
     }
+    if args.shard_rows is not None:
+        overrides["output.shard_rows"] = args.shard_rows
+    if args.capacity is not None:
+        overrides["decoding.capacity"] = args.capacity if args.capacity == "auto" else int(args.capacity)
     spec = load_spec(ROOT / "jobs" / "specbench.yaml", overrides)
     url, private = ensure_redis(resolve_url(args.redis_url, spec.redis_url))
     try:
@@ -160,6 +173,7 @@ def main() -> int:
         "tag": tag, "job_id": sub.job_id, "state": run.state, "rows": len(rows), "model": spec.model.name,
         "method": spec.decoding.method, "capacity": spec.decoding.capacity,
         "max_new_tokens": spec.generation.max_new_tokens, "config_hash": spec.decoding.config_hash(),
+        "streams_per_actor": spec.resources.streams_per_actor, "num_actors": spec.resources.num_actors,
         "decoding": spec.decoding.model_dump(mode="json"), "wall_s": wall_s,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
