@@ -295,6 +295,8 @@ class StaticRunner:
     Args:
         bundle: the loaded target model (a Llama-family checkpoint; see ``describe_unsupported``).
         slots: streams the KV cache holds at start (more are added on demand: `reserve_slots`, `new_cache`).
+        max_slots: the most slots ``new_cache`` grows to (a leak of rows that never release theirs stops
+            there with an error instead of taking memory without bound).
         max_len: KV positions per slot at start (at least one bucket + 1; 0: the context or
             ``INITIAL_POSITIONS``, whichever is smaller, plus one bucket of tree padding); grows on demand up to the context (growing drops the
             captured CUDA graphs, which are captured again lazily, and recompiles a compiled CPU step).
@@ -314,6 +316,7 @@ class StaticRunner:
         bundle: ModelBundle,
         *,
         slots: int = 1,
+        max_slots: int = MAX_SLOTS,
         max_len: int = 0,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         matmul: str = "auto",
@@ -324,8 +327,9 @@ class StaticRunner:
             raise ValueError(f"static runner cannot run {bundle.name}: {why}; use decoding.runner 'eager'")
         if matmul not in MATMUL_PATHS:
             raise ValueError(f"matmul path {matmul!r} is not one of {MATMUL_PATHS}")
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
+        if slots < 1 or max_slots < slots:
+            raise ValueError(f"need 1 <= slots <= max_slots, got slots={slots}, max_slots={max_slots}")
+        self.max_slots = int(max_slots)
         self.bundle = bundle
         model = bundle.model
         cfg = model.config
@@ -428,13 +432,13 @@ class StaticRunner:
 
     def new_cache(self, needed_len: int = 0) -> SlotCache:
         """Take a free slot for one row that will hold up to ``needed_len`` positions (prompt + new tokens);
-        when every slot is taken, one more slot is added (``reserve_slots``), up to ``MAX_SLOTS``.
+        when every slot is taken, one more slot is added (``reserve_slots``), up to ``max_slots``.
 
         Raises:
-            RuntimeError: ``MAX_SLOTS`` slots are taken (rows that never released theirs).
+            RuntimeError: ``max_slots`` slots are taken (rows that never released theirs).
         """
         if not self._free_slots:
-            if self.slots >= MAX_SLOTS:
+            if self.slots >= self.max_slots:
                 raise RuntimeError(f"all {self.slots} KV-cache slots are in use")
             self.reserve_slots(self.slots + 1)
         self._grow(needed_len + self.buckets[-1])
@@ -451,6 +455,8 @@ class StaticRunner:
         n = int(n)
         if n <= self.slots:
             return
+        if n > self.max_slots:
+            raise ValueError(f"{n} KV-cache slots asked for, this runner holds at most {self.max_slots}")
         kv = torch.zeros((self.n_layers, 2, n, self.n_kv, self.max_len, self.head_dim), dtype=self.dtype,
                          device=self.device)
         kv[:, :, : self.slots].copy_(self.kv)

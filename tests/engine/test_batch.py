@@ -242,3 +242,19 @@ def test_tuner_picks_a_smaller_tree_for_more_streams():
     assert tuner.cost(96) > tuner.cost(64)  # extrapolated past the last measured size
     b, c, rate = tuner.best_streams((1, 2, 4))
     assert b == 4 and rate > tuner.expected_rates(1)[tuner.capacity(streams=1)]
+
+
+def test_slots_grow_on_demand_up_to_max_slots():
+    """A row beyond the reserved slots gets a new one (its batch-mates' KV rows are kept); past ``max_slots``
+    new_cache refuses."""
+    runner = StaticRunner(bundle_of(make_model("llama", seed=2)), slots=1, max_slots=3)
+    a = runner.new_cache(16)
+    runner.prefill([5, 6, 7, 8], cache=a, topk=0)
+    before = runner.kv[:, :, a.slot, :, :4].clone()
+    b, c = runner.new_cache(16), runner.new_cache(16)
+    assert runner.slots == 3 and {a.slot, b.slot, c.slot} == {0, 1, 2}
+    assert torch.equal(runner.kv[:, :, a.slot, :, :4], before)
+    with pytest.raises(RuntimeError, match="slots are in use"):
+        runner.new_cache(16)
+    b.release()
+    assert runner.new_cache(16).slot == b.slot  # the lowest free slot

@@ -456,7 +456,7 @@ def test_kv_buffer_grows_preserving_values_and_stays_bounded():
 
 def test_slots_are_exclusive_and_rows_do_not_disturb_each_other():
     model = make_model("llama", seed=41)
-    runner = StaticRunner(bundle_of(model), buckets=BUCKETS, slots=2)
+    runner = StaticRunner(bundle_of(model), buckets=BUCKETS, slots=2, max_slots=2)
     a, b = runner.new_cache(40), runner.new_cache(40)
     assert {a.slot, b.slot} == {0, 1}
     with pytest.raises(RuntimeError, match="slots"):
@@ -492,7 +492,7 @@ def test_slots_are_exclusive_and_rows_do_not_disturb_each_other():
 def test_releasing_a_slot_twice_does_not_hand_it_to_two_rows():
     """A second ``release()`` of the same handle (e.g. an error path plus a finally) must not put the slot
     on the free list twice: two live rows would then share one slot's KV rows."""
-    runner = StaticRunner(bundle_of(make_model("llama", seed=42)), buckets=BUCKETS, slots=2)
+    runner = StaticRunner(bundle_of(make_model("llama", seed=42)), buckets=BUCKETS, slots=2, max_slots=2)
     a = runner.new_cache(8)
     a.release()
     a.release()
