@@ -66,7 +66,7 @@ def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:
 
 def summary_lines(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> list[str]:
     """The end-of-job summary of ``submit --wait`` / ``--local`` (stderr), one string per line."""
-    gen_s = st.totals.gen_ms / 1000.0
+    gen_s = (st.totals.device_ms or st.totals.gen_ms) / 1000.0  # rows sharing forwards count their share
     resumed = f", {st.base_rows} done before this run" if st.base_rows else ""
     lines = [
         f"job {st.job_id}: {st.state}" + (f" ({st.message})" if st.message else ""),

@@ -70,11 +70,14 @@ def drive(stream: Stream) -> Any:
 
 @dataclass
 class Finished:
-    """A stream that ended during a step: its key, and its result or the exception it raised."""
+    """A stream that ended during a step: its key, its result or the exception it raised, and its share of
+    the forwards' time per runner (``device_ms``: {id(runner): ms}; a forward shared by n streams counts
+    1/n of its wall time for each, a prefill all of it for its stream)."""
 
     key: Hashable
     result: Any = None
     error: Optional[BaseException] = None
+    device_ms: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +111,7 @@ class StreamBatch:
     def __init__(self) -> None:
         self._live: dict[Hashable, _Live] = {}
         self._done: list[Finished] = []
+        self._share: dict[Hashable, dict[int, float]] = {}  # key -> {id(runner): ms of forwards it had}
         self.stats = BatchStats()
 
     def __len__(self) -> int:
@@ -134,10 +138,13 @@ class StreamBatch:
             self._done.append(Finished(key, result=stop.value))
         except Exception as exc:  # noqa: BLE001 - a bad row ends alone
             self._done.append(Finished(key, error=exc))
+        else:
+            self._share[key] = {}
 
     def cancel(self, key: Hashable) -> None:
         """Drop a stream now (closing its generator releases its slot); nothing is reported for it."""
         live = self._live.pop(key, None)
+        self._share.pop(key, None)
         if live is not None:
             live.stream.close()
 
@@ -152,24 +159,32 @@ class StreamBatch:
             live.request = live.stream.throw(error) if error is not None else live.stream.send(value)
         except StopIteration as stop:
             del self._live[key]
-            self._done.append(Finished(key, result=stop.value))
+            self._done.append(Finished(key, result=stop.value, device_ms=self._share.pop(key, {})))
         except Exception as exc:  # noqa: BLE001 - the stream's own failure ends that stream only
             del self._live[key]
-            self._done.append(Finished(key, error=exc))
+            self._done.append(Finished(key, error=exc, device_ms=self._share.pop(key, {})))
+
+    def _charge(self, key: Hashable, runner: Any, ms: float) -> None:
+        share = self._share.setdefault(key, {})
+        share[id(runner)] = share.get(id(runner), 0.0) + ms
 
     def step(self) -> list[Finished]:
         """One step of every stream in flight; returns the streams that ended (in the order they ended)."""
         st = self.stats
         for key in [k for k, v in self._live.items() if isinstance(v.request, Prefill)]:
+            req = self._live[key].request
             t0 = time.perf_counter()
             try:
-                out = run_one(self._live[key].request)
+                out = run_one(req)
             except Exception as exc:  # noqa: BLE001
-                self._send(key, error=exc)
+                out, err = None, exc
             else:
-                self._send(key, out)
+                err = None
+            ms = (time.perf_counter() - t0) * 1000.0
+            self._charge(key, req.runner, ms)
+            self._send(key, out, error=err)
             st.prefills += 1
-            st.prefill_ms += (time.perf_counter() - t0) * 1000.0
+            st.prefill_ms += ms
         groups: dict[int, list[Hashable]] = {}
         for key, live in self._live.items():
             if isinstance(live.request, Verify):
@@ -178,7 +193,10 @@ class StreamBatch:
             reqs = [self._live[k].request for k in keys]
             t0 = time.perf_counter()
             outs = self._verify(reqs)
-            st.verify_ms += (time.perf_counter() - t0) * 1000.0
+            ms = (time.perf_counter() - t0) * 1000.0
+            st.verify_ms += ms
+            for key in keys:
+                self._charge(key, reqs[0].runner, ms / len(keys))
             st.steps += 1
             st.streams += len(keys)
             st.rows += sum(r.tree.size for r in reqs)

@@ -281,6 +281,10 @@ def _texts(rec: dict) -> tuple[str, ...]:
 
 
 def _gen_ms(rec: dict) -> float:
+    """A side's actor time: its share of shared forwards (``device_ms``, several rows per forward), else its
+    prefill + decode time."""
+    if rec.get("device_ms") is not None:
+        return float(rec["device_ms"])
     return float(rec.get("prefill_ms") or 0.0) + float(rec.get("decode_ms") or 0.0)
 
 

@@ -58,6 +58,8 @@ OLD_OUTPUT_SCHEMA = pa.schema(
         pa.field("draft_ms", pa.float64()),
         pa.field("verify_ms", pa.float64()),
         pa.field("update_ms", pa.float64()),
+        # the row's share of shared forwards (streams_per_actor > 1, issue 14); older files read back null here
+        pa.field("device_ms", pa.float64()),
         pa.field("tokens_per_s", pa.float64()),
         pa.field("worker", pa.string()),
         pa.field("device", pa.string()),

@@ -350,3 +350,44 @@ def test_b4_worker_killed_mid_job_resumed_elsewhere_equals_b1(ray_session, queue
     metas = [_shard_meta(spec.output.path, s) for s in range(3)]
     assert any(m["worker"].startswith("rescuer") for m in metas) and all(m["streams"] == 4 for m in metas)
     assert all(max(int(k) for k in m["batch_sizes"]) == 4 for m in metas)
+
+
+def test_rows_sharing_forwards_count_their_share_of_device_time():
+    """Four streams in one forward: each row's device_ms is its share (about a quarter of the step) rather
+    than its whole latency, so the tally's device time is about the batch's wall time, not B times it; an
+    old-style record (device_ms None) counts its generation time."""
+    from racer_batch import GenerationParams
+    from racer_batch.engine.batch import StreamBatch
+    from racer_batch.service.results.record import RowRecord
+    from racer_batch.service.results.tally import Tally
+    from tests.standin import StandInEngine, load_standin
+
+    engine = StandInEngine(load_standin("stand-in?ms_per_step=20&mat=2"))
+    batch = StreamBatch()
+    for i in range(4):
+        batch.add(i, engine.stream(f"prompt {i}", GenerationParams(max_new_tokens=8)))
+    t0 = time.perf_counter()
+    done = []
+    while len(batch):
+        done += batch.step()
+    wall_ms = (time.perf_counter() - t0) * 1000.0
+    shares = [sum(f.device_ms.values()) for f in done]
+    latencies = [f.result.prefill_ms + f.result.decode_ms for f in done]
+    assert sum(shares) <= wall_ms * 1.05
+    assert sum(latencies) > 2.0 * sum(shares)  # each row's latency holds its batch-mates' shares too
+    t = Tally()
+    t.observe_row(RowRecord(id="a", row_idx=0, shard=0, route="r", status="ok", job_id="j", prefill_ms=10.0,
+                            decode_ms=90.0, device_ms=25.0))
+    t.observe_row(RowRecord(id="b", row_idx=1, shard=0, route="r", status="ok", job_id="j", prefill_ms=10.0,
+                            decode_ms=90.0))
+    assert t.device_ms == 125.0 and t.gen_ms == 200.0
+
+
+def test_streams_per_actor_values():
+    from racer_batch.service.job.spec import Resources
+
+    assert Resources(streams_per_actor="AUTO").streams_per_actor == "auto"
+    assert Resources(streams_per_actor="4").streams_per_actor == 4
+    for bad in (True, "fast", 4.5, None, 0, 65, -1):
+        with pytest.raises(ValueError, match="streams_per_actor must be"):
+            Resources(streams_per_actor=bad)

@@ -19,6 +19,7 @@ message; any other exception while generating a row is reported as a model error
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -207,7 +208,7 @@ class RowRunner:
         self._engines: dict[str, Any] = {}  # config hash -> Engine
         self._room: dict[str, int] = {}  # config hash -> the streams its engine was made for
         self._states: dict[str, tuple[Any, Any]] = {}  # job id -> (engine, draft state)
-        self._specs: dict[tuple[str, str], JobSpec] = {}  # (job id, spec hash) -> validated spec
+        self._specs: dict[tuple[str, str, str], JobSpec] = {}  # (job id, spec hash, resources) -> validated spec
         self.models_loaded = 0
 
     # ---- model, engines and per-job state
@@ -292,7 +293,8 @@ class RowRunner:
         """The task's JobSpec: as it came (same process), or validated once per job and spec hash."""
         if isinstance(task.spec, JobSpec):
             return task.spec
-        key = (task.job_id, task.spec_hash)
+        # the spec hash leaves resources out (a job may resume with other streams_per_actor): key on them too
+        key = (task.job_id, task.spec_hash, json.dumps(task.spec.get("resources"), sort_keys=True, default=str))
         if key not in self._specs:
             while len(self._specs) >= _SPEC_CACHE:
                 self._specs.pop(next(iter(self._specs)))
@@ -323,6 +325,9 @@ class RowRunner:
         engine = self._engine_for(spec, streams=self._slots_for(spec))
         state = self._state_for(task.job_id, engine)
         width = self._width(engine, spec, task.row_stop - task.row_start)
+        if width > 1 or spec.resources.streams_per_actor != 1:
+            log.info("job %s shard %d: %d rows in flight at once (streams_per_actor: %s)", task.job_id, task.shard,
+                     width, spec.resources.streams_per_actor)
         verdict = self._make_probe(task)
         writer = ShardWriter(out_dir=spec.output.path, job_id=task.job_id, shard=task.shard, row_range=task.row_range,
                              spec_hash=task.spec_hash, fp_columns=answer_columns(spec.input))
@@ -347,9 +352,12 @@ class RowRunner:
                                               error=f"job stopped before this row ran ({stopped})"), [])
             return None
 
-        def end(pos: int, rec: RowRecord, pair: list[ShadowRecord]) -> None:
-            """A row ended: telemetry now, the part file in row order."""
+        def end(pos: int, rec: RowRecord, pair: list[ShadowRecord], device_ms: Optional[dict] = None) -> None:
+            """A row ended: telemetry now, the part file in row order. ``device_ms``: its share of the batched
+            forwards per runner (B > 1), kept on the record (the cost basis of status and reports)."""
             nonlocal stopped
+            if device_ms is not None:  # the job engine's forwards only (a shadow baseline's are not the row's)
+                rec.device_ms = device_ms.get(id(getattr(engine, "runner", None)), 0.0)
             if rec.status == "cancelled":
                 stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
             rec.finished_at = now_utc()
@@ -498,7 +506,7 @@ def _feed(rows: Iterable[tuple[int, dict]], *, width: int,
                 in_flight.discard(fin.key)
                 if fin.error is not None:
                     raise fin.error
-                end(fin.key, *fin.result)
+                end(fin.key, *fin.result, device_ms=fin.device_ms)
     finally:
         batch.close()
 

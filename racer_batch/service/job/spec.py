@@ -122,6 +122,18 @@ class Resources(BaseModel):
         "stream holds a KV-cache slot of its own"
     )
 
+    @field_validator("streams_per_actor", mode="before")
+    @classmethod
+    def _streams_value(cls, v: Any) -> Any:
+        """An int 1..64 or ``auto`` (any case); a bool, a float or other text is refused in one clear line."""
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        if isinstance(v, str) and v.strip().isdigit():  # a quoted number, as an override or YAML may give it
+            return int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"streams_per_actor must be an integer 1..64 or 'auto', got {v!r}")
+        return v
+
     @field_validator("torch_threads", "num_actors", "gpus_per_actor", "streams_per_actor")
     @classmethod
     def _in_range_or_auto(cls, v: Union[int, float, str], info: ValidationInfo) -> Union[int, float, str]:

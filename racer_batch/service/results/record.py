@@ -123,6 +123,9 @@ class RowRecord:
     draft_ms: Optional[float] = _col(pa.float64())
     verify_ms: Optional[float] = _col(pa.float64())
     update_ms: Optional[float] = _col(pa.float64())
+    # the row's share of its actor's forwards (ms) when rows ran several per forward (streams_per_actor > 1):
+    # a forward of n rows counts 1/n of its time for each, a prefill all of it; None: prefill_ms + decode_ms
+    device_ms: Optional[float] = _col(pa.float64())
     tokens_per_s: Optional[float] = _col(pa.float64())
     worker: Optional[str] = _col(pa.string())
     device: Optional[str] = _col(pa.string())
@@ -184,6 +187,11 @@ class RowRecord:
         self.tokens_per_s = tokens / (total_ms / 1000.0) if total_ms > 0 else None
 
     # ---- derived figures
+    @property
+    def busy_ms(self) -> float:
+        """The actor time the row used: ``device_ms`` when rows shared forwards, else its generation time."""
+        return self.gen_ms if self.device_ms is None else float(self.device_ms)
+
     @property
     def gen_ms(self) -> float:
         """Generation time, prefill + decode (0.0 when nothing was generated)."""

@@ -33,7 +33,8 @@ _SUMS = ("rows", "ok", "error", "cancelled", "prompt_tokens", "output_tokens", "
 
 @dataclass
 class Tally:
-    """Sums over rows. Times in milliseconds; ``device_ms`` = gen_ms x devices per actor (the report's cost
+    """Sums over rows. Times in milliseconds; ``device_ms`` = the rows' actor time (``RowRecord.busy_ms``: their
+    share of shared forwards when several rows ran per forward, else gen_ms) x devices per actor (the report's cost
     basis); ``first_start_s`` / ``last_finish_s``: epoch seconds of the earliest row start (finished_at minus
     its generation time) and the latest finish, None until a row with ``finished_at`` is seen."""
 
@@ -75,7 +76,7 @@ class Tally:
         self.output_tokens += int(rec.output_tokens or 0)
         self.steps += int(rec.steps or 0)
         self.gen_ms += rec.gen_ms
-        self.device_ms += rec.gen_ms * devices
+        self.device_ms += rec.busy_ms * devices
         for key in ("draft_ms", "verify_ms", "update_ms"):
             setattr(self, key, getattr(self, key) + float(getattr(rec, key) or 0.0))
         for src in SOURCES:
