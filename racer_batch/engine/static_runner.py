@@ -815,22 +815,10 @@ class StaticRunner:
         return self.lm_head(_rms_norm(x, self.final_norm, self.eps))
 
     def _capture_batch(self, b_pad: int, n_pad: int) -> tuple[Any, torch.Tensor]:
-        """Capture the batched step of ``(b_pad, n_pad)`` as one CUDA graph over the static batch buffers
-        (warm-up runs on a side stream first, as capture requires)."""
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._batch_step(b_pad, n_pad)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._batch_step(b_pad, n_pad)
-        self._graph_pool = graph.pool()
-        self._batch_graphs[(b_pad, n_pad)] = (graph, out)
-        self.warmup_s[n_pad] = self.warmup_s.get(n_pad, 0.0) + time.perf_counter() - t0
-        return graph, out
+        """Capture the batched step of ``(b_pad, n_pad)`` as one CUDA graph over the static batch buffers."""
+        got = self._graph_of(lambda: self._batch_step(b_pad, n_pad), n_pad)
+        self._batch_graphs[(b_pad, n_pad)] = got
+        return got
 
     def _forward_segments(self, ids: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor,
                           mask: torch.Tensor) -> torch.Tensor:
@@ -891,21 +879,26 @@ class StaticRunner:
         return logits[: tree.size]
 
     def _capture(self, slot: int, t_pad: int) -> tuple[Any, torch.Tensor]:
-        """Capture one CUDA graph of the static step for ``(slot, t_pad)`` over the current static buffers
-        (two warm-up runs on a side stream first, as CUDA graph capture requires)."""
+        """Capture one CUDA graph of the static step for ``(slot, t_pad)`` over the current static buffers."""
+        got = self._graph_of(lambda: self._static_step(slot, t_pad), t_pad)
+        self._graphs[(slot, t_pad)] = got
+        return got
+
+    def _graph_of(self, step: Any, bucket: int) -> tuple[Any, torch.Tensor]:
+        """(CUDA graph, its output) of ``step()`` in the shared memory pool: two warm-up runs on a side stream
+        first, as capture requires; the seconds are added to ``warmup_s[bucket]``."""
         t0 = time.perf_counter()
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._static_step(slot, t_pad)
+                step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._static_step(slot, t_pad)
+            out = step()
         self._graph_pool = graph.pool()
-        self._graphs[(slot, t_pad)] = (graph, out)
-        self.warmup_s[t_pad] = self.warmup_s.get(t_pad, 0.0) + time.perf_counter() - t0
+        self.warmup_s[bucket] = self.warmup_s.get(bucket, 0.0) + time.perf_counter() - t0
         return graph, out
 
     def _enable_compile(self) -> None:
