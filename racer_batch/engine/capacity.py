@@ -57,6 +57,20 @@ def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: in
     return out
 
 
+def cost_at(cost_ms: dict[int, float], rows: int) -> float:
+    """Verify ms of a forward over ``rows`` tree rows from a measured curve ``{rows: ms}``: the measured size at
+    or above it, else a straight line through the two largest sizes (linear in rows once compute-bound)."""
+    sizes = sorted(cost_ms)
+    for t in sizes:
+        if t >= rows:
+            return cost_ms[t]
+    if len(sizes) == 1:
+        return cost_ms[sizes[0]] * rows / sizes[0]
+    a, b = sizes[-2], sizes[-1]
+    slope = (cost_ms[b] - cost_ms[a]) / (b - a)
+    return cost_ms[b] + max(slope, 0.0) * (rows - b)
+
+
 class CapacityTuner:
     """Picks the capacity that maximises expected tokens per second from observed acceptance.
 
@@ -89,17 +103,8 @@ class CapacityTuner:
         self.current = self.warmup_cap
 
     def cost(self, rows: int) -> float:
-        """Verify ms of a forward over ``rows`` tree rows: the measured size at or above it, else a straight
-        line through the two largest measured sizes (the cost is linear in rows once compute-bound)."""
-        sizes = sorted(self.cost_ms)
-        for t in sizes:
-            if t >= rows:
-                return self.cost_ms[t]
-        if len(sizes) == 1:
-            return self.cost_ms[sizes[0]] * rows / sizes[0]
-        a, b = sizes[-2], sizes[-1]
-        slope = (self.cost_ms[b] - self.cost_ms[a]) / (b - a)
-        return self.cost_ms[b] + max(slope, 0.0) * (rows - b)
+        """Verify ms of a forward over ``rows`` tree rows (``cost_at`` of the measured curve)."""
+        return cost_at(self.cost_ms, rows)
 
     def warmup_capacity(self, streams: int = 1) -> int:
         """The largest candidate whose batch of ``streams`` trees costs at most ``warmup_cost_ratio`` times

@@ -29,7 +29,7 @@ from ..values import (
     StepRecord,
 )
 from .batch import Prefill, Verify, drive
-from .capacity import CapacityTuner, measure_cost_curve
+from .capacity import CapacityTuner, cost_at, measure_cost_curve
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker
@@ -167,8 +167,7 @@ class Engine:
         cap = self._capacity(1) if self.tuner is None else self.tuner.warmup_cap
         if self._stream_cost is None:
             self._stream_cost = measure_cost_curve(self.runner, sorted({cap * b for b in choices}))
-        tuner = CapacityTuner(self._stream_cost, [cap * b for b in choices][:1])
-        return max(choices, key=lambda b: b / tuner.cost(b * cap))
+        return max(choices, key=lambda b: b / cost_at(self._stream_cost, b * cap))
 
     # ---- state lifecycle (RACER.md section 7) ----
     def new_state(self) -> DraftState:
