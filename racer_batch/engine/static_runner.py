@@ -926,11 +926,11 @@ class StaticRunner:
 
     def step_sizes(self, largest: int) -> tuple[int, ...]:
         """Tree sizes up to ``largest`` after which the verify cost steps up, so a tree of exactly that size
-        costs what a smaller one does: the multiples of the GEMM's register block (6 rows) on our CPU kernels,
+        costs what a smaller one does: on our CPU kernels the row counts where the GEMM adds a pass of register
+        blocks (multiples of 6 on AVX2; 6, then multiples of 12 on AVX-512),
         the buckets where trees are padded. ``capacity: auto`` adds them to its candidates."""
         if self._ops is not None and not self.compile_requested:
-            block = int(self._ops.rows_per_block())
-            return tuple(range(block, largest + 1, block))
+            return tuple(int(r) for r in self._ops.row_steps(largest))
         return tuple(b for b in self.buckets if b <= largest)
 
     @staticmethod

@@ -38,6 +38,81 @@ def test_linear_equals_f_linear(n, k, bias):
         torch.testing.assert_close(got, res + want, atol=2e-4, rtol=1e-4)
 
 
+def _isas() -> list[str]:
+    """The GEMM instruction sets this CPU can run: always avx2, and avx512 where it has AVX-512F."""
+    return ["avx2", "avx512"] if OPS.isa() == "avx512" or _has_avx512f() else ["avx2"]
+
+
+def _has_avx512f() -> bool:
+    try:
+        return "avx512f" in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
+
+@pytest.fixture()
+def isa_restored():
+    old = OPS.isa()
+    yield
+    OPS.set_isa(old)
+
+
+@needs_ops
+@pytest.mark.parametrize("n,k", [(37, 29), (960, 576), (16, 1), (576, 1536), (80, 200)])
+def test_linear_rows_alone_and_in_a_batch_give_the_same_bits_on_every_isa(n, k, isa_restored):
+    """A row's output never depends on the other rows of the call (batched streams rely on it), and the AVX2
+    and AVX-512 blocks compute lane for lane the same arithmetic, so both paths give the same bits."""
+    g = _gen(n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    packed = OPS.pack(w)
+    x = torch.randn(40, k, generator=g)
+    res = torch.randn(40, n, generator=g)
+    outs = {}
+    for isa in _isas():
+        OPS.set_isa(isa)
+        full = OPS.linear(x, packed, b, n)
+        added = OPS.linear_add_(res.clone(), x, packed, b)
+        for m in (1, 5, 6, 7, 12, 13, 24, 25):  # across the 6-row and 12-row block sizes
+            assert torch.equal(OPS.linear(x[:m], packed, b, n), full[:m]), (isa, m)
+            assert torch.equal(OPS.linear_add_(res[:m].clone(), x[:m], packed, b), added[:m]), (isa, m)
+        assert torch.equal(OPS.linear(x[17:18], packed, b, n), full[17:18])
+        outs[isa] = (full, added)
+    for isa, (full, added) in outs.items():
+        assert torch.equal(full, outs["avx2"][0]) and torch.equal(added, outs["avx2"][1]), isa
+    torch.testing.assert_close(outs["avx2"][0], F.linear(x, w, b), atol=2e-4, rtol=1e-4)
+
+
+@needs_ops
+def test_isa_switch_row_steps_and_refusals(isa_restored):
+    assert OPS.isa() in ("avx2", "avx512")
+    OPS.set_isa("avx2")
+    assert list(OPS.row_steps(40)) == [6, 12, 18, 24, 30, 36]
+    if _has_avx512f():
+        assert OPS.set_isa("avx512") == "avx2" and OPS.isa() == "avx512"
+        assert list(OPS.row_steps(40)) == [6, 12, 24, 36]  # up to 6 rows AVX2, then 12-row blocks
+    else:
+        with pytest.raises(RuntimeError, match="no AVX-512F"):
+            OPS.set_isa("avx512")
+        assert OPS.isa() == "avx2"
+    with pytest.raises(RuntimeError, match="'avx2' or 'avx512'"):
+        OPS.set_isa("sse")
+
+
+@needs_ops
+def test_kernel_isa_env_picks_the_default():
+    import subprocess
+    import sys
+
+    code = "from racer_batch.engine.kernels import cpu_ops; print(cpu_ops().isa())"
+    env = dict(__import__("os").environ, RACER_KERNEL_ISA="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "avx2"
+    env.pop("RACER_KERNEL_ISA")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ("avx512" if _has_avx512f() else "avx2")
+
+
 @needs_ops
 def test_linear_reads_strided_rows_and_writes_strided_out():
     g = _gen(1)

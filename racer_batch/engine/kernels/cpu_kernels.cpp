@@ -30,6 +30,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace {
@@ -174,9 +176,144 @@ at::Tensor pack(const at::Tensor& weight) {
   return out;
 }
 
+// ---- the AVX-512 variant of the GEMM (same packed panels, same arithmetic per output element) ----
+//
+// Where the CPU has AVX-512F (Intel since Skylake-SP, AMD since Zen 4) a 512-bit register holds a whole
+// 16-column panel row, and 32 registers allow a 12-row x 32-column block of y (two adjacent panels) in 24
+// accumulators, with 2 panel loads and 12 broadcasts for 24 FMAs per k: the register block BLIS uses for
+// sgemm on Skylake-X (32 x 12), with the panels streamed as above. Every output element is still one FMA per
+// k, in k order, chunk after chunk, added to the bias last: lane for lane the arithmetic of the AVX2 kernel,
+// so both paths give bit-identical results (tests/engine/test_kernels.py checks it) and a row's output never
+// depends on the other rows of the call. Compiled for AVX-512F through function attributes, chosen at run
+// time (``racer::set_isa``, ``RACER_KERNEL_ISA``), so one library serves both kinds of CPU.
+constexpr int MR512 = 12;  // rows per register block on the AVX-512 path
+
+#define RACER_AVX512 __attribute__((target("avx512f")))
+
+// One MR x (16 NP) block of y over one K chunk of NP adjacent panels (``panel`` and ``panel + pstride``).
+template <int MR, int NP>
+RACER_AVX512 void micro_kernel_512(const float* __restrict x, int64_t ldx, const float* __restrict panel,
+                                   int64_t pstride, int64_t K, float* __restrict y, int64_t ldy, int64_t ncols,
+                                   const float* __restrict bias, const float* __restrict next, bool accumulate) {
+  static_assert(MR >= 1 && MR <= MR512 && (NP == 1 || NP == 2), "block out of range");
+  // columns of y written: the first panel's 16 (or fewer: ncols), the second's ncols - 16
+  const __mmask16 m0 = ncols >= NR ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << ncols) - 1u);
+  const int64_t n1 = NP == 2 ? std::max<int64_t>(0, std::min(NR, ncols - NR)) : 0;
+  const __mmask16 m1 = n1 >= NR ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n1) - 1u);
+  __m512 a[MR], c[MR];  // fully unrolled below: GCC keeps them in registers
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) {
+    a[r] = accumulate ? _mm512_maskz_loadu_ps(m0, y + r * ldy) : _mm512_setzero_ps();
+    if constexpr (NP == 2) c[r] = accumulate ? _mm512_maskz_loadu_ps(m1, y + r * ldy + NR) : _mm512_setzero_ps();
+  }
+  const float* w = panel;
+  const float* w2 = panel + pstride;
+  const float* nx2 = next + pstride;
+  for (int64_t k = 0; k < K; ++k, w += NR, w2 += NR) {
+    _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
+    if constexpr (NP == 2) _mm_prefetch(reinterpret_cast<const char*>(nx2 + k * NR), _MM_HINT_T0);
+    const __m512 w0 = _mm512_load_ps(w);
+    __m512 w1;
+    if constexpr (NP == 2) w1 = _mm512_load_ps(w2);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+      a[r] = _mm512_fmadd_ps(b, w0, a[r]);
+      if constexpr (NP == 2) c[r] = _mm512_fmadd_ps(b, w1, c[r]);
+    }
+  }
+  if (bias != nullptr) {
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias);
+    __m512 b1 = _mm512_setzero_ps();
+    if constexpr (NP == 2) b1 = _mm512_maskz_loadu_ps(m1, bias + NR);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      a[r] = _mm512_add_ps(a[r], b0);
+      if constexpr (NP == 2) c[r] = _mm512_add_ps(c[r], b1);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, a[r]);
+    if constexpr (NP == 2) _mm512_mask_storeu_ps(y + r * ldy + NR, m1, c[r]);
+  }
+}
+
+using Kernel512 = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, int64_t,
+                          const float*, const float*, bool);
+template <int NP>
+constexpr Kernel512 kKernels512[MR512 + 1] = {
+    nullptr,                     micro_kernel_512<1, NP>,  micro_kernel_512<2, NP>,  micro_kernel_512<3, NP>,
+    micro_kernel_512<4, NP>,     micro_kernel_512<5, NP>,  micro_kernel_512<6, NP>,  micro_kernel_512<7, NP>,
+    micro_kernel_512<8, NP>,     micro_kernel_512<9, NP>,  micro_kernel_512<10, NP>, micro_kernel_512<11, NP>,
+    micro_kernel_512<12, NP>};
+
+// gemm (below) on the AVX-512 kernels: threads split pairs of panels (an odd last panel goes alone).
+RACER_AVX512 void gemm512(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, int64_t panels,
+                          int64_t N, const float* b, float* yp, int64_t ldy, bool add_into) {
+  const int64_t blocks = (M + MR512 - 1) / MR512;
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t pstride = K * NR;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * 2 * NR * M));
+  at::parallel_for(0, pairs, grain, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t p = 2 * q;
+      const int64_t n0 = p * NR, nc = std::min(2 * NR, N - n0);
+      const bool two = p + 1 < panels;
+      const float* panel = wp + p * pstride;
+      for (int64_t c0 = 0; c0 < K; c0 += KC) {
+        const int64_t kc = std::min(KC, K - c0);
+        const float* chunk = panel + c0 * NR;
+        // read after this chunk: the pair's next chunk, or the next pair's first, prefetched by the first row
+        // block (a prefetch past the last panel is only a hint: it cannot fault)
+        const float* next = c0 + KC < K ? chunk + KC * NR : (q + 1 < q1 ? panel + 2 * pstride : chunk);
+        const bool last = c0 + KC >= K;
+        int64_t m0 = 0;
+        for (int64_t left = blocks; left > 0; --left) {
+          const int64_t mr = row_block(M - m0, left);
+          const Kernel512 kern = two ? kKernels512<2>[mr] : kKernels512<1>[mr];
+          const float* pf = left == blocks ? next : chunk;
+          kern(xp + m0 * ldx + c0, ldx, chunk, two ? pstride : 0, kc, yp + m0 * ldy + n0, ldy, nc,
+               (last && b != nullptr) ? b + n0 : nullptr, pf, c0 > 0 || add_into);
+          m0 += mr;
+        }
+      }
+    }
+  });
+}
+
+bool cpu_has_avx512f() { return __builtin_cpu_supports("avx512f"); }
+
+// The GEMM's instruction set: "avx512" where the CPU has AVX-512F (unless RACER_KERNEL_ISA=avx2), else "avx2".
+std::string& isa_state() {
+  static std::string isa = [] {
+    const char* env = std::getenv("RACER_KERNEL_ISA");
+    if (env != nullptr && std::string(env) == "avx2") return std::string("avx2");
+    return std::string(cpu_has_avx512f() ? "avx512" : "avx2");
+  }();
+  return isa;
+}
+
+std::string get_isa() { return isa_state(); }
+
+// Switch the GEMM's instruction set ("avx2" or "avx512"); returns the previous one. Benchmarks and tests.
+std::string set_isa(const std::string& isa) {
+  TORCH_CHECK(isa == "avx2" || isa == "avx512", "racer::set_isa: 'avx2' or 'avx512', got '", isa, "'");
+  TORCH_CHECK(isa == "avx2" || cpu_has_avx512f(), "racer::set_isa: this CPU has no AVX-512F");
+  std::string old = isa_state();
+  isa_state() = isa;
+  return old;
+}
+
 // y[M, N] (row stride ldy) = x[M, K] @ W^T + bias, or y += that when add_into (a residual added in place).
 void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, int64_t panels, int64_t N,
           const float* b, float* yp, int64_t ldy, bool add_into) {
+  // up to 6 rows the weights' stream sets the pace and the AVX2 blocks are measured faster (lane for lane the
+  // same arithmetic, so a call's rows give the same bits either way); past that the 12-row blocks win
+  if (M > MR_MAX && isa_state()[3] == '5') {  // "avx512"
+    gemm512(xp, ldx, M, K, wp, panels, N, b, yp, ldy, add_into);
+    return;
+  }
   const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
   // at least ~64K multiply-adds per task, as aten's own grain sizes do: a tiny model's matmuls stay on the
   // calling thread instead of waking the pool for microseconds of work
@@ -832,11 +969,21 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 
 }  // namespace
 
-int64_t rows_per_block() { return MR_MAX; }
+// Row counts up to ``largest`` after which a GEMM's cost steps up (one more pass of register blocks over each
+// L1 chunk): multiples of 6 on AVX2; on AVX-512, 6 (the last AVX2 call), then multiples of 12.
+std::vector<int64_t> row_steps(int64_t largest) {
+  std::vector<int64_t> out;
+  const bool wide = isa_state()[3] == '5';
+  for (int64_t r = MR_MAX; r <= largest; r += (wide && r >= MR512) ? MR512 : MR_MAX) out.push_back(r);
+  return out;
+}
 
 TORCH_LIBRARY(racer, m) {
-  // rows per register block of the GEMM: its cost steps up just past each multiple (a catch-all kernel)
-  m.def("rows_per_block() -> int", rows_per_block);
+  // row counts after which the GEMM's cost steps up (a catch-all kernel)
+  m.def("row_steps(int largest) -> int[]", row_steps);
+  // the GEMM's instruction set: "avx512" or "avx2"; set_isa switches it and returns the previous one
+  m.def("isa() -> str", get_isa);
+  m.def("set_isa(str isa) -> str", set_isa);
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
   m.def("linear_add_(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> Tensor(a!)");
