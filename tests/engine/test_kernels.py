@@ -100,6 +100,50 @@ def test_isa_switch_row_steps_and_refusals(isa_restored):
 
 
 @needs_ops
+@pytest.mark.parametrize("nq,nkv", [(9, 3), (4, 4), (8, 2)])
+def test_attention_gives_the_same_bits_on_every_isa_alone_and_batched(nq, nkv, isa_restored):
+    """The AVX-512 attention blocks (up to 12 rows of a KV head) compute each row as the 4-row AVX2 blocks do;
+    a stream's rows give the same bits alone (``attention``) and beside other streams (``attention_seg``)."""
+    g = _gen(nq * 10 + nkv)
+    d, slots, length = 64, 5, 420
+    keys = torch.randn(slots, nkv, length, d, generator=g)
+    vals = torch.randn(slots, nkv, length, d, generator=g)
+    sizes, starts, slot_of = [4, 3, 13, 1, 6], [300, 12, 250, 100, 7], [2, 0, 4, 1, 3]
+    rows = sum(sizes)
+    q = torch.randn(rows, nq, d, generator=g)
+    seg = torch.tensor([[slot_of[i], starts[i], sum(sizes[:i])] for i in range(len(sizes))])
+    span = max(s + t for s, t in zip(starts, sizes))
+    neg = torch.finfo(torch.float32).min
+    mask = torch.full((rows, span), neg)
+    r = 0
+    for t, s in zip(sizes, starts):
+        mask[r : r + t, :s] = 0.0
+        tree = torch.tril(torch.ones(t, t)) * (torch.rand(t, t, generator=g) < 0.6) + torch.eye(t)
+        mask[r : r + t, s : s + t] = torch.where(tree > 0, 0.0, neg)
+        r += t
+    outs = {}
+    for isa in _isas():
+        OPS.set_isa(isa)
+        batched = OPS.attention_seg(q, keys, vals, seg, mask, 0.125)
+        r = 0
+        for t, s, sl in zip(sizes, starts, slot_of):
+            alone = OPS.attention(q[r : r + t], keys[sl], vals[sl], s + t, mask[r : r + t], 0.125)
+            assert torch.equal(alone, batched[r : r + t]), (isa, t)
+            r += t
+        outs[isa] = batched
+    for isa, out in outs.items():
+        assert torch.equal(out, outs["avx2"]), isa
+    # and right: stream 2 (13 rows) against SDPA
+    r, t, s, sl = sum(sizes[:2]), sizes[2], starts[2], slot_of[2]
+    rep = nq // nkv
+    want = F.scaled_dot_product_attention(
+        q[r : r + t].transpose(0, 1), keys[sl, :, : s + t].repeat_interleave(rep, 0),
+        vals[sl, :, : s + t].repeat_interleave(rep, 0), attn_mask=mask[r : r + t, : s + t], scale=0.125,
+    ).transpose(0, 1).reshape(t, nq * d)
+    torch.testing.assert_close(outs["avx2"][r : r + t], want, atol=1e-4, rtol=1e-4)
+
+
+@needs_ops
 def test_kernel_isa_env_picks_the_default():
     import subprocess
     import sys
