@@ -86,11 +86,13 @@ def pick_prompts(n: int, root: Optional[Path] = None) -> list[BenchPrompt]:
 # ---- contenders ----
 @dataclass(frozen=True)
 class Setting:
-    """One decoding config: ``label`` (``ar``, ``pld``, ``racer-auto``, ``racer-c8``) and its capacity."""
+    """One decoding config: ``label`` (``ar``, ``pld``, ``racer-auto``, ``racer-c8``; ``-avx2`` appended for a
+    forced instruction set) and its capacity."""
 
     label: str
     method: str
     capacity: Any  # int | "auto"
+    isa: Optional[str] = None  # our CPU kernels' instruction set for this contender (None: the machine's default)
 
     def config(self) -> DecodingConfig:
         return DecodingConfig(method=self.method, capacity=self.capacity)
@@ -117,6 +119,29 @@ def settings_of(methods: Sequence[str], racer_capacities: Sequence[Any]) -> list
         else:
             raise ValueError(f"unknown method {m!r}; choose from {METHODS}")
     return out
+
+
+def with_isas(settings: list[Setting], isas: Sequence[str]) -> list[Setting]:
+    """``settings`` once per instruction set of our CPU kernels (``racer::set_isa``): the first keeps its label,
+    the others get ``-<isa>`` appended (each runs on its own engine, with the set active from its start, so
+    ``capacity: auto`` measures its cost curve on it)."""
+    out = list(settings)
+    for isa in isas[1:]:
+        out += [Setting(f"{s.label}-{isa}", s.method, s.capacity, isa) for s in settings]
+    if isas:
+        out[: len(settings)] = [Setting(s.label, s.method, s.capacity, isas[0]) for s in settings]
+    return out
+
+
+def _use_isa(isa: Optional[str]) -> None:
+    if isa is None:
+        return
+    from racer_batch.engine.kernels import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        raise SystemExit(f"--isas {isa}: our CPU kernels are not available here")
+    ops.set_isa(isa)
 
 
 def contender_label(setting: Setting, streams: int) -> str:
@@ -420,6 +445,7 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
     engine_info: dict[str, dict] = {}
     for s in settings:
         t0 = time.perf_counter()
+        _use_isa(s.isa)
         engine = Engine(bundle, s.config(), streams=max(bs))
         # first-touch costs outside the rounds: the longest prompt's prefill chunks, and the KV cache grown (all
         # slots) to what the longest row needs, a few steps decoded, then cancelled
@@ -470,6 +496,7 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
         k = rnd % len(contenders)
         outputs: dict[str, list[list[int]]] = {}
         for s, b in contenders[k:] + contenders[:k]:
+            _use_isa(s.isa)
             rec = decode_all(engines[s.label], prompt_ids, streams=b, max_new_tokens=max_new_tokens)
             runs[contender_label(s, b)].append(rec)
             outputs[contender_label(s, b)] = rec.tokens
@@ -521,6 +548,8 @@ def main(argv: Optional[list[str]] = None, *, bundle: Optional[ModelBundle] = No
     p.add_argument("--smoke", action="store_true", help="2 prompts, 16 tokens, B 1 and 2, one round (a quick check)")
     p.add_argument("--out", default=str(ROOT / "benchmarks"))
     p.add_argument("--tag", default=None, help="appended to the file stamp")
+    p.add_argument("--isas", default=None, help="our CPU kernels' instruction sets side by side, e.g. avx512,avx2 "
+                   "(the first keeps the plain labels; default: the machine's own only)")
     args = p.parse_args(argv)
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():  # a flag given beats --smoke
         if getattr(args, key) is None:
@@ -529,6 +558,10 @@ def main(argv: Optional[list[str]] = None, *, bundle: Optional[ModelBundle] = No
         bs = sorted(set(parse_list(args.streams)))
         caps = parse_list(args.racer_capacities, allow_auto=True)
         settings = settings_of([m.strip() for m in args.methods.split(",") if m.strip()], caps)
+        isas = [x.strip() for x in (args.isas or "").split(",") if x.strip()]
+        if any(x not in ("avx2", "avx512") for x in isas):
+            raise ValueError(f"--isas takes avx2 and/or avx512, got {args.isas!r}")
+        settings = with_isas(settings, isas)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         p.error(str(exc))
     if args.rounds < 1 or args.max_new_tokens < 1 or args.prompts < 1:

@@ -29,6 +29,11 @@ def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: in
     the runner the engine actually uses (eager or static, padding and compiled steps included), up to and
     including the argmax copied back to the CPU.
 
+    The sizes are timed round-robin (every round times each size once), so a burst of load from another
+    process lands on one sample of several sizes instead of every sample of one size; then the curve is made
+    non-decreasing from the top (a forward over fewer rows never costs more than one over more rows: T's
+    figure is at most that of any larger size), which removes a spike that outlived the median.
+
     Returns {T: ms} for T in ``capacities`` and T = 1.
     """
     vocab = runner.bundle.vocab_size
@@ -40,20 +45,25 @@ def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: in
     prompt = torch.randint(0, vocab, (context_tokens,), generator=gen).tolist()
     try:
         runner.prefill(prompt, cache=cache, topk=0)
-        out: dict[int, float] = {}
-        for t in sizes:
-            chain = Draft.chain(torch.randint(0, vocab, (t,), generator=gen).tolist())
-            tree = flatten_tree(chain, committed_len=context_tokens, device=runner.device, dtype=runner.dtype)
-            times = []
-            for _ in range(repeats + 1):
+        trees = {
+            t: flatten_tree(Draft.chain(torch.randint(0, vocab, (t,), generator=gen).tolist()),
+                            committed_len=context_tokens, device=runner.device, dtype=runner.dtype)
+            for t in sizes
+        }
+        times: dict[int, list[float]] = {t: [] for t in sizes}
+        for r in range(repeats + 1):
+            for t in sizes:
                 t0 = time.perf_counter()
-                logits = runner.verify_tree(tree, cache=cache)
+                logits = runner.verify_tree(trees[t], cache=cache)
                 logits.argmax(-1).cpu()
-                times.append((time.perf_counter() - t0) * 1000.0)
+                if r > 0:  # the first round warms every size up
+                    times[t].append((time.perf_counter() - t0) * 1000.0)
                 runner.keep_rows(cache, committed_len=context_tokens, nodes=[])
-            out[t] = statistics.median(times[1:])
+        out = {t: statistics.median(times[t]) for t in sizes}
     finally:
         runner.release(cache)
+    for i in range(len(sizes) - 2, -1, -1):
+        out[sizes[i]] = min(out[sizes[i]], out[sizes[i + 1]])
     return out
 
 

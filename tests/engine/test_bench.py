@@ -310,3 +310,41 @@ def test_throughput_bench_writes_partial_results_after_every_contender(throughpu
     assert [len(s["rows"]) for s in snaps] == [1, 2, 3, 4]
     assert [s["lossless"]["compared"] for s in snaps] == [0, 2, 4, 8] and d["lossless"]["mismatches"] == 0
     assert "**partial" in throughput.render_md(snaps[1]) and "**partial" not in throughput.render_md(d)
+
+
+def test_throughput_bench_isas_side_by_side(throughput, tmp_path):
+    """--isas runs every setting once per instruction set of our kernels: the first keeps the plain labels,
+    outputs are identical across them (the AVX-512 code is bit-identical to the AVX2 code), and the machine's
+    default set is back in force afterwards only through the next contender's own choice."""
+    import torch
+
+    from racer_batch.engine.kernels import cpu_ops
+
+    S = throughput.Setting
+    both = throughput.with_isas([S("ar", "ar", 1), S("racer-c8", "racer", 8)], ["avx512", "avx2"])
+    assert [(s.label, s.isa) for s in both] == [("ar", "avx512"), ("racer-c8", "avx512"), ("ar-avx2", "avx2"),
+                                               ("racer-c8-avx2", "avx2")]
+    assert throughput.with_isas([S("ar", "ar", 1)], []) == [S("ar", "ar", 1)]
+    ops = cpu_ops()
+    if ops is None:
+        with pytest.raises(SystemExit, match="not available"):
+            throughput._use_isa("avx2")
+        return
+    old = ops.isa()
+    try:
+        isas = "avx512,avx2" if old == "avx512" else "avx2"
+        rc = throughput.main(["--smoke", "--prompts", "2", "--methods", "ar,racer", "--racer-capacities", "8",
+                              "--threads", str(torch.get_num_threads()), "--isas", isas, "--out", str(tmp_path)],
+                             bundle=tiny_bundle(seed=1, head_scale=60.0), prompts=["abcabcabd hello", "xyz q xyz"])
+        assert rc == 0
+        (jpath,) = tmp_path.glob("throughput-*.json")
+        d = json.loads(jpath.read_text())
+        labels = {r["contender"] for r in d["rows"]}
+        want = {"ar", "racer-c8"} | ({"ar-avx2", "racer-c8-avx2"} if old == "avx512" else set())
+        assert labels == {f"{s}@B{b}" for s in want for b in (1, 2)}
+        assert d["lossless"]["mismatches"] == 0
+        with pytest.raises(SystemExit):
+            throughput.main(["--smoke", "--isas", "sse", "--out", str(tmp_path)], bundle=tiny_bundle(seed=1),
+                            prompts=["a b"])
+    finally:
+        ops.set_isa(old)
