@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -219,8 +220,9 @@ class RayCluster:
         self.cluster.remove_node(node, allow_graceful=False)
 
     def processes(self) -> dict[int, bytes]:
-        """{pid: command line} of the live processes that name this cluster's temp folder."""
-        return _processes_naming(self.temp_dir.encode())
+        """{pid: command line} of the live processes of this cluster (started while it was being set up or
+        used: its nodes, their agents and workers, and any process a test started meanwhile)."""
+        return marked_processes(CLUSTER_ENV, self.temp_dir)
 
 
 @contextlib.contextmanager
@@ -240,6 +242,7 @@ def ray_cluster(tag: str, *, head_cpus: float = 1, nodes: Sequence[dict] = ()) -
     os.makedirs(os.path.join(tmp, "ray"))
     old_tmpdir = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = tmp
+    os.environ[CLUSTER_ENV] = tmp  # every process the cluster starts inherits it (agents rename themselves)
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args=dict(
@@ -252,7 +255,8 @@ def ray_cluster(tag: str, *, head_cpus: float = 1, nodes: Sequence[dict] = ()) -
             if cluster is not None:
                 cluster.shutdown()
         finally:
-            kill_and_wait(_processes_naming(tmp.encode()), timeout_s=30)
+            os.environ.pop(CLUSTER_ENV, None)
+            kill_and_wait({**_processes_naming(tmp.encode()), **marked_processes(CLUSTER_ENV, tmp)}, timeout_s=30)
             if old_tmpdir is None:
                 os.environ.pop("RAY_TMPDIR", None)
             else:
@@ -260,8 +264,36 @@ def ray_cluster(tag: str, *, head_cpus: float = 1, nodes: Sequence[dict] = ()) -
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ---- worker processes
+@contextlib.contextmanager
+def worker_process(log_path: Path, *args: str, redis_url: str, prefix: str, name: str, lease_s: float = 3.0
+                   ) -> Iterator[subprocess.Popen]:
+    """``racer-batch worker --lease-s LEASE_S --name NAME ARGS...`` as a subprocess on the Redis at
+    ``redis_url`` under ``prefix``, its stderr (the worker's report lines) in ``log_path``. When the block ends,
+    however it ends, a process still running is killed (SIGKILL, by pid) and reaped."""
+    cmd = [sys.executable, "-m", "racer_batch", "worker", "--lease-s", f"{lease_s:g}", "--redis-url", redis_url,
+           "--prefix", prefix, "--name", name, *args]
+    with open(log_path, "wb") as log_fh:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="400"),
+                                stdout=subprocess.DEVNULL, stderr=log_fh)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, seconds) a live process has used so far."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        fields = fh.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # ---- process hygiene: what this pytest run started
 SESSION_ENV = "RACER_TEST_SESSION"  # set by tests/conftest.py to a value of this run's own
+CLUSTER_ENV = "RACER_TEST_RAY_CLUSTER"  # set by ray_cluster while its cluster lives: the cluster's temp folder
 
 
 def _live_pids() -> Iterator[int]:
@@ -302,7 +334,13 @@ def suite_processes(session: str) -> dict[int, bytes]:
     """{pid: command line} of live processes (zombies left out; this one too) whose environment holds
     ``SESSION_ENV=session``: the processes this pytest run started, directly or not, orphans included.
     Processes of other users and of other pytest runs do not carry this value."""
-    mark = f"{SESSION_ENV}={session}".encode()
+    return marked_processes(SESSION_ENV, session)
+
+
+def marked_processes(name: str, value: str) -> dict[int, bytes]:
+    """{pid: command line} of live processes (zombies and this one left out) whose environment has
+    ``name=value``, which every process inherits from the one that started it."""
+    mark = f"{name}={value}".encode()
     me = os.getpid()
     out = {}
     for pid in _live_pids():
