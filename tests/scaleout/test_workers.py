@@ -100,3 +100,50 @@ def test_two_workers_three_jobs_one_killed(queue, redis_url, tmp_path):
     text = logs["B"].read_text()
     assert f"job {job_ids['high']}: taken by B (reclaimed)" in text, text
     print(f"B took the killed worker's job over {takeover_s:.1f} s after the kill (lease {LEASE_S:g} s)")
+
+
+def test_a_worker_paused_past_its_lease_writes_nothing_after_the_take_over(queue, redis_url, tmp_path):
+    """The visibility-timeout failure itself: worker A is not killed but paused (SIGSTOP) mid-job for longer
+    than its lease, worker B takes the job over, then A runs on (SIGCONT). A finds it lost the lease: its
+    shard in flight is not written, it does not end the job, and B's run is the only one in the output; every
+    id once."""
+    spec, sub, ids = _submit(queue, tmp_path, "paused", 5)
+    logs = {w: tmp_path / f"{w}.log" for w in ("A", "B")}
+    with worker_process(logs["A"], "--no-ray", redis_url=redis_url, prefix=queue.prefix, name="A",
+                        lease_s=LEASE_S) as a:
+        wait_for(lambda: queue.status(sub.job_id).shards_done >= 2 or a.poll() is not None, timeout_s=90,
+                 what="two shards by worker A")
+        assert a.poll() is None and queue.status(sub.job_id).shards_done < 8, logs["A"].read_text()
+        t_stop = time.time()
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            with worker_process(logs["B"], "--no-ray", redis_url=redis_url, prefix=queue.prefix, name="B",
+                                lease_s=LEASE_S) as b:
+                wait_for(lambda: queue.status(sub.job_id).owner == "B" or b.poll() is not None, timeout_s=90,
+                         what="worker B to take the job over")
+                t_cont = time.time()
+                os.kill(a.pid, signal.SIGCONT)
+                wait_for(lambda: queue.status(sub.job_id).state == "done" or b.poll() is not None, timeout_s=90,
+                         what="the job to end")
+                time.sleep(1.0)  # A has woken up and looked at its lease by now
+                for proc in (a, b):
+                    assert proc.poll() is None
+                    proc.send_signal(signal.SIGTERM)
+                assert b.wait(timeout=30) == 0, logs["B"].read_text()
+                assert a.wait(timeout=30) == 0, logs["A"].read_text()
+        finally:
+            if a.poll() is None:
+                os.kill(a.pid, signal.SIGCONT)
+    history = queue.lease_history(sub.job_id)
+    print([(e["event"], e["owner"], round(e["at"] - t_stop, 2)) for e in history], f"A resumed at +{t_cont - t_stop:.1f} s")
+    assert [(e["event"], e["owner"], e.get("reclaimed")) for e in history] == [
+        ("taken", "A", "0"), ("taken", "B", "1"), ("done", "B", None)]
+    rows = assert_each_id_once(spec.output.path, ids)
+    by_a = [r for r in rows if r["worker"].startswith("A/")]
+    assert by_a and all(r["finished_at"].timestamp() < t_stop for r in by_a)  # nothing of A after the pause
+    for path in existing_parts(spec.output.path).values():
+        meta = json.loads(pq.read_schema(path).metadata[b"racer_batch.shard"])
+        part = pq.read_table(path).to_pylist()
+        assert {r["worker"].split("/")[0] for r in part} == {meta["worker"].split("/")[0]}
+        assert all(r["status"] == "ok" for r in part)
+    assert "lease lost to another worker" in logs["A"].read_text()
