@@ -371,6 +371,8 @@ class RowRunner:
 
         stats = _feed(self._rows(task, spec, plan), width=width, start=start, end=end)
         assert in_order.waiting == 0, f"shard {task.shard}: {in_order.waiting} rows ended before an earlier one"
+        if stopped is None and verdict() == LEASE_LOST:
+            stopped = LEASE_LOST  # the job went to another worker while the last rows ran: its copy wins
         meta = writer.summary(tally, worker=self.worker_name, node=self.node, attempt=task.attempt,
                               elapsed_s=time.perf_counter() - t0, streams=width,
                               batch_sizes={str(b): n for b, n in sorted(stats.sizes.items())})

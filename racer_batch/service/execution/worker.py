@@ -306,7 +306,8 @@ class Worker:
     def _close_job(self, job: "JobRun") -> str:
         """End the run: the final state in the manifest and Redis (or the job handed back / left)."""
         if job.lost:
-            log.warning("job %s: lease lost to another worker; stopped here", job.job_id)
+            self._report(f"job {job.job_id}: lease lost to another worker; stopped here, shards in flight not "
+                         "written")
             return "lost"
         if job.released:
             self.queue.release(job.lease, message=f"released by {self.name} (shutdown)")
