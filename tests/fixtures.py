@@ -10,21 +10,27 @@ tests/conftest.py imports the fixtures below, so every test folder sees them:
 - ``cli``: the service commands in a click group, for click's CliRunner.
 
 A folder that wants one local Ray for many tests defines its own ``ray_session`` fixture (its scope is the
-folder's choice) around ``local_ray``. The builders ``write_parquet``, ``base_overrides``,
+folder's choice) around ``local_ray``; ``ray_cluster`` starts a Ray cluster of several nodes on this machine
+(tests/scaleout). Process hygiene: tests/conftest.py marks this pytest run's environment
+(``SESSION_ENV``), so every process a test starts carries the mark, and at the end of the run it fails the
+run when any such process is still alive (``suite_processes``). The builders ``write_parquet``, ``base_overrides``,
 ``submit_standin_job`` and ``queue_url`` make small jobs on the stand-in engine (tests/standin.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -161,18 +167,207 @@ class RaySession:
 
 def local_ray(tag: str) -> Iterator[RaySession]:
     """Body of a ``ray_session`` fixture: a local Ray with 2 CPUs and a private temp folder ``/tmp/<tag>*``,
-    shut down and removed when the fixture ends."""
+    shut down when the fixture ends (its watchdog then kills, by pid, any process of the session that is
+    left) and its folder removed."""
     import ray
 
-    from racer_batch.service.execution.local import init_local_ray
+    from racer_batch.service.execution.local import init_local_ray, shutdown_local_ray
 
     tmp = tempfile.mkdtemp(prefix=tag, dir="/tmp")
     if ray.is_initialized():
         ray.shutdown()
     init_local_ray(num_cpus=2, temp_dir=tmp)
-    yield RaySession(ray=ray, temp_dir=tmp)
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield RaySession(ray=ray, temp_dir=tmp)
+    finally:
+        shutdown_local_ray()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- a Ray cluster of several nodes on this machine
+# Node deaths are noticed within about a second (Ray's defaults take 15 s: checks every 3 s, 5 misses).
+FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                   "health_check_failure_threshold": 2}
+
+
+@dataclass
+class RayCluster:
+    """A running ``ray.cluster_utils.Cluster``: a head and more nodes (raylets) on this machine, each with its
+    own resources, in the private temp folder ``temp_dir``. Workers join it by ``address``."""
+
+    cluster: Any  # ray.cluster_utils.Cluster
+    temp_dir: str
+
+    @property
+    def address(self) -> str:
+        """The head's GCS address, ``host:port``: what ``racer-batch worker --ray-address`` takes."""
+        return self.cluster.address
+
+    @property
+    def head(self) -> Any:
+        return self.cluster.head_node
+
+    def nodes(self) -> list:
+        """The nodes still running (``ray._private.node.Node``; ``.node_id`` is the hex id), head first."""
+        return self.cluster.list_all_nodes()
+
+    def add_node(self, **node_args: Any) -> Any:
+        """Start one more node (``num_cpus``, ``resources``, ...) and wait until it has joined."""
+        return self.cluster.add_node(temp_dir=self.temp_dir, include_dashboard=False, **node_args)
+
+    def remove_node(self, node: Any) -> None:
+        """Kill a node's processes (SIGKILL, by pid), as a machine that dies; the head included."""
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def processes(self) -> dict[int, bytes]:
+        """{pid: command line} of the live processes of this cluster (started while it was being set up or
+        used: its nodes, their agents and workers, and any process a test started meanwhile)."""
+        return marked_processes(CLUSTER_ENV, self.temp_dir)
+
+
+@contextlib.contextmanager
+def ray_cluster(tag: str, *, head_cpus: float = 1, nodes: Sequence[dict] = ()) -> Iterator[RayCluster]:
+    """A Ray cluster of several nodes on this machine, with Ray's own ``ray.cluster_utils.Cluster`` (what
+    Ray's test suite uses to simulate nodes): a head with ``head_cpus`` CPUs, then one node per entry of
+    ``nodes`` (``add_node`` arguments, e.g. ``{"num_cpus": 1}``), all in a private temp folder ``/tmp/<tag>*``
+    (``RAY_TMPDIR`` points there meanwhile, so Ray's address file is not the shared /tmp/ray one).
+    Node deaths are noticed fast (``FAST_NODE_DEATH``). When the block ends, however it ends, every node is
+    removed and any process still naming the folder is killed by pid; then the folder is removed."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    tmp = tempfile.mkdtemp(prefix=tag, dir="/tmp")  # short: Ray's socket paths are limited
+    os.makedirs(os.path.join(tmp, "ray"))
+    old_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    os.environ[CLUSTER_ENV] = tmp  # every process the cluster starts inherits it (agents rename themselves)
+    cluster = None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=head_cpus, temp_dir=tmp, include_dashboard=False, _system_config=FAST_NODE_DEATH))
+        for args in nodes:
+            cluster.add_node(temp_dir=tmp, include_dashboard=False, **args)
+        yield RayCluster(cluster=cluster, temp_dir=tmp)
+    finally:
+        try:
+            if cluster is not None:
+                cluster.shutdown()
+        finally:
+            os.environ.pop(CLUSTER_ENV, None)
+            kill_and_wait({**_processes_naming(tmp.encode()), **marked_processes(CLUSTER_ENV, tmp)}, timeout_s=30)
+            if old_tmpdir is None:
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = old_tmpdir
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- worker processes
+@contextlib.contextmanager
+def worker_process(log_path: Path, *args: str, redis_url: str, prefix: str, name: str, lease_s: float = 3.0
+                   ) -> Iterator[subprocess.Popen]:
+    """``racer-batch worker --lease-s LEASE_S --name NAME ARGS...`` as a subprocess on the Redis at
+    ``redis_url`` under ``prefix``, its stderr (the worker's report lines) in ``log_path``. When the block ends,
+    however it ends, a process still running is killed (SIGKILL, by pid) and reaped."""
+    cmd = [sys.executable, "-m", "racer_batch", "worker", "--lease-s", f"{lease_s:g}", "--redis-url", redis_url,
+           "--prefix", prefix, "--name", name, *args]
+    with open(log_path, "wb") as log_fh:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="400"),
+                                stdout=subprocess.DEVNULL, stderr=log_fh)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, seconds) a live process has used so far."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        fields = fh.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---- process hygiene: what this pytest run started
+SESSION_ENV = "RACER_TEST_SESSION"  # set by tests/conftest.py to a value of this run's own
+CLUSTER_ENV = "RACER_TEST_RAY_CLUSTER"  # set by ray_cluster while its cluster lives: the cluster's temp folder
+
+
+def _live_pids() -> Iterator[int]:
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            yield int(name)
+
+
+def _state(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").strip()
+    except OSError:
+        return b""
+
+
+def _processes_naming(tag: bytes) -> dict[int, bytes]:
+    """{pid: command line} of live (not zombie) processes other than this one whose command line has ``tag``."""
+    me = os.getpid()
+    out = {}
+    for pid in _live_pids():
+        if pid != me and _state(pid) not in (None, "Z"):
+            cmd = _cmdline(pid)
+            if tag in cmd:
+                out[pid] = cmd
+    return out
+
+
+def suite_processes(session: str) -> dict[int, bytes]:
+    """{pid: command line} of live processes (zombies left out; this one too) whose environment holds
+    ``SESSION_ENV=session``: the processes this pytest run started, directly or not, orphans included.
+    Processes of other users and of other pytest runs do not carry this value."""
+    return marked_processes(SESSION_ENV, session)
+
+
+def marked_processes(name: str, value: str) -> dict[int, bytes]:
+    """{pid: command line} of live processes (zombies and this one left out) whose environment has
+    ``name=value``, which every process inherits from the one that started it."""
+    mark = f"{name}={value}".encode()
+    me = os.getpid()
+    out = {}
+    for pid in _live_pids():
+        if pid == me or _state(pid) in (None, "Z"):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except OSError:  # another user's process, or it just ended
+            continue
+        if mark in env:
+            out[pid] = _cmdline(pid)
+    return out
+
+
+def kill_and_wait(pids: Sequence[int] | dict, *, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL each pid (ours), then wait up to ``timeout_s`` seconds for them to end. Returns those still
+    alive (not zombies)."""
+    for pid in list(pids):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in pids if _state(p) not in (None, "Z")]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if _state(p) not in (None, "Z")]
+    return alive
 
 
 @pytest.fixture()

@@ -54,6 +54,8 @@ def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:
     if st.totals.error:
         t.add_row("errors", errors_command(st.job_id, prefix))
     t.add_row("shards", f"{st.shards_done}/{st.shards_total}")
+    if st.fault_note:
+        t.add_row("faults", st.fault_note)
     t.add_row("output tokens", f"{st.totals.output_tokens}  (steps {st.totals.steps}, MAT {fmt(st.mat)})")
     t.add_row("throughput", f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
                             f"elapsed {eta(st.elapsed_s)}, ETA {eta(st.eta_s)}")

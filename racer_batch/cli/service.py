@@ -48,7 +48,8 @@ _WORKER_EPILOG = epilog(
                   "queue)"),
     ExitCode.INTERNAL,
     (ExitCode.INPUT, "bad option value"),
-    (ExitCode.SERVICE, "Redis or Ray, or the metrics port cannot be bound"),
+    (ExitCode.SERVICE, "Redis or Ray, or the metrics port cannot be bound; the Ray head went away (the job "
+                       "in hand goes back to the queue)"),
     (ExitCode.INTERRUPTED, "during start-up, before it waits for jobs"),
 )
 
@@ -354,15 +355,24 @@ def errors(job_id: str, limit: int, as_json: bool, redis_url: Optional[str], pre
 @click.option("--max-jobs", type=int, default=None, help="Exit after this many jobs.")
 @click.option("--idle-exit", type=float, default=None, help="Exit after this many seconds with nothing queued.")
 @click.option("--name", default=None, help="Worker name (consumer name in the queue).")
+@click.option("--actor-start-timeout", type=click.FloatRange(1, 3600), default=120.0, show_default=True,
+              help="Seconds a started Ray actor may wait for a node with room before its shard is retried on "
+                   "the others (the cluster shrank).")
 @click.option("--allow-remote-code", is_flag=True, help="Allow jobs that set model.trust_remote_code.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="RACER_BATCH_METRICS_PORT",
               help="Serve Prometheus metrics on this port at /metrics (env RACER_BATCH_METRICS_PORT; off by default).")
 @click.option("--metrics-host", default="0.0.0.0", show_default=True, help="Address the metrics endpoint binds.")
 @_redis_options
 def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], lease_s: float,
-           max_jobs: Optional[int], idle_exit: Optional[float], name: Optional[str], allow_remote_code: bool,
-           metrics_port: Optional[int], metrics_host: str, redis_url: Optional[str], prefix: str) -> None:
-    """Take jobs from the queue and run them on a pool of Ray actors (one per GPU, else one on the CPUs)."""
+           max_jobs: Optional[int], idle_exit: Optional[float], name: Optional[str], actor_start_timeout: float,
+           allow_remote_code: bool, metrics_port: Optional[int], metrics_host: str, redis_url: Optional[str],
+           prefix: str) -> None:
+    """Take jobs from the queue and run them on a pool of Ray actors (one per GPU, else one on the CPUs).
+
+    With --ray-address the actors spread over the cluster's nodes (Ray's SPREAD strategy). A lost node's
+    shards are retried on the nodes left; with no room left the job waits, its status line says so. When
+    the head stops answering, the job in hand goes back to the queue and the worker exits (code 4)."""
+    from racer_batch.service.execution.actors import ClusterLost
     from racer_batch.service.execution.local import init_local_ray, make_executor
     from racer_batch.service.execution.worker import Worker, worker_id
 
@@ -377,7 +387,7 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
                 raise CliExit(f"cannot start or reach Ray: {exc}", ExitCode.SERVICE) from None
             cleanup.callback(_shutdown_local_ray)
         executor = make_executor("thread" if no_ray else "ray", url=url, prefix=prefix, name=name,
-                                 allow_remote_code=allow_remote_code)
+                                 allow_remote_code=allow_remote_code, actor_start_timeout_s=actor_start_timeout)
         if metrics_port is not None:
             executor = _metered(executor, cleanup, worker=name, port=metrics_port, host=metrics_host)
         cleanup.callback(executor.shutdown)
@@ -392,6 +402,8 @@ def worker(ray_address: Optional[str], no_ray: bool, num_cpus: Optional[int], le
             n = w.run(max_jobs=max_jobs, idle_exit_s=idle_exit, stop=stopping.is_set)
         except KeyboardInterrupt:
             n = w.jobs_run
+        except ClusterLost as exc:
+            raise CliExit(f"worker {name}: {exc}; stopping after {w.jobs_run} job(s)", ExitCode.SERVICE) from None
     err_console.print(f"worker {name}: {n} job(s) run")
 
 

@@ -185,3 +185,35 @@ def test_cli_worker_serves_metrics(queue, redis_url, tmp_path):
             proc.wait()
     _check(samples, job_id, _expected(spec.output.path))
     assert proc.returncode == 0, proc.stdout.read().decode()
+
+
+def test_retries_and_lost_nodes_are_counted():
+    """MeteredExecutor counts a shard attempt after the first as a retry, and the nodes the executor reports
+    lost, under the job of the shards it runs."""
+    import concurrent.futures as cf
+    import dataclasses
+
+    from racer_batch.service.execution.runner import ShardTask
+
+    class Inner:  # an executor whose shards are done at once and that has lost two nodes
+        slots = 1
+
+        def submit(self, slot, task):
+            fut = cf.Future()
+            fut.set_result(_shard_result(written=True, stopped=None, elapsed_s=1.0))
+            return fut
+
+        def lost_nodes(self):
+            return ["node-a", "node-b"]
+
+    m = WorkerMetrics(worker="w")
+    ex = MeteredExecutor(Inner(), m)
+    task = ShardTask(job_id="j", shard=0, row_start=0, row_stop=3, spec={}, plan={}, spec_hash="h", owner="w")
+    ex.submit(0, task)
+    ex.submit(0, dataclasses.replace(task, attempt=2))
+    assert ex.lost_nodes() == ["node-a", "node-b"]
+    get = m.registry.get_sample_value
+    assert get("racer_batch_shard_retries_total", {"job": "j"}) == 1
+    assert get("racer_batch_nodes_lost_total", {"job": "j"}) == 2
+    assert get("racer_batch_shards_total", {"job": "j", "outcome": "committed"}) == 2
+

@@ -63,6 +63,8 @@ OLD_OUTPUT_SCHEMA = pa.schema(
         pa.field("tokens_per_s", pa.float64()),
         pa.field("worker", pa.string()),
         pa.field("device", pa.string()),
+        # the Ray node that answered (issue 15); older files read back null here
+        pa.field("node", pa.string()),
         pa.field("model", pa.string()),
         pa.field("method", pa.string()),
         pa.field("config_hash", pa.string()),

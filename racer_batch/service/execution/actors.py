@@ -6,11 +6,13 @@ Both hand back ``concurrent.futures.Future`` objects, so the worker's loop is th
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -79,16 +81,39 @@ def resolve_shape(res: Resources, *, cluster_cpus: float, cluster_gpus: float) -
     return PoolShape(num_actors=n, cpus_per_actor=cpus, gpus_per_actor=gpus, torch_threads=threads)
 
 
+class ClusterLost(RuntimeError):
+    """The Ray cluster the worker joined is gone (its head does not answer): nothing can run or be asked of
+    Ray any more. The worker hands its job back to the queue and stops; the message names the address."""
+
+
+class ActorNotPlaced(RuntimeError):
+    """An actor (re)started for a slot found no node with room within the start timeout (the cluster shrank);
+    its shard is retried on the other slots and the slot is dropped."""
+
+
 class Executor(Protocol):
+    """Where shards run. ``slots`` numbers the pool's places (0..slots-1); some may be dropped when the
+    cluster has no room for them (``usable_slots``), and come back with ``regrow``."""
+
     slots: int
 
     def prepare(self, resources: Resources) -> None: ...
+
+    def usable_slots(self) -> list[int]: ...
 
     def submit(self, slot: int, task: ShardTask) -> cf.Future: ...
 
     def end_job(self, job_id: str) -> None: ...
 
-    def restart(self, slot: int) -> None: ...
+    def restart(self, slot: int) -> bool: ...
+
+    def regrow(self) -> list[int]: ...
+
+    def room_note(self) -> Optional[str]: ...
+
+    def check_cluster(self) -> None: ...
+
+    def lost_nodes(self) -> list[str]: ...
 
     def is_crash(self, exc: BaseException) -> bool: ...
 
@@ -101,8 +126,11 @@ class ThreadExecutor:
     """RowRunners on threads of this process: no isolation, same code path. Shape: ``num_actors`` threads."""
 
     def __init__(self, queue_url: str, *, prefix: str, allow_remote_code: bool = False,
-                 device: Optional[str] = None, runner_options: Optional[dict] = None) -> None:
-        self._url, self._prefix = queue_url, prefix
+                 device: Optional[str] = None, runner_options: Optional[dict] = None,
+                 name: Optional[str] = None) -> None:
+        """``name``: the worker's name, the start of each row's ``worker`` column (``NAME/tN@host:pid``);
+        None: ``host:pid:tN``."""
+        self._url, self._prefix, self._name = queue_url, prefix, name
         self._allow, self._device = allow_remote_code, device
         self._runner_options = runner_options or {}  # extra RowRunner keywords (loader, engine_factory)
         self.runners: list[RowRunner] = []
@@ -120,8 +148,10 @@ class ThreadExecutor:
 
     def _runner(self, slot: int) -> RowRunner:
         sink = RedisSink(JobQueue(connect(self._url), prefix=self._prefix))
-        return RowRunner(worker_name=f"{socket.gethostname()}:{os.getpid()}:t{slot}", sink=sink,
-                         allow_remote_code=self._allow, device=self._device, **self._runner_options)
+        where = f"{socket.gethostname()}:{os.getpid()}"
+        name = f"{self._name}/t{slot}@{where}" if self._name else f"{where}:t{slot}"
+        return RowRunner(worker_name=name, sink=sink, allow_remote_code=self._allow, device=self._device,
+                         **self._runner_options)
 
     def submit(self, slot: int, task: ShardTask) -> cf.Future:
         """Run the task on a thread; the validated spec and plan are shared as they are."""
@@ -132,9 +162,26 @@ class ThreadExecutor:
         for r in self.runners:
             r.end_job(job_id)
 
-    def restart(self, slot: int) -> None:
+    def usable_slots(self) -> list[int]:
+        return list(range(self.slots))
+
+    def restart(self, slot: int) -> bool:
+        """A fresh runner for the slot; threads always have room (True)."""
         if slot < len(self.runners):
             self.runners[slot] = self._runner(slot)
+        return True
+
+    def regrow(self) -> list[int]:
+        return []
+
+    def room_note(self) -> Optional[str]:
+        return None
+
+    def check_cluster(self) -> None:
+        return None
+
+    def lost_nodes(self) -> list[str]:
+        return []
 
     def is_crash(self, exc: BaseException) -> bool:
         return False
@@ -161,7 +208,7 @@ class GenerationActor:
             sys.modules["torch"].set_num_threads(torch_threads)
         sink = RedisSink(JobQueue(connect(redis_url), prefix=prefix))
         self.runner = RowRunner(worker_name=f"{worker_name}@{socket.gethostname()}:{os.getpid()}", sink=sink,
-                                allow_remote_code=allow_remote_code)
+                                node=_ray_node_id(), allow_remote_code=allow_remote_code)
 
     def run_shard(self, task: dict) -> dict:
         torch = sys.modules.get("torch")  # imported by the model loader; set its thread count once loaded
@@ -172,64 +219,253 @@ class GenerationActor:
     def end_job(self, job_id: str) -> bool:
         return self.runner.end_job(job_id)
 
+    def node(self) -> Optional[str]:
+        """The Ray node id (hex) this actor runs on; its answer is also the sign that the actor was placed."""
+        return self.runner.node
+
     def describe(self) -> dict:
         return self.runner.describe()
 
 
-class RayExecutor:
-    """A pool of GenerationActor; the pool is kept across jobs and rebuilt only when the shape changes."""
-
-    def __init__(self, queue_url: str, *, prefix: str, name: str, allow_remote_code: bool = False) -> None:
+def _ray_node_id() -> Optional[str]:
+    """The Ray node id of this process (hex), or None outside Ray."""
+    try:
         import ray
 
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no Ray, or no runtime context: the column stays null
+        return None
+
+
+def head_reachable(gcs_address: str, *, timeout_s: float = 2.0) -> Optional[str]:
+    """None when a TCP connection to the Ray head's GCS (``host:port``) opens within ``timeout_s`` seconds,
+    else the reason (``Connection refused``, ``timed out``)."""
+    host, _, port = gcs_address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return None
+
+
+class RayExecutor:
+    """A pool of GenerationActor spread over the cluster's nodes; kept across jobs, rebuilt only when the
+    shape changes.
+
+    Placement: every actor is created with Ray's ``SPREAD`` scheduling strategy, so the pool lands on as many
+    nodes as have room (one node's loss then costs the fewest actors) instead of filling the node the worker
+    joined first, as Ray's default policy does.
+
+    Cluster faults (docs/scaleout.md, "Cluster mode"): an actor that dies, with its process or its node, is
+    restarted while the cluster has room for it; otherwise its slot is dropped and the job runs on the slots
+    left (``usable_slots``). ``regrow`` starts dropped slots again once there is room (a node joined). An
+    actor that is still not placed ``start_timeout_s`` seconds after it was started fails its shard with
+    ActorNotPlaced. ``check_cluster`` raises ClusterLost when the head stops answering: Ray's own calls would
+    then block for a minute and end the process, so the worker checks first and hands its job back."""
+
+    def __init__(self, queue_url: str, *, prefix: str, name: str, allow_remote_code: bool = False,
+                 start_timeout_s: float = 120.0) -> None:
+        import ray
+
+        assert start_timeout_s > 0, f"start_timeout_s must be positive, got {start_timeout_s}"
         self._ray = ray
         self._url, self._prefix, self._name, self._allow = queue_url, prefix, name, allow_remote_code
         self._remote = ray.remote(GenerationActor)
-        self.actors: list[Any] = []
+        self.start_timeout_s = start_timeout_s
+        self.actors: list[Any] = []  # per slot; None: the slot is dropped (no room in the cluster)
+        self._placed: dict[int, cf.Future] = {}  # slot -> the actor's node id, done once it is placed
+        self._hosts: set[str] = set()  # nodes that hosted this pool's actors, not yet reported lost
+        self._timers: list[threading.Timer] = []
         self.shape: Optional[PoolShape] = None
         self.slots = 0
 
+    # ---- the pool
     def prepare(self, resources: Resources) -> None:
+        """Size the pool for a job (``resolve_shape`` over the cluster's resources); start as many actors as
+        the nodes have room for, the rest of the slots dropped until there is room. Raises ClusterLost."""
+        self.check_cluster()
         cluster = self._ray.cluster_resources()
         shape = resolve_shape(resources, cluster_cpus=cluster.get("CPU", 1), cluster_gpus=cluster.get("GPU", 0))
         if shape == self.shape:
             return
         self.shutdown()
         self.shape = shape
-        self.actors = [self._start(i) for i in range(shape.num_actors)]
         self.slots = shape.num_actors
-        log.info("actor pool: %s", shape)
+        self.actors = [None] * shape.num_actors
+        for slot in range(min(shape.num_actors, self._free_places())):
+            self.actors[slot] = self._start(slot)
+        log.info("actor pool: %s, scheduling strategy SPREAD", shape)
+        note = self.room_note()
+        if note:
+            log.warning("actor pool: %s", note)
+
+    def usable_slots(self) -> list[int]:
+        return [slot for slot, actor in enumerate(self.actors) if actor is not None]
 
     def _start(self, slot: int) -> Any:
         assert self.shape is not None
-        return self._remote.options(
+        actor = self._remote.options(
             num_cpus=self.shape.cpus_per_actor, num_gpus=self.shape.gpus_per_actor, max_restarts=0,
+            scheduling_strategy="SPREAD",
         ).remote(worker_name=f"{self._name}/a{slot}", redis_url=self._url, prefix=self._prefix,
                  torch_threads=self.shape.threads, allow_remote_code=self._allow)
+        placed = actor.node.remote().future()
+        placed.add_done_callback(self._note_host)
+        self._placed[slot] = placed
+        return actor
 
+    def _note_host(self, placed: cf.Future) -> None:
+        if not placed.cancelled() and placed.exception() is None and placed.result():
+            self._hosts.add(placed.result())
+
+    def _free_places(self) -> int:
+        """How many more actors of the pool's shape the live nodes hold beside this pool's live actors (an
+        actor not placed yet counts against the total). Other drivers' use of the nodes is not seen; an
+        actor that finds no room after all ends with ActorNotPlaced."""
+        assert self.shape is not None
+        cpus, gpus = self.shape.cpus_per_actor, self.shape.gpus_per_actor
+        used: collections.Counter[str] = collections.Counter()
+        unplaced = 0
+        for slot, actor in enumerate(self.actors):
+            if actor is None:
+                continue
+            placed = self._placed.get(slot)
+            if placed is not None and placed.done() and placed.exception() is None and placed.result():
+                used[placed.result()] += 1
+            else:
+                unplaced += 1
+        places = 0
+        for node in self._ray.nodes():
+            if not node.get("Alive"):
+                continue
+            res, k = node.get("Resources", {}), used[node.get("NodeID")]
+            fit = [int((res.get("CPU", 0.0) - k * cpus) / cpus + 1e-9)] if cpus > 0 else []
+            fit += [int((res.get("GPU", 0.0) - k * gpus) / gpus + 1e-9)] if gpus > 0 else []
+            places += max(0, min(fit)) if fit else 1
+        return max(0, places - unplaced)
+
+    def room_note(self) -> Optional[str]:
+        """Why some slots are dropped (``3 of 4 actors: no room for more actors of 1 CPU on the 3 live nodes
+        (3 CPU)``), or None when every slot has an actor."""
+        if self.shape is None or all(a is not None for a in self.actors):
+            return None
+        live = [n for n in self._ray.nodes() if n.get("Alive")]
+        cpu = sum(n.get("Resources", {}).get("CPU", 0.0) for n in live)
+        gpu = sum(n.get("Resources", {}).get("GPU", 0.0) for n in live)
+        want = f"{self.shape.cpus_per_actor:g} CPU" + (f", {self.shape.gpus_per_actor:g} GPU"
+                                                      if self.shape.gpus_per_actor else "")
+        has = f"{cpu:g} CPU" + (f", {gpu:g} GPU" if gpu else "")
+        return (f"{len(self.usable_slots())} of {self.slots} actors: no room for more actors of {want} on the "
+                f"{len(live)} live node(s) ({has})")
+
+    # ---- shards
     def submit(self, slot: int, task: ShardTask) -> cf.Future:
-        """Send the task as plain data; the actor validates its spec once per job and spec hash."""
-        return self.actors[slot].run_shard.remote(task.to_dict()).future()
+        """Send the task as plain data; the actor validates its spec once per job and spec hash. On an actor
+        not placed yet, the future fails with ActorNotPlaced after ``start_timeout_s`` seconds."""
+        actor = self.actors[slot]
+        assert actor is not None, f"slot {slot} was dropped (no room in the cluster); it takes no shards"
+        fut = actor.run_shard.remote(task.to_dict()).future()
+        placed = self._placed.get(slot)
+        if placed is None or placed.done():
+            return fut
+        return self._placed_in_time(slot, actor, placed, fut)
+
+    def _placed_in_time(self, slot: int, actor: Any, placed: cf.Future, fut: cf.Future) -> cf.Future:
+        """``fut``, or ActorNotPlaced when the actor is not placed within ``start_timeout_s`` seconds."""
+        out: cf.Future = cf.Future()
+
+        def settle(setter: Any, value: Any) -> None:
+            try:
+                setter(value)
+            except cf.InvalidStateError:  # the other side settled it first
+                pass
+
+        def copy(done: cf.Future) -> None:
+            exc = done.exception()
+            settle(out.set_exception, exc) if exc is not None else settle(out.set_result, done.result())
+
+        def expire() -> None:
+            if placed.done() or out.done():
+                return
+            settle(out.set_exception, ActorNotPlaced(
+                f"actor of slot {slot} not placed within {self.start_timeout_s:g} s: "
+                f"{self.room_note() or 'the cluster has no node with room for it now'}"))
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - killing a pending actor is best effort
+                pass
+
+        fut.add_done_callback(copy)
+        timer = threading.Timer(self.start_timeout_s, expire)
+        timer.daemon = True
+        timer.start()
+        self._timers = [t for t in self._timers if t.is_alive()] + [timer]
+        return out
 
     def end_job(self, job_id: str) -> None:
-        refs = [a.end_job.remote(job_id) for a in self.actors]
+        """Free the job's state on every actor (waits up to 60 s). Raises ClusterLost."""
+        self.check_cluster()
+        refs = [a.end_job.remote(job_id) for a in self.actors if a is not None]
         try:
             self._ray.get(refs, timeout=60)
         except self._ray.exceptions.RayError as exc:
             log.warning("freeing state of job %s: %s", job_id, exc)
 
-    def restart(self, slot: int) -> None:
+    # ---- faults
+    def restart(self, slot: int) -> bool:
+        """Replace the slot's actor after it died. Returns False when the slot is dropped instead: the live
+        nodes have no room for another actor (a node was lost), or the pool was shut down. Raises ClusterLost."""
         if slot >= len(self.actors):  # the pool was shut down meanwhile
-            return
-        try:
-            self._ray.kill(self.actors[slot], no_restart=True)
-        except self._ray.exceptions.RayError:
-            pass
+            return False
+        self.check_cluster()
+        old, self.actors[slot] = self.actors[slot], None
+        self._placed.pop(slot, None)
+        if old is not None:
+            try:
+                self._ray.kill(old, no_restart=True)
+            except self._ray.exceptions.RayError:
+                pass
+        if self._free_places() < 1:
+            log.warning("slot %d dropped: %s", slot, self.room_note())
+            return False
         self.actors[slot] = self._start(slot)
+        return True
+
+    def regrow(self) -> list[int]:
+        """Start actors for dropped slots while the live nodes have room; returns the slots started."""
+        dropped = [slot for slot, actor in enumerate(self.actors) if actor is None]
+        if not dropped:
+            return []
+        self.check_cluster()
+        back = dropped[:self._free_places()]
+        for slot in back:
+            self.actors[slot] = self._start(slot)
+        return back
+
+    def check_cluster(self) -> None:
+        """Raises ClusterLost when the head of the Ray cluster this process joined does not answer (see
+        ``head_reachable``). Cheap: one TCP connection."""
+        if not self._ray.is_initialized():
+            return
+        address = self._ray.get_runtime_context().gcs_address
+        why = head_reachable(address)
+        if why is not None:
+            raise ClusterLost(f"the Ray head at {address} does not answer ({why})")
+
+    def lost_nodes(self) -> list[str]:
+        """Nodes (ids, hex) that hosted this pool's actors and are now dead, each reported once."""
+        if not self._hosts:
+            return []
+        self.check_cluster()
+        alive = {n.get("NodeID") for n in self._ray.nodes() if n.get("Alive")}
+        gone = sorted(self._hosts - alive)
+        self._hosts.difference_update(gone)
+        return gone
 
     def is_crash(self, exc: BaseException) -> bool:
         ex = self._ray.exceptions
-        return isinstance(exc, (ex.RayActorError, ex.WorkerCrashedError, ex.ObjectLostError))
+        return isinstance(exc, (ex.RayActorError, ex.WorkerCrashedError, ex.ObjectLostError, ex.NodeDiedError,
+                                ActorNotPlaced))
 
     def root_cause(self, exc: BaseException) -> BaseException:
         if isinstance(exc, self._ray.exceptions.RayTaskError):
@@ -238,11 +474,17 @@ class RayExecutor:
         return exc
 
     def shutdown(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers = []
         for a in self.actors:
+            if a is None:
+                continue
             try:
                 self._ray.kill(a, no_restart=True)
             except self._ray.exceptions.RayError:
                 pass
         self.actors = []
+        self._placed.clear()
         self.shape = None
         self.slots = 0

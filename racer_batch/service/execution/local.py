@@ -182,11 +182,16 @@ def shutdown_local_ray() -> None:
         shutil.rmtree(_OWNED_RAY_TMP.pop(), ignore_errors=True)
 
 
-def make_executor(kind: str, *, url: str, prefix: str, name: str, allow_remote_code: bool = False):
+def make_executor(kind: str, *, url: str, prefix: str, name: str, allow_remote_code: bool = False,
+                  actor_start_timeout_s: float = 120.0):
+    """``ray``: a RayExecutor (``actor_start_timeout_s``: how long a started actor may wait for a node with
+    room before its shard is retried elsewhere); ``thread``: a ThreadExecutor. ``name`` starts each row's
+    ``worker`` column."""
     if kind == "ray":
-        return RayExecutor(url, prefix=prefix, name=name, allow_remote_code=allow_remote_code)
+        return RayExecutor(url, prefix=prefix, name=name, allow_remote_code=allow_remote_code,
+                           start_timeout_s=actor_start_timeout_s)
     assert kind == "thread", f"unknown executor kind {kind!r}"
-    return ThreadExecutor(url, prefix=prefix, allow_remote_code=allow_remote_code)
+    return ThreadExecutor(url, prefix=prefix, allow_remote_code=allow_remote_code, name=name)
 
 
 @dataclass

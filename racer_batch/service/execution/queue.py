@@ -10,6 +10,7 @@ Keys (``P`` is the key prefix, default ``racer-batch:``):
 ``P job:<id>:inflight``        hash      shard -> progress of the running attempt (Tally JSON)
 ``P job:<id>:rows``            stream    per-row telemetry, bounded with MAXLEN ~
 ``P job:<id>:errors``          stream    failed rows (id, row_idx, error), bounded with MAXLEN ~
+``P job:<id>:leases``          stream    lease history: taken / released / ended, by whom, bounded
 =============================  ========  ==========================================================
 
 Leases. A worker takes a job with XREADGROUP: the entry stays in the group's pending-entries list until
@@ -26,7 +27,7 @@ import json
 import os
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import redis
@@ -40,6 +41,7 @@ DEFAULT_PREFIX = "racer-batch:"
 GROUP = "workers"
 ROW_STREAM_MAXLEN = 10_000
 ERROR_STREAM_MAXLEN = 2_000
+LEASE_STREAM_MAXLEN = 200
 PRIORITIES = range(9, -1, -1)  # read order: 9 first
 TERMINAL = ("done", "cancelled", "failed")
 
@@ -129,6 +131,20 @@ class JobStatus:
     message: Optional[str]
     owner_idle_s: Optional[float] = None  # seconds since the owner last renewed its lease (running jobs)
     lease_s: Optional[float] = None  # the owner's lease length
+    nodes_lost: list[str] = field(default_factory=list)  # Ray node ids lost under this job's actors (hex)
+    shards_retried: int = 0  # shard attempts redone after their actor died or found no room
+
+    @property
+    def fault_note(self) -> Optional[str]:
+        """``1 Ray node lost (3f2a9c1b), 2 shards retried`` when a node was lost or shards were retried."""
+        if not self.nodes_lost and not self.shards_retried:
+            return None
+        parts = []
+        if self.nodes_lost:
+            ids = ", ".join(n[:8] for n in self.nodes_lost)
+            parts.append(f"{len(self.nodes_lost)} Ray node{'s' if len(self.nodes_lost) > 1 else ''} lost ({ids})")
+        parts.append(f"{self.shards_retried} shard{'' if self.shards_retried == 1 else 's'} retried")
+        return ", ".join(parts)
 
     @property
     def stalled(self) -> bool:
@@ -206,6 +222,7 @@ class JobStatus:
             "shards_done": self.shards_done, "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s,
             "eta_s": self.eta_s, "elapsed_s": self.elapsed_s, "routes": self.route_mat(), "owner": self.owner,
             "output": self.output, "model": self.model, "method": self.method, "message": self.message,
+            "nodes_lost": list(self.nodes_lost), "shards_retried": self.shards_retried,
         }
 
 
@@ -267,7 +284,8 @@ class JobQueue:
             "output": spec["output"]["path"], "model": spec["model"]["name"],
             "method": spec["decoding"]["method"], "message": "",
         })
-        pipe.hdel(key, "owner", "started_at", "finished_at", "base_rows", "base_tokens")
+        pipe.hdel(key, "owner", "started_at", "finished_at", "base_rows", "base_tokens", "nodes_lost",
+                  "shards_retried")
         pipe.delete(self.k_job(job_id, "inflight"))
         pipe.zadd(self.k_index(), {job_id: now})
         pipe.xadd(self.k_queue(priority), {"job_id": job_id})
@@ -348,6 +366,7 @@ class JobQueue:
                                   "lease_entry": entry_id, "lease_ms": lease_ms})
         self.r.hsetnx(key, "started_at", time.time())
         self.r.hincrby(key, "attempts", 1)
+        self._lease_event(job_id, "taken", consumer, reclaimed="1" if reclaimed else "0")
         return Lease(job_id=job_id, stream=stream, entry_id=entry_id, owner=consumer, reclaimed=reclaimed)
 
     def _drop(self, stream: str, entry_id: str) -> None:
@@ -371,6 +390,7 @@ class JobQueue:
             pipe.delete(self.k_job(lease.job_id, "inflight"))
         pipe.xack(lease.stream, GROUP, lease.entry_id)
         pipe.xdel(lease.stream, lease.entry_id)
+        self._lease_event(job_id=lease.job_id, event=state, owner=lease.owner, pipe=pipe, message=message)
         pipe.execute()
 
     def release(self, lease: Lease, *, message: str = "") -> None:
@@ -385,7 +405,32 @@ class JobQueue:
         pipe.xack(lease.stream, GROUP, lease.entry_id)
         pipe.xdel(lease.stream, lease.entry_id)
         pipe.xadd(self.k_queue(prio), {"job_id": lease.job_id})
+        self._lease_event(job_id=lease.job_id, event="released", owner=lease.owner, pipe=pipe, message=message)
         pipe.execute()
+
+    def _lease_event(self, job_id: str, event: str, owner: str, *, pipe: Any = None, **extra: str) -> None:
+        """One entry of the job's lease history (``taken``, ``released``, or the state it ended in)."""
+        fields = {"event": event, "owner": owner, "at": f"{time.time():.6f}", **extra}
+        (pipe or self.r).xadd(self.k_job(job_id, "leases"), fields, maxlen=LEASE_STREAM_MAXLEN, approximate=True)
+
+    def lease_history(self, job_id: str) -> list[dict]:
+        """The job's lease events, oldest first: ``{"event", "owner", "at" (epoch seconds, float), ...}``
+        (``reclaimed`` on ``taken``, ``message`` on ``released`` and ended states)."""
+        out = []
+        for _, f in self.r.xrange(self.k_job(job_id, "leases")):
+            out.append(dict(f, at=float(f["at"])))
+        return out
+
+    def note_node_lost(self, job_id: str, node: str) -> None:
+        """Record that a Ray node hosting the job's actors was lost (status, ``--json``: ``nodes_lost``)."""
+        key = self.k_job(job_id)
+        lost = json.loads(self.r.hget(key, "nodes_lost") or "[]")
+        if node not in lost:
+            self.r.hset(key, "nodes_lost", json.dumps(lost + [node]))
+
+    def note_shard_retried(self, job_id: str) -> None:
+        """Count one shard attempt redone after its actor died or found no room (``shards_retried``)."""
+        self.r.hincrby(self.k_job(job_id), "shards_retried", 1)
 
     def mark_run_base(self, job_id: str) -> None:
         """Remember what a resumed run started from, so rows/s and ETA count this run's work only."""
@@ -461,7 +506,8 @@ class JobQueue:
             finished_at=_f("finished_at"), owner=d.get("owner"), output=d.get("output"), model=d.get("model"),
             base_rows=int(d.get("base_rows") or 0), base_tokens=int(d.get("base_tokens") or 0),
             method=d.get("method"), message=d.get("message") or None, owner_idle_s=idle_s,
-            lease_s=lease_ms / 1000.0 if lease_ms else None,
+            lease_s=lease_ms / 1000.0 if lease_ms else None, nodes_lost=json.loads(d.get("nodes_lost") or "[]"),
+            shards_retried=int(d.get("shards_retried") or 0),
         )
 
     def _owner_idle_s(self, d: dict) -> Optional[float]:
@@ -491,6 +537,6 @@ class JobQueue:
         return [json.loads(f["row"]) for _, f in reversed(entries)]
 
     def delete_job(self, job_id: str) -> None:
-        keys = [self.k_job(job_id, s) for s in ("", "shards", "inflight", "rows", "errors")]
+        keys = [self.k_job(job_id, s) for s in ("", "shards", "inflight", "rows", "errors", "leases")]
         self.r.delete(*keys)
         self.r.zrem(self.k_index(), job_id)

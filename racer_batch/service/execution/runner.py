@@ -187,6 +187,7 @@ class RowRunner:
         self,
         *,
         worker_name: Optional[str] = None,
+        node: Optional[str] = None,
         sink: Optional[ShardSink] = None,
         device: Optional[str] = None,
         allow_remote_code: bool = False,
@@ -195,8 +196,10 @@ class RowRunner:
         engine_factory: Callable[..., Any] = default_engine,
     ) -> None:
         """``engine_factory(bundle, decoding)`` makes an engine; ``engine_factory(bundle, decoding, streams=B)``
-        one with room for B rows at once (called so only for B > 1)."""
+        one with room for B rows at once (called so only for B > 1). ``node``: the Ray node id the runner
+        lives on (the ``node`` column of its rows and the shard summaries); None outside Ray."""
         self.worker_name = worker_name or f"{socket.gethostname()}:{os.getpid()}"
+        self.node = node
         self.sink = sink or NullSink()
         self.device = device
         self.allow_remote_code = allow_remote_code
@@ -285,7 +288,8 @@ class RowRunner:
         return [k for k in self._states if not k.endswith(_SHADOW_SUFFIX)]
 
     def describe(self) -> dict:
-        return {"worker": self.worker_name, "model": self._model_key[0] if self._model_key else None,
+        return {"worker": self.worker_name, "node": self.node,
+                "model": self._model_key[0] if self._model_key else None,
                 "device": getattr(self._bundle, "device", None), "models_loaded": self.models_loaded,
                 "active_jobs": self.active_jobs}
 
@@ -331,7 +335,7 @@ class RowRunner:
         verdict = self._make_probe(task)
         writer = ShardWriter(out_dir=spec.output.path, job_id=task.job_id, shard=task.shard, row_range=task.row_range,
                              spec_hash=task.spec_hash, fp_columns=answer_columns(spec.input))
-        origin = RowOrigin(id="", row_idx=-1, shard=task.shard, worker=self.worker_name,
+        origin = RowOrigin(id="", row_idx=-1, shard=task.shard, worker=self.worker_name, node=self.node,
                            device=str(getattr(engine.bundle, "device", "cpu")), model=spec.model.name,
                            method=spec.decoding.method, config_hash=spec.decoding.config_hash(), job_id=task.job_id)
         tally = Tally()
@@ -367,7 +371,9 @@ class RowRunner:
 
         stats = _feed(self._rows(task, spec, plan), width=width, start=start, end=end)
         assert in_order.waiting == 0, f"shard {task.shard}: {in_order.waiting} rows ended before an earlier one"
-        meta = writer.summary(tally, worker=self.worker_name, attempt=task.attempt,
+        if stopped is None and verdict() == LEASE_LOST:
+            stopped = LEASE_LOST  # the job went to another worker while the last rows ran: its copy wins
+        meta = writer.summary(tally, worker=self.worker_name, node=self.node, attempt=task.attempt,
                               elapsed_s=time.perf_counter() - t0, streams=width,
                               batch_sizes={str(b): n for b, n in sorted(stats.sizes.items())})
         written = writer.commit(meta, stopped=stopped)

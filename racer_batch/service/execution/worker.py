@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 import redis
 
-from racer_batch.service.execution.actors import Executor
+from racer_batch.service.execution.actors import ClusterLost, Executor
 from racer_batch.service.job.inputs import InputError, InputPlan, answer_columns, iter_shards, plan_input
 from racer_batch.service.results.manifest import job_manifest, shard_summary
 from racer_batch.service.results.output import write_manifest
@@ -85,7 +85,9 @@ class Worker:
 
     def _run_one(self, held: list[Lease], *, stop: Callable[[], bool], idle_since: float,
                  idle_exit_s: Optional[float]) -> bool:
-        """Claim and run at most one job; False when the worker should stop (idle for too long)."""
+        """Claim and run at most one job; False when the worker should stop (idle for too long). Raises
+        ClusterLost, before taking a job, when the executor's cluster is gone."""
+        self.executor.check_cluster()
         try:
             lease = self.queue.claim(consumer=self.name, lease_ms=int(self.lease_s * 1000),
                                      block_ms=int(self.poll_s * 1000))
@@ -113,14 +115,24 @@ class Worker:
     # ---- one job
     def run_job(self, lease: Lease, *, stop: Callable[[], bool] = lambda: False) -> str:
         """Run one leased job to its end. Returns the final state (done/cancelled/failed/lost/released).
-        On an unexpected error (or Ctrl-C) the job goes back to the queue before the error propagates."""
+        On an unexpected error (or Ctrl-C) the job goes back to the queue before the error propagates.
+
+        Raises:
+            ClusterLost: the Ray cluster went away (its head does not answer); the job is back on the queue
+                and the message says so."""
         try:
             return self._run_job(lease, stop=stop)
         except BaseException as exc:
+            why = f"{exc}" if isinstance(exc, ClusterLost) else type(exc).__name__
             try:
-                self.queue.release(lease, message=f"worker {self.name} stopped: {type(exc).__name__}")
+                self.queue.release(lease, message=f"worker {self.name} stopped: {why}")
+                handed = True
             except redis.RedisError as rexc:
                 log.warning("could not hand job %s back (its lease will expire): %s", lease.job_id, rexc)
+                handed = False
+            if isinstance(exc, ClusterLost):
+                back = "handed back to the queue" if handed else f"left to its lease ({self.lease_s:g} s)"
+                raise ClusterLost(f"{exc}; job {lease.job_id} {back}") from exc
             raise
 
     def _run_job(self, lease: Lease, *, stop: Callable[[], bool]) -> str:
@@ -129,7 +141,8 @@ class Worker:
             return job
         if len(job.done) < job.num_shards:
             self.executor.prepare(job.spec.resources)
-            job.free_slots = list(range(self.executor.slots))
+            job.free_slots = self.executor.usable_slots()
+            self._room_message(job)
         while job.pending or job.running:
             self._keep_lease(job)
             if stop() and not job.released:
@@ -137,6 +150,9 @@ class Worker:
                 job.pending.clear()
             self._dispatch(job)
             if not job.running:
+                if not job.free_slots and not job.stopping and self._more_to_run(job):
+                    self._wait_for_room(job)  # every slot dropped: wait (one poll), never spin
+                    continue
                 break
             finished, _ = cf.wait(list(job.running), timeout=min(1.0, self.lease_s / 3),
                                   return_when=cf.FIRST_COMPLETED)
@@ -176,10 +192,18 @@ class Worker:
         return job
 
     def _keep_lease(self, job: "JobRun") -> None:
-        """Every third of the lease: renew it (a lost lease stops the job) and look for a cancel request."""
+        """Every third of the lease: check the cluster (ClusterLost propagates), note lost nodes, start
+        dropped slots again where there is room, renew the lease (a lost lease stops the job) and look for a
+        cancel request."""
         now = time.monotonic()
         if now < job.next_renew:
             return
+        self.executor.check_cluster()
+        self._note_lost_nodes(job)
+        back = self.executor.regrow()
+        if back:
+            job.free_slots += back
+            self._room_message(job)
         if self._renew(job.lease) is False:
             job.lost = True
             job.pending.clear()
@@ -207,6 +231,49 @@ class Worker:
                              plan=job.plan, spec_hash=job.spec_hash, owner=self.name,
                              attempt=job.attempts[shard], rows=job.pending.rows[shard])
             job.running[self.executor.submit(slot, task)] = (slot, shard)
+
+    def _more_to_run(self, job: "JobRun") -> bool:
+        """Whether a shard is left to dispatch (reads ahead one shard); an unreadable input fails the job."""
+        try:
+            return job.pending.has_more()
+        except (OSError, ValueError, AssertionError, pa.ArrowException) as exc:
+            job.failure = f"input no longer readable: {type(exc).__name__}: {exc}"
+            job.pending.clear()
+            return False
+
+    def _wait_for_room(self, job: "JobRun") -> None:
+        """No slot has an actor (the cluster has no room for any): the status line says so; wait one poll.
+        ``_keep_lease`` renews the lease meanwhile and brings slots back once nodes have room."""
+        if not job.waiting:
+            self._room_message(job)
+        time.sleep(self.poll_s)
+
+    def _room_message(self, job: "JobRun") -> None:
+        """The job's status line while the pool is short of its slots (``waiting for Ray resources: ...`` or
+        ``running on 3 of 4 actors: ...``), cleared once every slot is back; one report line per change."""
+        note = self.executor.room_note()
+        if note is None:
+            message = ""
+        elif not self.executor.usable_slots():
+            message = f"waiting for Ray resources: {note}"
+        else:
+            message = f"running on what is left: {note}"
+        job.waiting = message.startswith("waiting")
+        if message == job.room_message:
+            return
+        job.room_message = message
+        self._report(f"job {job.job_id}: " + (message or f"all {self.executor.slots} actors running again"))
+        self._redis_best_effort(self.queue.set_message, job.job_id, message)
+
+    def _note_lost_nodes(self, job: "JobRun") -> None:
+        """Record Ray nodes that went down under this pool's actors (status ``nodes_lost``, the manifest)."""
+        for node in self.executor.lost_nodes():
+            if node in job.nodes_lost:
+                continue
+            job.nodes_lost.append(node)
+            self._report(f"job {job.job_id}: Ray node {node} lost; the shards its actors held are retried "
+                         "on the nodes left")
+            self._redis_best_effort(self.queue.note_node_lost, job.job_id, node)
 
     def _collect(self, job: "JobRun", fut: cf.Future) -> None:
         """One returned shard attempt: commit it, note a stop, or decide what its failure means."""
@@ -239,7 +306,8 @@ class Worker:
     def _close_job(self, job: "JobRun") -> str:
         """End the run: the final state in the manifest and Redis (or the job handed back / left)."""
         if job.lost:
-            log.warning("job %s: lease lost to another worker; stopped here", job.job_id)
+            self._report(f"job {job.job_id}: lease lost to another worker; stopped here, shards in flight not "
+                         "written")
             return "lost"
         if job.released:
             self.queue.release(job.lease, message=f"released by {self.name} (shutdown)")
@@ -331,7 +399,10 @@ class Worker:
         tries = job.attempts[shard]
         if crash:
             log.warning("job %s shard %d: actor crashed (%s); restarting it", job.job_id, shard, type(exc).__name__)
-            self.executor.restart(slot)
+            if not self.executor.restart(slot):  # no room left for it in the cluster: run on what is left
+                job.free_slots.remove(slot)
+            self._note_lost_nodes(job)
+            self._room_message(job)
         elif isinstance(cause, (ValueError, AssertionError)):
             return f"shard {shard}: {cause}"
         else:
@@ -339,6 +410,10 @@ class Worker:
                         type(cause).__name__, cause)
         if tries < self.max_shard_attempts:
             job.pending.retry(shard)
+            job.shards_retried += 1
+            self._report(f"job {job.job_id}: shard {shard} retried after attempt {tries} "
+                         f"({type(cause).__name__})")
+            self._redis_best_effort(self.queue.note_shard_retried, job.job_id)
             return None
         message = f"shard failed {tries} times; last error: {type(cause).__name__}: {cause}"
         log.error("job %s shard %d: %s", job.job_id, shard, message)
@@ -372,8 +447,9 @@ class Worker:
         """Rewrite the manifest. Returns None, or a message naming the folder when it cannot be written
         (the part files stay the truth, so only the first write of a run fails the job)."""
         try:
-            write_manifest(job.spec.output.path, job_manifest(job.job_id, job.spec, job.plan, state=state,
-                                                              done=job.done, worker=self.name))
+            write_manifest(job.spec.output.path, job_manifest(
+                job.job_id, job.spec, job.plan, state=state, done=job.done, worker=self.name,
+                faults={"nodes_lost": list(job.nodes_lost), "shards_retried": job.shards_retried}))
         except OSError as exc:
             message = f"output.path = {job.spec.output.path!r}: cannot write the manifest: {exc.strerror or exc}"
             log.warning("job %s: %s", job.job_id, message)
@@ -400,6 +476,10 @@ class JobRun:
     failure: Optional[str] = None
     next_renew: float = 0.0
     next_manifest: float = 0.0
+    nodes_lost: list[str] = field(default_factory=list)  # Ray nodes lost under this run's actors
+    shards_retried: int = 0  # shard attempts redone in this run
+    waiting: bool = False  # no slot had room: waiting for the cluster
+    room_message: str = ""  # the status line set while the pool is short of slots
 
     def __post_init__(self) -> None:
         self.spec_hash = self.spec.spec_hash()
@@ -442,6 +522,17 @@ class ShardFeed:
 
     def retry(self, shard: int) -> None:
         self._retry.appendleft(shard)
+
+    def has_more(self) -> bool:
+        """Whether a shard is left to hand out; reads the next shard ahead when needed (it is handed out
+        first). Raises what reading the input raises."""
+        if self._retry:
+            return True
+        shard = self.next()
+        if shard is None:
+            return False
+        self._retry.appendleft(shard)
+        return True
 
     def committed(self, shard: int) -> None:
         self.rows.pop(shard, None)

@@ -23,11 +23,12 @@ def shard_summary(result: Mapping) -> dict:
 
 
 def job_manifest(job_id: str, spec: JobSpec, plan: InputPlan, *, state: str, done: Mapping[int, dict],
-                 worker: Optional[str] = None) -> dict:
+                 worker: Optional[str] = None, faults: Optional[Mapping] = None) -> dict:
     """The manifest of ``job_id`` in ``state`` with the committed shards ``done`` ({shard: summary}).
 
-    ``worker``: the worker writing it (None at submit). ``write_manifest`` adds ``schema_version`` and
-    ``updated_at``."""
+    ``worker``: the worker writing it (None at submit). ``faults``: what the worker's run met,
+    ``{"nodes_lost": [Ray node ids], "shards_retried": n}`` (None at submit). ``write_manifest`` adds
+    ``schema_version`` and ``updated_at``."""
     totals = Tally.of(done.values())
     manifest = {
         "job_id": job_id, "name": spec.name, "state": state, "spec": spec.stored(), "spec_hash": spec.spec_hash(),
@@ -40,4 +41,6 @@ def job_manifest(job_id: str, spec: JobSpec, plan: InputPlan, *, state: str, don
     }
     if worker is not None:
         manifest["worker"] = worker
+    if faults is not None:
+        manifest["faults"] = dict(faults)
     return manifest

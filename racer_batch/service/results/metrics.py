@@ -71,6 +71,11 @@ class WorkerMetrics:
                               "raised or its actor died).", ["job", "route", "kind"], registry=r)
         self.shards = Counter("racer_batch_shards", "Shard attempts that returned, by outcome "
                               "(committed, cancelled, lease_lost, not_written).", ["job", "outcome"], registry=r)
+        self.shard_retries = Counter("racer_batch_shard_retries", "Shard attempts that redo a shard (its earlier "
+                                     "attempt's actor died, with its node or alone, or found no room).",
+                                     ["job"], registry=r)
+        self.nodes_lost = Counter("racer_batch_nodes_lost", "Ray nodes lost while they hosted the job's actors.",
+                                  ["job"], registry=r)
         self.shard_seconds = Histogram("racer_batch_shard_seconds", "Wall time of a shard attempt on its actor.",
                                        buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600), registry=r)
         self.running_shards = Gauge("racer_batch_running_shards", "Shards dispatched and not yet returned.",
@@ -119,6 +124,14 @@ class WorkerMetrics:
         """A shard attempt raised (actor crash, model load failure, I/O error)."""
         self._inc(self.errors, (job_id, "", "shard"), 1)
 
+    def observe_retry(self, job_id: str) -> None:
+        """A shard attempt that redoes the shard (attempt 2 or later) was dispatched."""
+        self._inc(self.shard_retries, (job_id,), 1)
+
+    def observe_nodes_lost(self, job_id: str, count: int) -> None:
+        """``count`` Ray nodes that hosted the job's actors went down."""
+        self._inc(self.nodes_lost, (job_id,), count)
+
     def job_ended(self, job_id: str) -> None:
         """Mark a job finished; the series of the oldest finished jobs beyond ``keep_jobs`` are removed."""
         with self._lock:
@@ -155,6 +168,13 @@ class MeteredExecutor:
     def __init__(self, inner: Any, metrics: WorkerMetrics) -> None:
         self.inner = inner
         self.metrics = metrics
+        self._job = ""  # the job of the last shard submitted: the one whose nodes are lost
+
+    def lost_nodes(self) -> list[str]:
+        lost = self.inner.lost_nodes()
+        if lost:
+            self.metrics.observe_nodes_lost(self._job, len(lost))
+        return lost
 
     @property
     def slots(self) -> int:
@@ -162,7 +182,10 @@ class MeteredExecutor:
 
     def submit(self, slot: int, task: ShardTask) -> cf.Future:
         job_id = str(task.job_id)
+        self._job = job_id
         fut = self.inner.submit(slot, task)
+        if task.attempt > 1:
+            self.metrics.observe_retry(job_id)
         self.metrics.running_shards.inc()
         fut.add_done_callback(lambda f: self._done(job_id, f))
         return fut
@@ -184,5 +207,5 @@ class MeteredExecutor:
         self.inner.end_job(job_id)
         self.metrics.job_ended(job_id)
 
-    def __getattr__(self, name: str) -> Any:  # prepare, restart, is_crash, root_cause, shutdown
+    def __getattr__(self, name: str) -> Any:  # prepare, restart, regrow, is_crash, check_cluster, shutdown, ...
         return getattr(self.inner, name)

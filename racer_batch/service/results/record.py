@@ -80,6 +80,7 @@ class RowOrigin:
     seed: Optional[int] = None
     worker: Optional[str] = None
     device: Optional[str] = None
+    node: Optional[str] = None  # the Ray node id of the actor that answered; None on threads of the worker
     model: Optional[str] = None
     method: Optional[str] = None
     config_hash: Optional[str] = None
@@ -129,6 +130,9 @@ class RowRecord:
     tokens_per_s: Optional[float] = _col(pa.float64())
     worker: Optional[str] = _col(pa.string())
     device: Optional[str] = _col(pa.string())
+    # the Ray node id (hex) of the actor that answered the row; null on worker threads (``--no-ray``) and in
+    # part files written before issue 15
+    node: Optional[str] = _col(pa.string())
     model: Optional[str] = _col(pa.string())
     method: Optional[str] = _col(pa.string())
     config_hash: Optional[str] = _col(pa.string())
@@ -227,7 +231,7 @@ class RowRecord:
     def telemetry(self) -> dict:
         """The small JSON dict of one row for the Redis row stream (``racer-batch status --rows``)."""
         keys = ("id", "row_idx", "shard", "route", "status", "error", "output_tokens", "steps", "mat",
-                "tokens_per_s", "finish_reason", "worker", "device")
+                "tokens_per_s", "finish_reason", "worker", "device", "node")
         return {k: getattr(self, k) for k in keys}
 
 
