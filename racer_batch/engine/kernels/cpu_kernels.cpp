@@ -72,7 +72,7 @@ inline void load_row(const float* __restrict y, __m256& lo, __m256& hi, int64_t 
 template <int MR>
 void micro_kernel(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
                   float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
-                  const float* __restrict next, bool accumulate) {
+                  const float* __restrict next, bool accumulate, int pf_mod, int pf_res) {
   static_assert(MR >= 1 && MR <= MR_MAX, "MR out of range");
   __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
   __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
@@ -89,10 +89,16 @@ void micro_kernel(const float* __restrict x, int64_t ldx, const float* __restric
     if constexpr (MR > 5) load_row(y + 5 * ldy, c50, c51, ncols);
   }
   const float* w = panel;
+  int cnt = pf_res;
   for (int64_t k = 0; k < K; ++k, w += NR) {
-    // one 64-byte line of the panel to be read next per k (a panel is K lines): the DRAM stream of the next
-    // panel runs under this block's FMAs instead of after them
-    _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
+    // the 64-byte lines of the chunk to be read next (one per k), shared out among the row blocks: block
+    // pf_res of pf_mod prefetches every pf_mod-th line, so the DRAM stream runs evenly under all the blocks'
+    // FMAs instead of in one burst under the first block's (measured ~15% faster at 16 rows)
+    if (cnt == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
+      cnt = pf_mod;
+    }
+    --cnt;
     const __m256 w0 = _mm256_load_ps(w);
     const __m256 w1 = _mm256_load_ps(w + 8);
     {
@@ -146,7 +152,7 @@ void micro_kernel(const float* __restrict x, int64_t ldx, const float* __restric
 }
 
 using Kernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*,
-                       const float*, bool);
+                       const float*, bool, int, int);
 constexpr Kernel kKernels[MR_MAX + 1] = {nullptr,          micro_kernel<1>, micro_kernel<2>, micro_kernel<3>,
                                          micro_kernel<4>, micro_kernel<5>, micro_kernel<6>};
 
@@ -194,7 +200,8 @@ constexpr int MR512 = 12;  // rows per register block on the AVX-512 path
 template <int MR, int NP>
 RACER_AVX512 void micro_kernel_512(const float* __restrict x, int64_t ldx, const float* __restrict panel,
                                    int64_t pstride, int64_t K, float* __restrict y, int64_t ldy, int64_t ncols,
-                                   const float* __restrict bias, const float* __restrict next, bool accumulate) {
+                                   const float* __restrict bias, const float* __restrict next, bool accumulate,
+                                   int pf_mod, int pf_res) {
   static_assert(MR >= 1 && MR <= MR512 && (NP == 1 || NP == 2), "block out of range");
   // columns of y written: the first panel's 16 (or fewer: ncols), the second's ncols - 16
   const __mmask16 m0 = ncols >= NR ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << ncols) - 1u);
@@ -209,9 +216,14 @@ RACER_AVX512 void micro_kernel_512(const float* __restrict x, int64_t ldx, const
   const float* w = panel;
   const float* w2 = panel + pstride;
   const float* nx2 = next + pstride;
+  int cnt = pf_res;
   for (int64_t k = 0; k < K; ++k, w += NR, w2 += NR) {
-    _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
-    if constexpr (NP == 2) _mm_prefetch(reinterpret_cast<const char*>(nx2 + k * NR), _MM_HINT_T0);
+    if (cnt == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
+      if constexpr (NP == 2) _mm_prefetch(reinterpret_cast<const char*>(nx2 + k * NR), _MM_HINT_T0);
+      cnt = pf_mod;
+    }
+    --cnt;
     const __m512 w0 = _mm512_load_ps(w);
     __m512 w1;
     if constexpr (NP == 2) w1 = _mm512_load_ps(w2);
@@ -240,7 +252,7 @@ RACER_AVX512 void micro_kernel_512(const float* __restrict x, int64_t ldx, const
 }
 
 using Kernel512 = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, int64_t,
-                          const float*, const float*, bool);
+                          const float*, const float*, bool, int, int);
 template <int NP>
 constexpr Kernel512 kKernels512[MR512 + 1] = {
     nullptr,                     micro_kernel_512<1, NP>,  micro_kernel_512<2, NP>,  micro_kernel_512<3, NP>,
@@ -264,17 +276,17 @@ RACER_AVX512 void gemm512(const float* xp, int64_t ldx, int64_t M, int64_t K, co
       for (int64_t c0 = 0; c0 < K; c0 += KC) {
         const int64_t kc = std::min(KC, K - c0);
         const float* chunk = panel + c0 * NR;
-        // read after this chunk: the pair's next chunk, or the next pair's first, prefetched by the first row
-        // block (a prefetch past the last panel is only a hint: it cannot fault)
+        // read after this chunk: the pair's next chunk, or the next pair's first (a prefetch past the last
+        // panel is only a hint: it cannot fault), prefetched by the row blocks in turn (below)
         const float* next = c0 + KC < K ? chunk + KC * NR : (q + 1 < q1 ? panel + 2 * pstride : chunk);
         const bool last = c0 + KC >= K;
         int64_t m0 = 0;
         for (int64_t left = blocks; left > 0; --left) {
           const int64_t mr = row_block(M - m0, left);
           const Kernel512 kern = two ? kKernels512<2>[mr] : kKernels512<1>[mr];
-          const float* pf = left == blocks ? next : chunk;
           kern(xp + m0 * ldx + c0, ldx, chunk, two ? pstride : 0, kc, yp + m0 * ldy + n0, ldy, nc,
-               (last && b != nullptr) ? b + n0 : nullptr, pf, c0 > 0 || add_into);
+               (last && b != nullptr) ? b + n0 : nullptr, next, c0 > 0 || add_into, static_cast<int>(blocks),
+               static_cast<int>(blocks - left));
           m0 += mr;
         }
       }
@@ -325,16 +337,16 @@ void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, i
       for (int64_t c0 = 0; c0 < K; c0 += KC) {
         const int64_t kc = std::min(KC, K - c0);
         const float* chunk = panel + c0 * NR;
-        // what is read after this chunk: the panel's next chunk, or the next panel's first. The first row
-        // block streams this chunk (prefetched already) and prefetches that one; the others hit L1.
+        // what is read after this chunk: the panel's next chunk, or the next panel's first, prefetched by
+        // the row blocks in turn while they work on this one (already in L1)
         const float* next = c0 + KC < K ? chunk + KC * NR : (p + 1 < p1 ? panel + K * NR : chunk);
         const bool last = c0 + KC >= K;
         int64_t m0 = 0;
         for (int64_t left = blocks; left > 0; --left) {
           const int64_t mr = row_block(M - m0, left);
           kKernels[mr](xp + m0 * ldx + c0, ldx, chunk, kc, yp + m0 * ldy + n0, ldy, nc,
-                       (last && b != nullptr) ? b + n0 : nullptr, left == blocks ? next : chunk,
-                       c0 > 0 || add_into);
+                       (last && b != nullptr) ? b + n0 : nullptr, next, c0 > 0 || add_into,
+                       static_cast<int>(blocks), static_cast<int>(blocks - left));
           m0 += mr;
         }
       }
