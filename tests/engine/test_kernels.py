@@ -102,8 +102,9 @@ def test_isa_switch_row_steps_and_refusals(isa_restored):
 @needs_ops
 @pytest.mark.parametrize("nq,nkv", [(9, 3), (4, 4), (8, 2)])
 def test_attention_gives_the_same_bits_on_every_isa_alone_and_batched(nq, nkv, isa_restored):
-    """The AVX-512 attention blocks (up to 12 rows of a KV head) compute each row as the 4-row AVX2 blocks do;
-    a stream's rows give the same bits alone (``attention``) and beside other streams (``attention_seg``)."""
+    """A stream's rows give the same bits alone (``attention``) and beside other streams (``attention_seg``),
+    whichever instruction set the GEMM runs on (attention itself is AVX2 code: 12-row AVX-512 blocks were
+    tried and measured slower, see docs/architecture.md)."""
     g = _gen(nq * 10 + nkv)
     d, slots, length = 64, 5, 420
     keys = torch.randn(slots, nkv, length, d, generator=g)

@@ -7,9 +7,8 @@ scheme), and the small ops around it, each one call instead of 3-10 aten ops: ``
 query rows over one slot of the cache) and ``silu_mul``. The shared library is compiled once per (source,
 flags, torch, Python) into ``$RACER_KERNEL_CACHE`` (default ``~/.cache/racer-batch/kernels``), so actors and
 test processes after the first load it in milliseconds; building takes ~20 s on 2 cores. Where the CPU has
-AVX-512F the GEMM (past 6 rows) and the attention blocks run AVX-512 code compiled through function attributes
-and picked at run time (``isa()``, ``set_isa``; ``RACER_KERNEL_ISA=avx2`` forces AVX2), bit-identical to the
-AVX2 code. It is compiled with
+AVX-512F the GEMM (past 6 rows) runs AVX-512 code compiled through function attributes and picked at run time
+(``isa()``, ``set_isa``; ``RACER_KERNEL_ISA=avx2`` forces AVX2), bit-identical to the AVX2 code. It is compiled with
 ``-fopenmp`` against torch's own ``libgomp``, so ``at::parallel_for`` runs on torch's thread pool (without
 the flag it silently runs on one thread) and ``torch.set_num_threads`` governs it.
 

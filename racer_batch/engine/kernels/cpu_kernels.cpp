@@ -724,127 +724,6 @@ void attend4(int nr, const float* const* qr, const float* const* mr, float* cons
   }
 }
 
-// attend4 for up to NB rows on AVX-512 machines, whose 32 vector registers hold NB = 12 rows x 2 keys of
-// scores and NB rows x 16 columns of P V: each key and value chunk is loaded once for NB rows instead of 4.
-// Every row's arithmetic is attend4's (the same 8-lane chains over d, the same hadd reduction of a row's
-// two keys, the same softmax and the same P V chains over positions), so a row gives the same bits whichever
-// block it is in. Rows past nr repeat row 0 for the scores and are not stored.
-#define RACER_AVX512VL __attribute__((target("avx512f,avx512vl")))
-template <int NB>
-RACER_AVX512VL void attend_wide(int nr, const float* const* qr, const float* const* mr, float* const* orow,
-                                const float* kh, int64_t ks1, const float* vh, int64_t vs1, int64_t S, int64_t d,
-                                float sc, float* p) {
-  static_assert(NB % 2 == 0 && NB >= 2 && NB <= 12, "block of 2..12 rows, even");
-  const float* q[NB];
-  float* ps[NB];
-#pragma GCC unroll 12
-  for (int j = 0; j < NB; ++j) {
-    q[j] = j < nr ? qr[j] : qr[0];
-    ps[j] = p + j * S;
-  }
-  int64_t s = 0;
-  for (; s + 2 <= S; s += 2) {
-    const float* k0 = kh + s * ks1;
-    const float* k1 = k0 + ks1;
-    __m256 a[2 * NB];
-#pragma GCC unroll 24
-    for (int j = 0; j < 2 * NB; ++j) a[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-      const __m256 x0 = _mm256_loadu_ps(k0 + i), x1 = _mm256_loadu_ps(k1 + i);
-#pragma GCC unroll 12
-      for (int j = 0; j < NB; ++j) {
-        const __m256 qv = _mm256_loadu_ps(q[j] + i);
-        a[2 * j] = _mm256_fmadd_ps(qv, x0, a[2 * j]);
-        a[2 * j + 1] = _mm256_fmadd_ps(qv, x1, a[2 * j + 1]);
-      }
-    }
-#pragma GCC unroll 6
-    for (int j = 0; j < NB; j += 2) {  // rows j, j + 1: [row j key s, key s + 1, row j + 1 key s, key s + 1]
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[2 * j], a[2 * j + 1]), _mm256_hadd_ps(a[2 * j + 2], a[2 * j + 3]));
-      alignas(16) float r[4];
-      _mm_store_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(sc)));
-      ps[j][s] = r[0], ps[j][s + 1] = r[1], ps[j + 1][s] = r[2], ps[j + 1][s + 1] = r[3];
-    }
-  }
-  for (; s < S; ++s) {
-    const float* kr = kh + s * ks1;
-    for (int j = 0; j < NB; ++j) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + i), _mm256_loadu_ps(kr + i), acc);
-      ps[j][s] = hsum(acc) * sc;
-    }
-  }
-  float inv[NB];
-  for (int j = 0; j < nr; ++j) {
-    if (mr[j] != nullptr) {
-      int64_t u = 0;
-      for (; u + 8 <= S; u += 8) _mm256_storeu_ps(ps[j] + u, _mm256_add_ps(_mm256_loadu_ps(ps[j] + u), _mm256_loadu_ps(mr[j] + u)));
-      for (; u < S; ++u) ps[j][u] += mr[j][u];
-    }
-    inv[j] = softmax_row(ps[j], S);
-  }
-  for (int j = nr; j < NB; ++j) std::fill(ps[j], ps[j] + S, 0.f);  // padding rows add nothing
-  for (int64_t i = 0; i < d; i += 16) {
-    __m256 o[2 * NB];
-#pragma GCC unroll 24
-    for (int j = 0; j < 2 * NB; ++j) o[j] = _mm256_setzero_ps();
-    for (int64_t u = 0; u < S; ++u) {
-      const float* vr = vh + u * vs1 + i;
-      const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-#pragma GCC unroll 12
-      for (int j = 0; j < NB; ++j) {
-        const __m256 b = _mm256_broadcast_ss(ps[j] + u);
-        o[2 * j] = _mm256_fmadd_ps(b, v0, o[2 * j]);
-        o[2 * j + 1] = _mm256_fmadd_ps(b, v1, o[2 * j + 1]);
-      }
-    }
-    for (int j = 0; j < nr; ++j) {
-      const __m256 iv = _mm256_set1_ps(inv[j]);
-      _mm256_storeu_ps(orow[j] + i, _mm256_mul_ps(o[2 * j], iv));
-      _mm256_storeu_ps(orow[j] + i + 8, _mm256_mul_ps(o[2 * j + 1], iv));
-    }
-  }
-}
-
-constexpr int ATT_WIDE = 12;  // rows per attention block on AVX-512 machines (4 on AVX2: attend4)
-
-// Attention of one block of nr rows (nr <= the block size) of one KV head: attend4, or on AVX-512 the wide
-// block of the smallest even size that holds them. p: scratch [block size, S].
-void attend_block(bool wide, int nr, const float* const* qr, const float* const* mr, float* const* orow,
-                  const float* kh, int64_t ks1, const float* vh, int64_t vs1, int64_t S, int64_t d, float sc, float* p) {
-  if (!wide) {
-    attend4(nr, qr, mr, orow, kh, ks1, vh, vs1, S, d, sc, p);
-    return;
-  }
-  switch ((nr + 1) / 2) {
-    case 1: attend_wide<2>(nr, qr, mr, orow, kh, ks1, vh, vs1, S, d, sc, p); break;
-    case 2: attend_wide<4>(nr, qr, mr, orow, kh, ks1, vh, vs1, S, d, sc, p); break;
-    case 3: attend_wide<6>(nr, qr, mr, orow, kh, ks1, vh, vs1, S, d, sc, p); break;
-    case 4: attend_wide<8>(nr, qr, mr, orow, kh, ks1, vh, vs1, S, d, sc, p); break;
-    case 5: attend_wide<10>(nr, qr, mr, orow, kh, ks1, vh, vs1, S, d, sc, p); break;
-    default: attend_wide<12>(nr, qr, mr, orow, kh, ks1, vh, vs1, S, d, sc, p); break;
-  }
-}
-
-// Rows per attention block for groups of ``rows`` query rows (one per KV head and stream, ``groups`` of them):
-// 4 on AVX2; on AVX-512 up to 12, split evenly into even sizes, but never so few tasks that a thread idles
-// (fewer than two per thread: then 4). The block size changes no result (attend_wide).
-int64_t attention_block(bool wide, const std::vector<int64_t>& rows_per_group, int64_t threads) {
-  if (!wide) return 4;
-  int64_t tasks = 0;
-  for (int64_t r : rows_per_group) tasks += (r + ATT_WIDE - 1) / ATT_WIDE;
-  return tasks >= 2 * threads ? ATT_WIDE : 4;
-}
-
-// Rows per block for a group of ``rows`` rows with blocks of at most ``most``: as even as possible, rounded up
-// to an even count on the wide path (its blocks hold row pairs), never above ``most``.
-int64_t block_rows(int64_t rows, int64_t most) {
-  if (most <= 4) return 4;
-  const int64_t blocks = (rows + most - 1) / most;
-  const int64_t per = (rows + blocks - 1) / blocks;
-  return std::min(most, per + (per & 1));
-}
-
 // Attention of T query rows q [T, nq, d] over keys/values [nkv, >= S, d] (a slot of the cache; positions
 // [0, S) are read) with the additive mask [T, S] (or none: all visible). Query head h reads KV head h / (nq/nkv),
 // as transformers' repeat_kv lays them out. Returns [T, nq * d], the o_proj input. Exact softmax (max-shifted),
@@ -878,30 +757,27 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   const float sc = static_cast<float>(scale);
   const bool vec = d % 8 == 0;
   if (d % 16 == 0) {  // blocks of 4 rows of one KV head: its rows are (head h in the group, node t), h-major
-    const int64_t rows = rep * T;
-    const bool wide = isa_state()[3] == '5';
-    const int64_t per = block_rows(rows, attention_block(wide, std::vector<int64_t>(nkv, rows), at::get_num_threads()));
-    const int64_t blocks = (rows + per - 1) / per;
-    // scratch for the scores, one [per, S] block per thread, allocated here on the calling thread: a heap
+    const int64_t rows = rep * T, blocks = (rows + 3) / 4;
+    // scratch for the scores, one [4, S] block per thread, allocated here on the calling thread: a heap
     // allocation inside the parallel region lands in each worker thread's own malloc arena, whose size then
     // drifts with S from call to call (seen as tens of MB of RSS jitter in the soak test)
-    at::Tensor scratch = at::empty({at::get_num_threads(), std::max<int64_t>(per, 4) * S}, qc.options());
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 2 * per * S * d));  // ~64K FMAs a task
+    at::Tensor scratch = at::empty({at::get_num_threads(), 4 * S}, qc.options());
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 8 * S * d));  // ~64K FMAs a task
     at::parallel_for(0, nkv * blocks, grain, [&](int64_t a0, int64_t a1) {
-      float* p = scratch.data_ptr<float>() + at::get_thread_num() * std::max<int64_t>(per, 4) * S;
+      float* p = scratch.data_ptr<float>() + at::get_thread_num() * 4 * S;
       for (int64_t a = a0; a < a1; ++a) {
-        const int64_t g = a / blocks, r0 = (a % blocks) * per;
-        const int nr = static_cast<int>(std::min<int64_t>(per, rows - r0));
-        const float* qr[ATT_WIDE];
-        const float* mr[ATT_WIDE];
-        float* orow[ATT_WIDE];
+        const int64_t g = a / blocks, r0 = (a % blocks) * 4;
+        const int nr = static_cast<int>(std::min<int64_t>(4, rows - r0));
+        const float* qr[4];
+        const float* mr[4];
+        float* orow[4];
         for (int j = 0; j < nr; ++j) {
           const int64_t h = g * rep + (r0 + j) / T, t = (r0 + j) % T;
           qr[j] = qp + (t * nq + h) * d;
           mr[j] = mp == nullptr ? nullptr : mp + t * ms;
           orow[j] = op + t * nq * d + h * d;
         }
-        attend_block(wide, nr, qr, mr, orow, kp + g * ks0, ks1, vp + g * vs0, vs1, S, d, sc, p);
+        attend4(nr, qr, mr, orow, kp + g * ks0, ks1, vp + g * vs0, vs1, S, d, sc, p);
       }
     });
     return out;
@@ -1031,23 +907,15 @@ at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::
     }
     return out;
   }
-  // tasks: (stream, KV head, block of its rep * T_b rows), as `attention` orders them per stream
-  const bool wide = isa_state()[3] == '5';
-  std::vector<int64_t> group_rows;
+  // tasks: (stream, KV head, block of 4 of its rep * T_b rows), as `attention` orders them per stream
+  std::vector<int64_t> task_seg, task_g, task_r;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t T = (b + 1 < B ? sp[3 * b + 5] : R) - sp[3 * b + 2];
-    for (int64_t g = 0; g < nkv; ++g) group_rows.push_back(rep * T);
-  }
-  const int64_t most = attention_block(wide, group_rows, at::get_num_threads());
-  std::vector<int64_t> task_seg, task_g, task_r, task_n;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t rows = group_rows[b * nkv], per = block_rows(rows, most);
+    const int64_t T = (b + 1 < B ? sp[3 * b + 5] : R) - sp[3 * b + 2], blocks = (rep * T + 3) / 4;
     for (int64_t g = 0; g < nkv; ++g) {
-      for (int64_t r0 = 0; r0 < rows; r0 += per) {
+      for (int64_t k = 0; k < blocks; ++k) {
         task_seg.push_back(b);
         task_g.push_back(g);
-        task_r.push_back(r0);
-        task_n.push_back(std::min(per, rows - r0));
+        task_r.push_back(4 * k);
       }
     }
   }
@@ -1060,27 +928,26 @@ at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::
   const int64_t kss = keys.stride(0), ks0 = keys.stride(1), ks1 = keys.stride(2);
   const int64_t vss = values.stride(0), vs0 = values.stride(1), vs1 = values.stride(2);
   const float sc = static_cast<float>(scale);
-  const int64_t width = std::max<int64_t>(most, 4);
-  at::Tensor scratch = at::empty({at::get_num_threads(), width * smax}, qc.options());  // see `attention`
+  at::Tensor scratch = at::empty({at::get_num_threads(), 4 * smax}, qc.options());  // see `attention`
   const int64_t ntasks = static_cast<int64_t>(task_seg.size());
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 2 * width * smax * d));
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 8 * smax * d));
   at::parallel_for(0, ntasks, grain, [&](int64_t a0, int64_t a1) {
-    float* p = scratch.data_ptr<float>() + at::get_thread_num() * width * smax;
+    float* p = scratch.data_ptr<float>() + at::get_thread_num() * 4 * smax;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = task_seg[a], g = task_g[a], r0 = task_r[a];
       const int64_t row0 = sp[3 * b + 2], T = (b + 1 < B ? sp[3 * b + 5] : R) - row0, S = sp[3 * b + 1] + T;
-      const int64_t slot = sp[3 * b];
-      const int nr = static_cast<int>(task_n[a]);
-      const float* qr[ATT_WIDE];
-      const float* mr[ATT_WIDE];
-      float* orow[ATT_WIDE];
+      const int64_t slot = sp[3 * b], rows = rep * T;
+      const int nr = static_cast<int>(std::min<int64_t>(4, rows - r0));
+      const float* qr[4];
+      const float* mr[4];
+      float* orow[4];
       for (int j = 0; j < nr; ++j) {
         const int64_t h = g * rep + (r0 + j) / T, t = row0 + (r0 + j) % T;
         qr[j] = qp + (t * nq + h) * d;
         mr[j] = mp + t * ms;
         orow[j] = op + t * nq * d + h * d;
       }
-      attend_block(wide, nr, qr, mr, orow, kp + slot * kss + g * ks0, ks1, vp + slot * vss + g * vs0, vs1, S, d, sc, p);
+      attend4(nr, qr, mr, orow, kp + slot * kss + g * ks0, ks1, vp + slot * vss + g * vs0, vs1, S, d, sc, p);
     }
   });
   return out;
