@@ -9,6 +9,7 @@ parameter), the floor of a memory-bound forward. Writes ``<out>/verify-<stamp>.j
 
     python scripts/verify_bench.py                       # eager vs static matmul paths, float32
     python scripts/verify_bench.py --compile --bf16      # also the compiled step and a bfloat16 copy
+    python scripts/verify_bench.py --paths small_gemm --isas avx512,avx2 --prefill 300 --no-eager  # AVX-512 vs AVX2
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,8 +56,9 @@ def weight_probe_ms(model: torch.nn.Module, repeats: int) -> float:
 class Contender:
     """One runner with a warm KV cache of ``context`` random tokens, timed per tree size."""
 
-    def __init__(self, label: str, runner, *, context: int, sizes: list[int], vocab: int) -> None:
-        self.label, self.runner, self.context = label, runner, context
+    def __init__(self, label: str, runner, *, context: int, sizes: list[int], vocab: int, isa: Optional[str] = None,
+                 prefill_tokens: int = 0) -> None:
+        self.label, self.runner, self.context, self.isa = label, runner, context, isa
         gen = torch.Generator().manual_seed(0)
         self.cache = runner.new_cache(context + max(sizes))
         runner.prefill(torch.randint(0, vocab, (context,), generator=gen).tolist(), cache=self.cache, topk=0)
@@ -64,9 +67,27 @@ class Contender:
             chain = Draft.chain(torch.randint(0, vocab, (t,), generator=gen).tolist())
             self.trees[t] = flatten_tree(chain, committed_len=context, device=runner.device, dtype=runner.dtype)
         self.times: dict[int, list[float]] = {t: [] for t in sizes}
+        # a prompt of prefill_tokens tokens, prefilled into a slot of its own with the store's top-8 (RACER's)
+        self.prompt = torch.randint(0, vocab, (prefill_tokens,), generator=gen).tolist() if prefill_tokens else []
+        self.prefill_cache = runner.new_cache(prefill_tokens + 1) if prefill_tokens else None
+        self.prefill_times: list[float] = []
+
+    def _use_isa(self) -> None:
+        if self.isa is not None:
+            self.runner._ops.set_isa(self.isa)
+
+    @torch.inference_mode()
+    def once_prefill(self) -> None:
+        if not self.prompt:
+            return
+        self._use_isa()
+        t0 = time.perf_counter()
+        self.runner.prefill(self.prompt, cache=self.prefill_cache, topk=8)
+        self.prefill_times.append((time.perf_counter() - t0) * 1000.0)
 
     @torch.inference_mode()
     def once(self, t: int) -> None:
+        self._use_isa()
         t0 = time.perf_counter()
         logits = self.runner.verify_tree(self.trees[t], cache=self.cache)
         logits.argmax(-1).cpu()
@@ -101,6 +122,10 @@ class HFStaticContender(Contender):
             mask[0, 0, :, context : context + t].masked_fill_(torch.ones(t, t, dtype=torch.bool).tril(), 0.0)
             self.inputs[t] = (ids, mask, torch.arange(context, context + t))
         self.times = {t: [] for t in sizes}
+        self.prompt, self.prefill_times, self.isa = [], [], None
+
+    def once_prefill(self) -> None:
+        pass
 
     @torch.inference_mode()
     def once(self, t: int) -> None:
@@ -125,6 +150,11 @@ def main() -> int:
     ap.add_argument("--bf16", action="store_true", help="also the static runner on a bfloat16 copy of the model")
     ap.add_argument("--hf-static", action="store_true", help="also transformers' own StaticCache path (uncompiled)")
     ap.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    ap.add_argument("--isas", default="", help="our CPU kernels' instruction sets side by side for the small_gemm "
+                    "path, e.g. avx512,avx2 (one static runner each; default: the machine's own only)")
+    ap.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many prompt tokens "
+                    "(with the per-position top-8 RACER's store needs) per contender and round")
+    ap.add_argument("--no-eager", action="store_true", help="leave the eager transformers runner out")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -136,16 +166,31 @@ def main() -> int:
     contenders: list[Contender] = []
     setup_s: dict[str, float] = {}
 
-    def add(label: str, make) -> None:
+    isas = [x for x in args.isas.split(",") if x]
+    if any(x not in ("avx2", "avx512") for x in isas):
+        ap.error(f"--isas takes avx2 and/or avx512, got {args.isas!r}")
+
+    def add(label: str, make, isa: Optional[str] = None) -> None:
         t0 = time.perf_counter()
         runner = make()
+        if isa is not None:
+            if getattr(runner, "_ops", None) is None:
+                ap.error(f"--isas: our CPU kernels are not available here ({label})")
+            runner._ops.set_isa(isa)
         runner.warmup(sizes)
         setup_s[label] = round(time.perf_counter() - t0, 2)
-        contenders.append(Contender(label, runner, context=args.context, sizes=sizes, vocab=vocab))
+        contenders.append(Contender(label, runner, context=args.context, sizes=sizes, vocab=vocab, isa=isa,
+                                    prefill_tokens=args.prefill if isinstance(runner, StaticRunner) else 0))
         log.info("%s ready in %.1f s", label, setup_s[label])
 
-    add("eager", lambda: ModelRunner(bundle))
+    if not args.no_eager:
+        add("eager", lambda: ModelRunner(bundle))
     for path in [p for p in args.paths.split(",") if p]:
+        if path == "small_gemm" and isas:
+            add(f"static-{path}", lambda: StaticRunner(bundle, matmul="small_gemm"), isa=isas[0])
+            for isa in isas[1:]:
+                add(f"static-{path}-{isa}", lambda: StaticRunner(bundle, matmul="small_gemm"), isa=isa)
+            continue
         add(f"static-{path}", lambda path=path: StaticRunner(bundle, matmul=path))
     if args.hf_static:
         contenders.append(HFStaticContender("hf-staticcache", bundle, context=args.context, sizes=sizes, vocab=vocab))
@@ -161,6 +206,8 @@ def main() -> int:
         for t in sizes:
             for c in contenders:
                 c.once(t)
+        for c in contenders:
+            c.once_prefill()
         log.info("round %d/%d (the first is an untimed warm-up)", rnd + 1, args.repeats + 1)
     probe_ms = statistics.median(probe[1:])
     curves = {c.label: c.medians() for c in contenders}
@@ -170,6 +217,10 @@ def main() -> int:
                      "ratio": {str(t): round(v / curve[1], 3) for t, v in curve.items()},
                      "t1_over_probe": round(curve[1] / probe_ms, 3),
                      "t16_over_t1": round(curve[16] / curve[1], 3) if 16 in curve else None})
+    for c, row in zip(contenders, rows):
+        row["isa"] = c.isa
+        row["prefill_ms"] = (round(statistics.median(c.prefill_times[1:] or c.prefill_times), 1)
+                             if c.prefill_times else None)
     static_runners = [c.runner for c in contenders if isinstance(c.runner, StaticRunner)]
     summary = {
         "command": "python scripts/verify_bench.py " + " ".join(sys.argv[1:]),
@@ -197,6 +248,9 @@ def main() -> int:
         ms = " | ".join(f"{r['ms'][str(t)]:.1f}" for t in sizes)
         ratio = " | ".join(f"{r['ratio'][str(t)]:.2f}" for t in sizes if t > 1)
         lines.append(f"| {r['runner']} | {ms} | {r['t1_over_probe']:.2f} | {ratio} |")
+    if args.prefill:
+        lines += ["", f"Prefill of {args.prefill} prompt tokens with the per-position top-8 (median ms): "
+                  + ", ".join(f"{r['runner']} {r['prefill_ms']}" for r in rows if r["prefill_ms"] is not None)]
     lines += ["", "Set-up seconds (load, pack, warm-up / compile): "
               + ", ".join(f"{k} {v}" for k, v in setup_s.items()), "",
               "Extra bytes of prepacked weights: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in summary["packed_bytes"].items()),
