@@ -277,3 +277,21 @@ def test_status_after_a_cancel_counts_a_partial_shards_answered_rows(cli, tmp_pa
     assert (st["ok"], st["cancelled"], st["rows_done"], st["output_tokens"]) == (4, 5, 4, 40)
     res = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", prefix])
     assert "4/9" in res.stdout and "ok 4" in res.stdout and "cancelled 5" in res.stdout
+
+
+@pytest.mark.parametrize("where", ["closed-port", "unknown-host"])
+def test_worker_with_an_unreachable_ray_address_exits_4_at_once(cli, redis_url, prefix, where):
+    """A ``--ray-address`` nobody answers at: ``ray.init`` alone would retry it for ever; the worker checks the
+    head's GCS port first and exits 4 with one line naming the address."""
+    import time
+
+    from racer_batch.service.execution.local import free_port
+
+    address = f"127.0.0.1:{free_port()}" if where == "closed-port" else "not-a-host.invalid:6379"
+    t0 = time.monotonic()
+    res = CliRunner().invoke(cli, ["worker", "--ray-address", address, "--max-jobs", "1", "--idle-exit", "1",
+                                   "--redis-url", redis_url, "--prefix", prefix])
+    assert res.exit_code == 4, res.output
+    assert f"cannot start or reach Ray: the Ray head at {address} does not answer" in res.output
+    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    assert time.monotonic() - t0 < 30, "a bound on a hang, not a timing claim"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from racer_batch.service.execution.actors import RayExecutor, ThreadExecutor
+from racer_batch.service.execution.actors import RayExecutor, ThreadExecutor, head_reachable
 from racer_batch.service.execution.queue import TERMINAL, JobQueue, QueueUnavailable, connect, redact_url
 from racer_batch.service.execution.worker import Worker
 
@@ -139,6 +139,21 @@ def start_ray_watchdog(temp_dir: str, *, remove_dir: bool) -> Optional[subproces
     return proc
 
 
+def check_head_address(address: str, *, timeout_s: float = 3.0) -> None:
+    """Raises ConnectionError when ``address`` is an explicit ``host:port`` whose GCS does not accept a TCP
+    connection within ``timeout_s`` seconds: ``ray.init`` would retry such an address for ever. ``auto``,
+    ``ray://`` addresses and a host without a port are left to Ray (they fail cleanly or mean something
+    else)."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    why = head_reachable(f"{host.strip('[]')}:{port}", timeout_s=timeout_s)
+    if why is not None:
+        raise ConnectionError(f"the Ray head at {address} does not answer ({why})")
+
+
 def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = None,
                    temp_dir: Optional[str] = None) -> None:
     """Start (or join, with ``address``) Ray. Local runs use a short private temp folder, no dashboard;
@@ -146,6 +161,8 @@ def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = N
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray renices its workers to 15 by default; on a shared machine that starves the generation actors.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    if address:
+        check_head_address(address)  # before Ray: it would retry an unreachable head for ever
     import ray
 
     if ray.is_initialized():
@@ -237,5 +254,5 @@ def run_until_done(queue: JobQueue, job_id: str, *, url: str, prefix: str, execu
     return EmbeddedRun(state=state, elapsed_s=time.monotonic() - t0)
 
 
-__all__ = ["PrivateRedis", "ensure_redis", "init_local_ray", "make_executor", "redact_url", "run_until_done",
+__all__ = ["PrivateRedis", "check_head_address", "ensure_redis", "init_local_ray", "make_executor", "redact_url", "run_until_done",
            "shutdown_local_ray", "start_private_redis"]
