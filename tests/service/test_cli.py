@@ -295,3 +295,24 @@ def test_worker_with_an_unreachable_ray_address_exits_4_at_once(cli, redis_url, 
     assert f"cannot start or reach Ray: the Ray head at {address} does not answer" in res.output
     assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
     assert time.monotonic() - t0 < 30, "a bound on a hang, not a timing claim"
+
+
+def test_actors_get_the_workers_racer_and_hf_variables(monkeypatch):
+    """init_local_ray hands the actors (on every node of a joined cluster) each RACER_* / HF_* variable of the
+    worker through runtime_env env_vars; other variables stay behind. ray.init is mocked."""
+    import ray
+
+    from racer_batch.service.execution import local
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(local, "check_head_address", lambda address: None)
+    monkeypatch.setenv("RACER_KERNEL_ISA", "avx2-test")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("NOT_RACER_VAR", "x")
+    local.init_local_ray(address="10.0.0.1:6379")
+    env = calls[0]["runtime_env"]["env_vars"]
+    assert env["RACER_KERNEL_ISA"] == "avx2-test" and env["HF_HUB_OFFLINE"] == "1"
+    assert "NOT_RACER_VAR" not in env and env["PYTHONPATH"].split(":")[0] == str(local.PROJECT_ROOT)
+    assert calls[0]["address"] == "10.0.0.1:6379"

@@ -154,6 +154,21 @@ def check_head_address(address: str, *, timeout_s: float = 3.0) -> None:
         raise ConnectionError(f"the Ray head at {address} does not answer ({why})")
 
 
+ACTOR_ENV_PREFIXES = ("RACER_", "HF_")  # the worker's variables that travel to its actors, on every node
+
+
+def actor_env_vars(environ: Optional[dict] = None) -> dict[str, str]:
+    """The environment the actors get (Ray's runtime_env ``env_vars``), on the worker's node and on every
+    other node of a joined cluster alike: each of the worker's variables whose name starts with ``RACER_``
+    or ``HF_`` (engine hook, kernels, caches, Hugging Face offline mode...), and PYTHONPATH with the
+    project first. HF_HUB_DISABLE_PROGRESS_BARS defaults to 1."""
+    environ = os.environ if environ is None else environ
+    env_vars = {k: v for k, v in environ.items() if k.startswith(ACTOR_ENV_PREFIXES)}
+    env_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), environ.get("PYTHONPATH")]))
+    env_vars.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return env_vars
+
+
 def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = None,
                    temp_dir: Optional[str] = None) -> None:
     """Start (or join, with ``address``) Ray. Local runs use a short private temp folder, no dashboard;
@@ -167,9 +182,7 @@ def init_local_ray(*, address: Optional[str] = None, num_cpus: Optional[int] = N
 
     if ray.is_initialized():
         return
-    env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
-    env_vars.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
-    env = {"env_vars": env_vars}
+    env = {"env_vars": actor_env_vars()}
     if address:
         ray.init(address=address, runtime_env=env, logging_level=logging.WARNING, log_to_driver=True)
         return
@@ -254,5 +267,5 @@ def run_until_done(queue: JobQueue, job_id: str, *, url: str, prefix: str, execu
     return EmbeddedRun(state=state, elapsed_s=time.monotonic() - t0)
 
 
-__all__ = ["PrivateRedis", "check_head_address", "ensure_redis", "init_local_ray", "make_executor", "redact_url", "run_until_done",
+__all__ = ["ACTOR_ENV_PREFIXES", "PrivateRedis", "actor_env_vars", "check_head_address", "ensure_redis", "init_local_ray", "make_executor", "redact_url", "run_until_done",
            "shutdown_local_ray", "start_private_redis"]
