@@ -226,12 +226,14 @@ class RayCluster:
 
 
 @contextlib.contextmanager
-def ray_cluster(tag: str, *, head_cpus: float = 1, nodes: Sequence[dict] = ()) -> Iterator[RayCluster]:
+def ray_cluster(tag: str, *, head_cpus: float = 1, nodes: Sequence[dict] = (),
+                fast_node_death: bool = True) -> Iterator[RayCluster]:
     """A Ray cluster of several nodes on this machine, with Ray's own ``ray.cluster_utils.Cluster`` (what
     Ray's test suite uses to simulate nodes): a head with ``head_cpus`` CPUs, then one node per entry of
     ``nodes`` (``add_node`` arguments, e.g. ``{"num_cpus": 1}``), all in a private temp folder ``/tmp/<tag>*``
     (``RAY_TMPDIR`` points there meanwhile, so Ray's address file is not the shared /tmp/ray one).
-    Node deaths are noticed fast (``FAST_NODE_DEATH``). When the block ends, however it ends, every node is
+    Node deaths are noticed fast (``FAST_NODE_DEATH``) unless ``fast_node_death`` is False (Ray's defaults:
+    tens of seconds). When the block ends, however it ends, every node is
     removed and any process still naming the folder is killed by pid; then the folder is removed."""
     import ray
     from ray.cluster_utils import Cluster
@@ -246,7 +248,8 @@ def ray_cluster(tag: str, *, head_cpus: float = 1, nodes: Sequence[dict] = ()) -
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=head_cpus, temp_dir=tmp, include_dashboard=False, _system_config=FAST_NODE_DEATH))
+            num_cpus=head_cpus, temp_dir=tmp, include_dashboard=False,
+            _system_config=FAST_NODE_DEATH if fast_node_death else None))
         for args in nodes:
             cluster.add_node(temp_dir=tmp, include_dashboard=False, **args)
         yield RayCluster(cluster=cluster, temp_dir=tmp)

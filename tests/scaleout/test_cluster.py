@@ -125,7 +125,8 @@ def test_a_node_lost_mid_job_retries_its_shards_on_the_nodes_left(cluster, queue
     assert st.nodes_lost == [doomed.node_id] and st.shards_retried >= len(held), st.to_dict()
     assert st.to_dict()["nodes_lost"] == [doomed.node_id]
     assert read_manifest(spec.output.path)["faults"] == {"nodes_lost": [doomed.node_id],
-                                                         "shards_retried": st.shards_retried}
+                                                         "shards_retried": st.shards_retried,
+                                                         "retries": st.shard_retries}
     out = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", queue.prefix])
     assert out.exit_code == 0 and f"1 Ray node lost ({doomed.node_id[:8]})" in out.output, out.output
     assert f"Ray node {doomed.node_id} lost" in text

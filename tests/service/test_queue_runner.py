@@ -12,7 +12,7 @@ from tests.fixtures import base_overrides, queue_url, submit_standin_job, write_
 
 from racer_batch.service.execution.actors import RedisSink
 from racer_batch.service.execution.local import run_until_done
-from racer_batch.service.results.output import OutputError, read_manifest, read_output
+from racer_batch.service.results.output import OutputError, part_path, read_manifest, read_output
 from racer_batch.service.execution.runner import RowRunner, ShardTask
 from racer_batch.service.results.schema import OUTPUT_SCHEMA
 from racer_batch.service.job.spec import load_spec
@@ -265,3 +265,90 @@ def test_embedded_worker_runs_only_its_own_job(queue, redis_url, tmp_path):
     # they are still claimable by a real worker, highest priority first
     first = queue.claim(consumer="real", lease_ms=10_000, block_ms=0)
     assert first is not None and first.job_id == other.job_id
+
+
+def test_shards_retried_counts_distinct_shards_and_retries_apart(queue, tmp_path):
+    """One shard retried twice and another once: ``2 shards retried (3 retries)``, not 3 shards."""
+    _, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": f"p {i}"} for i in range(4)])
+    for shard in (0, 0, 1):
+        queue.note_shard_retried(sub.job_id, shard)
+    st = queue.status(sub.job_id)
+    assert (st.shards_retried, st.shard_retries) == (2, 3)
+    assert st.to_dict()["shards_retried"] == 2 and st.to_dict()["shard_retries"] == 3
+    assert st.fault_note == "2 shards retried (3 retries)"
+
+
+class _FlakyNodes:
+    """A ThreadExecutor whose first ``fail`` shard attempts die as a crash; ``node`` says whether the crash
+    is the node's fault (``node_fault``)."""
+
+    def __init__(self, inner, *, fail: int, node: bool) -> None:
+        self.inner, self.fail, self.node, self.restarts = inner, fail, node, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit(self, slot, task):
+        import concurrent.futures as cf
+
+        if self.fail > 0:
+            self.fail -= 1
+            fut = cf.Future()
+            fut.set_exception(RuntimeError("actor lost"))
+            return fut
+        return self.inner.submit(slot, task)
+
+    def is_crash(self, exc):
+        return isinstance(exc, RuntimeError) and str(exc) == "actor lost"
+
+    def node_fault(self, slot, exc):
+        return self.node
+
+    def restart(self, slot):
+        self.restarts += 1
+        return True
+
+
+@pytest.mark.parametrize("node", [True, False])
+def test_node_faults_do_not_use_up_a_shards_attempts(queue, tmp_path, node):
+    """Five crashes in a row on a one-shard job: node faults (the actor's node died) are retried without
+    counting against ``max_shard_attempts`` (3), so the rows are answered on attempt 6; plain crashes (a
+    poison row) end the shard after 3 attempts with its rows written as errors."""
+    from racer_batch.service.execution.actors import ThreadExecutor
+    from racer_batch.service.execution.worker import Worker
+
+    spec, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": f"p {i}"} for i in range(2)],
+                                   **{"output.shard_rows": 2})
+    ex = _FlakyNodes(ThreadExecutor(queue_url(queue), prefix=queue.prefix, name="t"), fail=5, node=node)
+    w = Worker(queue, ex, name="t", lease_s=5.0, poll_s=0.05)
+    try:
+        assert w.run(max_jobs=1, idle_exit_s=10) == 1
+    finally:
+        ex.inner.shutdown()
+    rows = read_output(spec.output.path)
+    st = queue.status(sub.job_id)
+    assert st.state == ("done" if node else "failed"), st.to_dict()  # all rows failed: the job fails
+    assert (st.shards_retried, st.shard_retries) == (1, 5 if node else 2), st.to_dict()
+    meta = json.loads(pq.read_schema(part_path(spec.output.path, 0)).metadata[b"racer_batch.shard"])
+    if node:
+        assert {r["status"] for r in rows.to_pylist()} == {"ok"} and meta["attempt"] == 6
+    else:
+        assert {r["status"] for r in rows.to_pylist()} == {"error"}
+
+
+def test_node_faults_are_bounded(queue, tmp_path):
+    """A cluster that fails under a shard for ever: after ``max_node_faults`` the job fails (no spinning), and
+    no row is written as an error."""
+    from racer_batch.service.execution.actors import ThreadExecutor
+    from racer_batch.service.execution.worker import Worker
+
+    _, sub = submit_standin_job(queue, tmp_path, [{"id": 1, "prompt": "p"}])
+    ex = _FlakyNodes(ThreadExecutor(queue_url(queue), prefix=queue.prefix, name="t"), fail=10**6, node=True)
+    w = Worker(queue, ex, name="t", lease_s=5.0, poll_s=0.05, max_node_faults=4)
+    try:
+        assert w.run(max_jobs=1, idle_exit_s=10) == 1
+    finally:
+        ex.inner.shutdown()
+    st = queue.status(sub.job_id)
+    assert st.state == "failed" and "lost to node faults 5 times" in (st.message or ""), st.to_dict()
+    assert st.totals.error == 0 and ex.fail == 10**6 - 5

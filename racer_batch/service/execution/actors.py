@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -117,6 +118,8 @@ class Executor(Protocol):
 
     def is_crash(self, exc: BaseException) -> bool: ...
 
+    def node_fault(self, slot: int, exc: BaseException) -> bool: ...
+
     def root_cause(self, exc: BaseException) -> BaseException: ...
 
     def shutdown(self) -> None: ...
@@ -186,6 +189,9 @@ class ThreadExecutor:
     def is_crash(self, exc: BaseException) -> bool:
         return False
 
+    def node_fault(self, slot: int, exc: BaseException) -> bool:
+        return False  # threads of this process: no node to lose
+
     def root_cause(self, exc: BaseException) -> BaseException:
         return exc
 
@@ -248,6 +254,17 @@ def head_reachable(gcs_address: str, *, timeout_s: float = 2.0) -> Optional[str]
     return None
 
 
+SUSPECT_S = 60.0  # a node whose raylet stopped answering takes no new actor for at least this long
+
+
+def _raylet_answers(node: dict, *, timeout_s: float = 1.0) -> bool:
+    """Whether the node's raylet (``ray.nodes()`` entry) accepts a TCP connection on its node-manager port."""
+    host, port = node.get("NodeManagerAddress"), node.get("NodeManagerPort")
+    if not host or not port:
+        return True  # nothing to check: trust Ray's listing
+    return head_reachable(f"{host}:{port}", timeout_s=timeout_s) is None
+
+
 class RayExecutor:
     """A pool of GenerationActor spread over the cluster's nodes; kept across jobs, rebuilt only when the
     shape changes.
@@ -276,6 +293,10 @@ class RayExecutor:
         self._placed: dict[int, cf.Future] = {}  # slot -> the actor's node id, done once it is placed
         self._hosts: set[str] = set()  # nodes that hosted this pool's actors, not yet reported lost
         self._timers: list[threading.Timer] = []
+        # nodes (ids, hex) whose raylet stopped answering under an actor of this pool, with when: Ray may list
+        # such a node alive for a while yet (its health checks have not failed enough), so no actor is
+        # started there until it answers again after SUSPECT_S seconds, or Ray lists it dead
+        self._suspects: dict[str, float] = {}
         self.shape: Optional[PoolShape] = None
         self.slots = 0
 
@@ -302,11 +323,18 @@ class RayExecutor:
     def usable_slots(self) -> list[int]:
         return [slot for slot, actor in enumerate(self.actors) if actor is not None]
 
-    def _start(self, slot: int) -> Any:
+    def _start(self, slot: int, *, node: Optional[str] = None) -> Any:
+        """Start the slot's actor: SPREAD over the cluster, or on ``node`` (hard node affinity) when a node is
+        suspect, so that Ray cannot place it on the suspect one."""
         assert self.shape is not None
+        strategy: Any = "SPREAD"
+        if node is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         actor = self._remote.options(
             num_cpus=self.shape.cpus_per_actor, num_gpus=self.shape.gpus_per_actor, max_restarts=0,
-            scheduling_strategy="SPREAD",
+            scheduling_strategy=strategy,
         ).remote(worker_name=f"{self._name}/a{slot}", redis_url=self._url, prefix=self._prefix,
                  torch_threads=self.shape.threads, allow_remote_code=self._allow)
         placed = actor.node.remote().future()
@@ -321,7 +349,32 @@ class RayExecutor:
     def _free_places(self) -> int:
         """How many more actors of the pool's shape the live nodes hold beside this pool's live actors (an
         actor not placed yet counts against the total). Other drivers' use of the nodes is not seen; an
-        actor that finds no room after all ends with ActorNotPlaced."""
+        actor that finds no room after all ends with ActorNotPlaced. Suspect nodes have no room."""
+        rooms, unplaced = self._rooms()
+        return max(0, sum(rooms.values()) - unplaced)
+
+    def _suspect_nodes(self, nodes: list[dict]) -> set[str]:
+        """The suspect nodes still suspect: listed alive and either suspected less than SUSPECT_S seconds ago
+        or still not answering. A node Ray lists dead leaves the list (it has no room anyway)."""
+        alive = {n.get("NodeID"): n for n in nodes if n.get("Alive")}
+        now = time.monotonic()
+        for node_id, since in list(self._suspects.items()):
+            if node_id not in alive or (now - since >= SUSPECT_S and _raylet_answers(alive[node_id])):
+                del self._suspects[node_id]
+        return set(self._suspects)
+
+    def _start_where_room(self, slot: int) -> Any:
+        """``_start``; while a node is suspect, on the live node with the most room other than it."""
+        node = None
+        if self._suspects:
+            rooms, _ = self._rooms()
+            if rooms:
+                node = max(rooms, key=lambda n: rooms[n])
+        return self._start(slot, node=node)
+
+    def _rooms(self) -> tuple[dict[str, int], int]:
+        """({node id: how many more actors of the pool's shape it holds} over the live, not suspect nodes with
+        room, the number of this pool's actors not placed yet)."""
         assert self.shape is not None
         cpus, gpus = self.shape.cpus_per_actor, self.shape.gpus_per_actor
         used: collections.Counter[str] = collections.Counter()
@@ -334,15 +387,19 @@ class RayExecutor:
                 used[placed.result()] += 1
             else:
                 unplaced += 1
-        places = 0
-        for node in self._ray.nodes():
-            if not node.get("Alive"):
+        nodes = self._ray.nodes()
+        suspect = self._suspect_nodes(nodes) if self._suspects else set()
+        rooms: dict[str, int] = {}
+        for node in nodes:
+            if not node.get("Alive") or node.get("NodeID") in suspect:
                 continue
             res, k = node.get("Resources", {}), used[node.get("NodeID")]
             fit = [int((res.get("CPU", 0.0) - k * cpus) / cpus + 1e-9)] if cpus > 0 else []
             fit += [int((res.get("GPU", 0.0) - k * gpus) / gpus + 1e-9)] if gpus > 0 else []
-            places += max(0, min(fit)) if fit else 1
-        return max(0, places - unplaced)
+            room = max(0, min(fit)) if fit else 1
+            if room:
+                rooms[node.get("NodeID")] = room
+        return rooms, unplaced
 
     def room_note(self) -> Optional[str]:
         """Why some slots are dropped (``3 of 4 actors: no room for more actors of 1 CPU on the 3 live nodes
@@ -428,7 +485,7 @@ class RayExecutor:
         if self._free_places() < 1:
             log.warning("slot %d dropped: %s", slot, self.room_note())
             return False
-        self.actors[slot] = self._start(slot)
+        self.actors[slot] = self._start_where_room(slot)
         return True
 
     def regrow(self) -> list[int]:
@@ -439,7 +496,7 @@ class RayExecutor:
         self.check_cluster()
         back = dropped[:self._free_places()]
         for slot in back:
-            self.actors[slot] = self._start(slot)
+            self.actors[slot] = self._start_where_room(slot)
         return back
 
     def check_cluster(self) -> None:
@@ -457,8 +514,9 @@ class RayExecutor:
         if not self._hosts:
             return []
         self.check_cluster()
-        alive = {n.get("NodeID") for n in self._ray.nodes() if n.get("Alive")}
-        gone = sorted(self._hosts - alive)
+        nodes = self._ray.nodes()
+        alive = {n.get("NodeID") for n in nodes if n.get("Alive")}
+        gone = sorted((self._hosts - alive) | (self._hosts & self._suspect_nodes(nodes)))
         self._hosts.difference_update(gone)
         return gone
 
@@ -466,6 +524,29 @@ class RayExecutor:
         ex = self._ray.exceptions
         return isinstance(exc, (ex.RayActorError, ex.WorkerCrashedError, ex.ObjectLostError, ex.NodeDiedError,
                                 ActorNotPlaced))
+
+    def node_fault(self, slot: int, exc: BaseException) -> bool:
+        """Whether the slot's failure (an ``is_crash`` one) came from its node, not from its shard: the actor
+        was never placed in time, or its node is dead, or its node's raylet does not answer (Ray may list
+        such a node alive for half a minute yet). Such a node becomes suspect: no actor is started on it
+        (``restart``, ``regrow``) until it answers again. Call before ``restart``. A plain actor crash on a
+        live node (a row that runs it out of memory) is not a node fault."""
+        ex = self._ray.exceptions
+        if isinstance(exc, ActorNotPlaced):
+            return True
+        placed = self._placed.get(slot)
+        node_id = (placed.result() if placed is not None and placed.done() and not placed.cancelled()
+                   and placed.exception() is None else None)
+        if node_id is None:
+            return isinstance(exc, (ex.ActorUnavailableError, ex.NodeDiedError))
+        try:
+            info = next((n for n in self._ray.nodes() if n.get("NodeID") == node_id), None)
+        except Exception:  # noqa: BLE001 - the GCS did not answer: the cluster check decides later
+            info = None
+        if info is None or not info.get("Alive") or not _raylet_answers(info):
+            self._suspects.setdefault(node_id, time.monotonic())
+            return True
+        return isinstance(exc, ex.NodeDiedError)
 
     def root_cause(self, exc: BaseException) -> BaseException:
         if isinstance(exc, self._ray.exceptions.RayTaskError):

@@ -132,7 +132,8 @@ class JobStatus:
     owner_idle_s: Optional[float] = None  # seconds since the owner last renewed its lease (running jobs)
     lease_s: Optional[float] = None  # the owner's lease length
     nodes_lost: list[str] = field(default_factory=list)  # Ray node ids lost under this job's actors (hex)
-    shards_retried: int = 0  # shard attempts redone after their actor died or found no room
+    shards_retried: int = 0  # distinct shards redone (after their actor died or found no room, or an error)
+    shard_retries: int = 0  # shard attempts redone (a shard retried twice counts 2)
 
     @property
     def fault_note(self) -> Optional[str]:
@@ -144,6 +145,8 @@ class JobStatus:
             ids = ", ".join(n[:8] for n in self.nodes_lost)
             parts.append(f"{len(self.nodes_lost)} Ray node{'s' if len(self.nodes_lost) > 1 else ''} lost ({ids})")
         parts.append(f"{self.shards_retried} shard{'' if self.shards_retried == 1 else 's'} retried")
+        if self.shard_retries > self.shards_retried:
+            parts[-1] += f" ({self.shard_retries} retries)"
         return ", ".join(parts)
 
     @property
@@ -223,6 +226,7 @@ class JobStatus:
             "eta_s": self.eta_s, "elapsed_s": self.elapsed_s, "routes": self.route_mat(), "owner": self.owner,
             "output": self.output, "model": self.model, "method": self.method, "message": self.message,
             "nodes_lost": list(self.nodes_lost), "shards_retried": self.shards_retried,
+            "shard_retries": self.shard_retries,
         }
 
 
@@ -285,8 +289,8 @@ class JobQueue:
             "method": spec["decoding"]["method"], "message": "",
         })
         pipe.hdel(key, "owner", "started_at", "finished_at", "base_rows", "base_tokens", "nodes_lost",
-                  "shards_retried")
-        pipe.delete(self.k_job(job_id, "inflight"))
+                  "shards_retried", "shard_retries")
+        pipe.delete(self.k_job(job_id, "inflight"), self.k_job(job_id, "retried"))
         pipe.zadd(self.k_index(), {job_id: now})
         pipe.xadd(self.k_queue(priority), {"job_id": job_id})
         pipe.execute()
@@ -428,9 +432,12 @@ class JobQueue:
         if node not in lost:
             self.r.hset(key, "nodes_lost", json.dumps(lost + [node]))
 
-    def note_shard_retried(self, job_id: str) -> None:
-        """Count one shard attempt redone after its actor died or found no room (``shards_retried``)."""
-        self.r.hincrby(self.k_job(job_id), "shards_retried", 1)
+    def note_shard_retried(self, job_id: str, shard: int) -> None:
+        """Count one attempt of ``shard`` redone (``shard_retries``), and the shard once among the distinct
+        shards retried (``shards_retried``), over all the job's runs."""
+        if self.r.sadd(self.k_job(job_id, "retried"), str(shard)):
+            self.r.hincrby(self.k_job(job_id), "shards_retried", 1)
+        self.r.hincrby(self.k_job(job_id), "shard_retries", 1)
 
     def mark_run_base(self, job_id: str) -> None:
         """Remember what a resumed run started from, so rows/s and ETA count this run's work only."""
@@ -507,7 +514,7 @@ class JobQueue:
             base_rows=int(d.get("base_rows") or 0), base_tokens=int(d.get("base_tokens") or 0),
             method=d.get("method"), message=d.get("message") or None, owner_idle_s=idle_s,
             lease_s=lease_ms / 1000.0 if lease_ms else None, nodes_lost=json.loads(d.get("nodes_lost") or "[]"),
-            shards_retried=int(d.get("shards_retried") or 0),
+            shards_retried=int(d.get("shards_retried") or 0), shard_retries=int(d.get("shard_retries") or 0),
         )
 
     def _owner_idle_s(self, d: dict) -> Optional[float]:
@@ -537,6 +544,6 @@ class JobQueue:
         return [json.loads(f["row"]) for _, f in reversed(entries)]
 
     def delete_job(self, job_id: str) -> None:
-        keys = [self.k_job(job_id, s) for s in ("", "shards", "inflight", "rows", "errors", "leases")]
+        keys = [self.k_job(job_id, s) for s in ("", "shards", "inflight", "rows", "errors", "leases", "retried")]
         self.r.delete(*keys)
         self.r.zrem(self.k_index(), job_id)

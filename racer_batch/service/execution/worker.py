@@ -40,7 +40,8 @@ def worker_id() -> str:
 
 class Worker:
     def __init__(self, queue: JobQueue, executor: Executor, *, name: Optional[str] = None, lease_s: float = 30.0,
-                 max_shard_attempts: int = 3, max_job_attempts: int = 10, poll_s: float = 0.5,
+                 max_shard_attempts: int = 3, max_node_faults: int = 20, max_job_attempts: int = 10,
+                 poll_s: float = 0.5,
                  only_job: Optional[str] = None, report: Optional[Callable[[str], None]] = None) -> None:
         """``only_job``: run that job alone (the embedded worker of ``submit --local``); other jobs met in
         the queue are held while looking for it and then handed back, so they keep their place for real
@@ -53,6 +54,7 @@ class Worker:
         self.name = name or worker_id()
         self.lease_s = lease_s
         self.max_shard_attempts = max_shard_attempts
+        self.max_node_faults = max_node_faults
         self.max_job_attempts = max_job_attempts
         self.poll_s = poll_s
         self.jobs_run = 0
@@ -389,6 +391,9 @@ class Worker:
 
         * The actor died (a row may crash the process, e.g. out of memory): restart it and retry; after
           ``max_shard_attempts`` the shard's rows are written with status=error, so the job still ends.
+        * The actor's node died or stopped answering, or the actor found no room in time (``node_fault``):
+          the shard is retried without using up its attempts (the rows are not at fault); only after
+          ``max_node_faults`` such faults of one shard does the job fail, its rows never marked errors.
         * ValueError / AssertionError raised outside any row (the model cannot load, the input changed):
           retrying cannot help, the job fails with the message.
         * Any other exception (an I/O error writing the part file, a bug): retried, then the job fails;
@@ -396,9 +401,13 @@ class Worker:
         """
         crash = self.executor.is_crash(exc)
         cause = self.executor.root_cause(exc)
-        tries = job.attempts[shard]
+        node_fault = crash and bool(self.executor.node_fault(slot, exc))  # before restart: it needs the slot
+        if node_fault:
+            job.node_faults[shard] += 1
+        tries = job.attempts[shard] - job.node_faults[shard]  # the attempts the shard itself may be blamed for
         if crash:
-            log.warning("job %s shard %d: actor crashed (%s); restarting it", job.job_id, shard, type(exc).__name__)
+            log.warning("job %s shard %d: actor %s (%s); restarting it", job.job_id, shard,
+                        "lost with its node" if node_fault else "crashed", type(exc).__name__)
             if not self.executor.restart(slot):  # no room left for it in the cluster: run on what is left
                 job.free_slots.remove(slot)
             self._note_lost_nodes(job)
@@ -408,12 +417,16 @@ class Worker:
         else:
             log.warning("job %s shard %d attempt %d failed: %s: %s", job.job_id, shard, tries,
                         type(cause).__name__, cause)
-        if tries < self.max_shard_attempts:
+        if node_fault and job.node_faults[shard] > self.max_node_faults:
+            return (f"shard {shard}: lost to node faults {job.node_faults[shard]} times (the cluster keeps "
+                    f"failing under it); last: {type(cause).__name__}: {cause}")
+        if node_fault or tries < self.max_shard_attempts:
             job.pending.retry(shard)
-            job.shards_retried += 1
-            self._report(f"job {job.job_id}: shard {shard} retried after attempt {tries} "
-                         f"({type(cause).__name__})")
-            self._redis_best_effort(self.queue.note_shard_retried, job.job_id)
+            job.retried.add(shard)
+            job.retries += 1
+            self._report(f"job {job.job_id}: shard {shard} retried after attempt {job.attempts[shard]} "
+                         f"({type(cause).__name__}{', a node fault' if node_fault else ''})")
+            self._redis_best_effort(self.queue.note_shard_retried, job.job_id, shard)
             return None
         message = f"shard failed {tries} times; last error: {type(cause).__name__}: {cause}"
         log.error("job %s shard %d: %s", job.job_id, shard, message)
@@ -449,7 +462,8 @@ class Worker:
         try:
             write_manifest(job.spec.output.path, job_manifest(
                 job.job_id, job.spec, job.plan, state=state, done=job.done, worker=self.name,
-                faults={"nodes_lost": list(job.nodes_lost), "shards_retried": job.shards_retried}))
+                faults={"nodes_lost": list(job.nodes_lost), "shards_retried": len(job.retried),
+                        "retries": job.retries}))
         except OSError as exc:
             message = f"output.path = {job.spec.output.path!r}: cannot write the manifest: {exc.strerror or exc}"
             log.warning("job %s: %s", job.job_id, message)
@@ -477,7 +491,9 @@ class JobRun:
     next_renew: float = 0.0
     next_manifest: float = 0.0
     nodes_lost: list[str] = field(default_factory=list)  # Ray nodes lost under this run's actors
-    shards_retried: int = 0  # shard attempts redone in this run
+    retried: set[int] = field(default_factory=set)  # shards redone at least once in this run
+    retries: int = 0  # shard attempts redone in this run (a shard retried twice counts 2)
+    node_faults: collections.Counter = field(default_factory=collections.Counter)  # shard -> node faults
     waiting: bool = False  # no slot had room: waiting for the cluster
     room_message: str = ""  # the status line set while the pool is short of slots
 

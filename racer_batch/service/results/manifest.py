@@ -27,7 +27,7 @@ def job_manifest(job_id: str, spec: JobSpec, plan: InputPlan, *, state: str, don
     """The manifest of ``job_id`` in ``state`` with the committed shards ``done`` ({shard: summary}).
 
     ``worker``: the worker writing it (None at submit). ``faults``: what the worker's run met,
-    ``{"nodes_lost": [Ray node ids], "shards_retried": n}`` (None at submit). ``write_manifest`` adds
+    ``{"nodes_lost": [Ray node ids], "shards_retried": distinct shards, "retries": attempts redone}`` (None at submit). ``write_manifest`` adds
     ``schema_version`` and ``updated_at``."""
     totals = Tally.of(done.values())
     manifest = {
