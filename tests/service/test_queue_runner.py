@@ -352,3 +352,38 @@ def test_node_faults_are_bounded(queue, tmp_path):
     st = queue.status(sub.job_id)
     assert st.state == "failed" and "lost to node faults 5 times" in (st.message or ""), st.to_dict()
     assert st.totals.error == 0 and ex.fail == 10**6 - 5
+
+
+def test_a_suspect_node_gets_no_new_actor(monkeypatch):
+    """RayExecutor.node_fault on an actor whose node Ray still lists alive but whose raylet does not answer:
+    a node fault; the node becomes suspect, has no room (``_free_places``), and the restarted actor is pinned
+    (node affinity) to the live node with room. A crash on a node whose raylet answers is not a node fault.
+    Ray is faked: no cluster is started."""
+    import concurrent.futures as cf
+    import types
+
+    import ray
+
+    from racer_batch.service.execution import actors
+    from racer_batch.service.execution.actors import PoolShape, RayExecutor
+
+    nodes = [{"NodeID": n, "Alive": True, "Resources": {"CPU": 1.0}, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": port} for n, port in (("dying", 1), ("busy", 2), ("free", 3))]
+    ex = RayExecutor("redis://127.0.0.1:6379/0", prefix="p", name="t")
+    ex._ray = types.SimpleNamespace(nodes=lambda: nodes, exceptions=ray.exceptions, is_initialized=lambda: False)
+    monkeypatch.setattr(actors, "_raylet_answers", lambda node, timeout_s=1.0: node["NodeID"] != "dying")
+    ex.shape = PoolShape(num_actors=2, cpus_per_actor=1.0, gpus_per_actor=0.0)
+    ex.actors = [object(), object()]
+    for slot, node in enumerate(("dying", "busy")):
+        ex._placed[slot] = cf.Future()
+        ex._placed[slot].set_result(node)
+    assert ex._free_places() == 1  # the dying node's place is counted while nothing is known
+    assert not ex.node_fault(1, RuntimeError("crash"))  # a crash on a node that answers: the shard's fault
+    assert ex.node_fault(0, ray.exceptions.ActorUnavailableError("gone", None))
+    ex.actors[0] = None
+    ex._placed.pop(0)
+    assert ex._rooms()[0] == {"free": 1}  # the suspect node has no room, though Ray lists it alive with 1 CPU
+    started = []
+    monkeypatch.setattr(ex, "_start", lambda slot, node=None: started.append((slot, node)))
+    ex._start_where_room(0)
+    assert started == [(0, "free")]
