@@ -125,12 +125,10 @@ def with_isas(settings: list[Setting], isas: Sequence[str]) -> list[Setting]:
     """``settings`` once per instruction set of our CPU kernels (``racer::set_isa``): the first keeps its label,
     the others get ``-<isa>`` appended (each runs on its own engine, with the set active from its start, so
     ``capacity: auto`` measures its cost curve on it)."""
-    out = list(settings)
-    for isa in isas[1:]:
-        out += [Setting(f"{s.label}-{isa}", s.method, s.capacity, isa) for s in settings]
-    if isas:
-        out[: len(settings)] = [Setting(s.label, s.method, s.capacity, isas[0]) for s in settings]
-    return out
+    if not isas:
+        return list(settings)
+    return [Setting(s.label + (f"-{isa}" if i else ""), s.method, s.capacity, isa)
+            for i, isa in enumerate(isas) for s in settings]
 
 
 def _use_isa(isa: Optional[str]) -> None:

@@ -296,24 +296,23 @@ RACER_AVX512 void gemm512(const float* xp, int64_t ldx, int64_t M, int64_t K, co
 
 bool cpu_has_avx512f() { return __builtin_cpu_supports("avx512f"); }
 
-// The GEMM's instruction set: "avx512" where the CPU has AVX-512F (unless RACER_KERNEL_ISA=avx2), else "avx2".
-std::string& isa_state() {
-  static std::string isa = [] {
+// Whether the GEMM runs its AVX-512 blocks: where the CPU has AVX-512F, unless RACER_KERNEL_ISA=avx2.
+bool& wide_isa() {
+  static bool wide = [] {
     const char* env = std::getenv("RACER_KERNEL_ISA");
-    if (env != nullptr && std::string(env) == "avx2") return std::string("avx2");
-    return std::string(cpu_has_avx512f() ? "avx512" : "avx2");
+    return cpu_has_avx512f() && !(env != nullptr && std::string(env) == "avx2");
   }();
-  return isa;
+  return wide;
 }
 
-std::string get_isa() { return isa_state(); }
+std::string get_isa() { return wide_isa() ? "avx512" : "avx2"; }
 
 // Switch the GEMM's instruction set ("avx2" or "avx512"); returns the previous one. Benchmarks and tests.
 std::string set_isa(const std::string& isa) {
   TORCH_CHECK(isa == "avx2" || isa == "avx512", "racer::set_isa: 'avx2' or 'avx512', got '", isa, "'");
   TORCH_CHECK(isa == "avx2" || cpu_has_avx512f(), "racer::set_isa: this CPU has no AVX-512F");
-  std::string old = isa_state();
-  isa_state() = isa;
+  std::string old = get_isa();
+  wide_isa() = isa == "avx512";
   return old;
 }
 
@@ -322,7 +321,7 @@ void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, i
           const float* b, float* yp, int64_t ldy, bool add_into) {
   // up to 6 rows the weights' stream sets the pace and the AVX2 blocks are measured faster (lane for lane the
   // same arithmetic, so a call's rows give the same bits either way); past that the 12-row blocks win
-  if (M > MR_MAX && isa_state()[3] == '5') {  // "avx512"
+  if (M > MR_MAX && wide_isa()) {
     gemm512(xp, ldx, M, K, wp, panels, N, b, yp, ldy, add_into);
     return;
   }
@@ -985,7 +984,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 // L1 chunk): multiples of 6 on AVX2; on AVX-512, 6 (the last AVX2 call), then multiples of 12.
 std::vector<int64_t> row_steps(int64_t largest) {
   std::vector<int64_t> out;
-  const bool wide = isa_state()[3] == '5';
+  const bool wide = wide_isa();
   for (int64_t r = MR_MAX; r <= largest; r += (wide && r >= MR512) ? MR512 : MR_MAX) out.push_back(r);
   return out;
 }
