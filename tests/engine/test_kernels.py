@@ -279,3 +279,40 @@ def test_a_failed_build_falls_back_with_the_compiler_error(monkeypatch, tmp_path
     assert cpu_ops() is None
     assert "failed" in unavailable_reason()
     assert not list(tmp_path.glob("*.so"))  # no half-written library left for the next process
+
+
+@needs_ops
+@pytest.mark.parametrize("nq,nkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (12, 1, 80), (4, 2, 128), (2, 1, 256)])
+def test_wide_attention_is_bit_identical_to_the_avx2_kernel(nq, nkv, d, isa_restored):
+    """The AVX-512 tree attention (``attend_wide``: 16-key tiles transposed, 8 lane-class accumulators per row)
+    gives the bits of the AVX2 one (``attend4``) at every key count around its tile edges (odd counts take the
+    single-key tail), for one node up to more rows of a KV head than one task holds (split into chunks), over
+    a strided cache slot, with and without a tree mask; and both are right (SDPA)."""
+    g = _gen(nq * 1000 + d)
+    max_len = 420
+    kv = torch.randn(2, nkv, max_len, d, generator=g)
+    neg = torch.finfo(torch.float32).min
+    rep = nq // nkv
+    for s_total in (1, 2, 3, 15, 16, 17, 31, 33, 47, 100, 401):
+        for t in (1, 2, 5, 13):
+            if t > s_total:
+                continue
+            q = torch.randn(t, nq, d, generator=g)
+            start = s_total - t
+            mask = torch.zeros(t, max_len)
+            mask[:, s_total:] = neg
+            vis = torch.tril(torch.ones(t, t)) * (torch.rand(t, t, generator=g) < 0.6) + torch.eye(t)
+            mask[:, start:s_total] = torch.where(vis > 0, 0.0, neg)
+            for m in (None, mask):
+                outs = {}
+                for isa in _isas():
+                    OPS.set_isa(isa)
+                    outs[isa] = OPS.attention(q, kv[0], kv[1], s_total, m, d ** -0.5)
+                for isa, out in outs.items():
+                    assert torch.equal(out, outs["avx2"]), (isa, s_total, t, m is None)
+                want = F.scaled_dot_product_attention(
+                    q.transpose(0, 1), kv[0, :, :s_total].repeat_interleave(rep, 0),
+                    kv[1, :, :s_total].repeat_interleave(rep, 0),
+                    attn_mask=None if m is None else m[:, :s_total], scale=d ** -0.5,
+                ).transpose(0, 1).reshape(t, nq * d)
+                torch.testing.assert_close(outs["avx2"], want, atol=1e-4, rtol=1e-4)

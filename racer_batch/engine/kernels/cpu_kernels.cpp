@@ -723,6 +723,246 @@ void attend4(int nr, const float* const* qr, const float* const* mr, float* cons
   }
 }
 
+// ---- tree attention on AVX-512: the same arithmetic as attend4, lane for lane, at half the instructions ----
+//
+// attend4 above scores two keys per pass against 4 rows in 256-bit registers and reduces every dot product
+// with horizontal adds, so a verify forward whose streams each hold a few hundred cached positions spends a
+// quarter of its time in attention (4 streams x 4 nodes, 400 cached positions: 5.9 of 22 ms, measured). Here
+// a tile of 16 keys is transposed once into 16-key columns (kt[i] = component i of the 16 keys), so the scores
+// of 16 keys are 16 lanes of one register: per row, 8 accumulators A_j take the products of the components
+// i = j, j + 8, j + 16, ... in order, exactly the lane-j chains of attend4's 256-bit accumulators, and
+// ((A0 + A1) + (A2 + A3)) + ((A4 + A5) + (A6 + A7)) is the order its two horizontal adds and the final
+// 128-bit add sum them in. An odd last key is scored by attend4's own single-key code. The softmax is the
+// shared softmax_row and P V keeps each output element's FMA chain over the positions in order (4 registers
+// = 64 columns per row, 6 rows per pass), so every score, probability and output is bit-identical to the
+// AVX2 kernel (tests/engine/test_kernels.py) and a row's result never depends on the other rows of its
+// call. Used where the GEMM runs its AVX-512 blocks (``wide_isa``) and head_dim is a multiple of 16 up to 256.
+constexpr int64_t WIDE_MAX_D = 256;
+constexpr int WIDE_MAX_ROWS = 12;  // rows of one KV head per task (its scores: WIDE_MAX_ROWS x S scratch)
+
+// kt[c * 16 + l] = k[l][c0 + c] for the 16 columns [c0, c0 + 16) of nk <= 16 key rows (missing rows zero).
+RACER_AVX512 inline void transpose_tile(const float* kh, int64_t ks1, int nk, int64_t c0, float* kt) {
+  __m512 r[16], t[16];
+#pragma GCC unroll 16
+  for (int l = 0; l < 16; ++l) r[l] = l < nk ? _mm512_loadu_ps(kh + l * ks1 + c0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // per 128-bit lane k: u[4i + c] holds rows 4i..4i+3 of column 4k + c
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  // column 4k + c gathers lane k of r[c], r[4 + c], r[8 + c], r[12 + c] into lanes 0..3
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512 p0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), p1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+    const __m512 q0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44), q1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_store_ps(kt + (0 + c) * 16, _mm512_shuffle_f32x4(p0, q0, 0x88));
+    _mm512_store_ps(kt + (4 + c) * 16, _mm512_shuffle_f32x4(p0, q0, 0xDD));
+    _mm512_store_ps(kt + (8 + c) * 16, _mm512_shuffle_f32x4(p1, q1, 0x88));
+    _mm512_store_ps(kt + (12 + c) * 16, _mm512_shuffle_f32x4(p1, q1, 0xDD));
+  }
+}
+
+// Scores of G rows against one transposed tile of 16 keys: out[g][l] = dot(q[g], key l) * sc (lanes of m).
+template <int G>
+RACER_AVX512 void qk_tile(const float* const* q, const float* kt, int64_t d, float sc, float* const* out, __mmask16 m) {
+  __m512 acc[G][8];
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < d; i += 8) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512 kv = _mm512_load_ps(kt + (i + j) * 16);
+#pragma GCC unroll 3
+      for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][i + j]), kv, acc[g][j]);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(sc);
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g) {
+    const __m512 lo = _mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_add_ps(acc[g][2], acc[g][3]));
+    const __m512 hi = _mm512_add_ps(_mm512_add_ps(acc[g][4], acc[g][5]), _mm512_add_ps(acc[g][6], acc[g][7]));
+    _mm512_mask_storeu_ps(out[g], m, _mm512_mul_ps(_mm512_add_ps(lo, hi), s));
+  }
+}
+
+// o[g][c0 : c0 + 16 CB] = sum over positions u (in order) of p[g][u] * v[u][c0 : ...], times inv[g].
+template <int G, int CB>
+RACER_AVX512 void pv_block(const float* const* p, const float* vh, int64_t vs1, int64_t S, int64_t c0,
+                           const float* inv, float* const* orow) {
+  __m512 o[G][CB];
+#pragma GCC unroll 6
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+    for (int c = 0; c < CB; ++c) o[g][c] = _mm512_setzero_ps();
+  }
+  for (int64_t u = 0; u < S; ++u) {
+    const float* vr = vh + u * vs1 + c0;
+    if (u + 16 < S) {  // the value row 16 positions on (see attend_wide)
+#pragma GCC unroll 4
+      for (int c = 0; c < CB; ++c) _mm_prefetch(reinterpret_cast<const char*>(vr + 16 * vs1 + 16 * c), _MM_HINT_T0);
+    }
+    __m512 v[CB];
+#pragma GCC unroll 4
+    for (int c = 0; c < CB; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
+#pragma GCC unroll 6
+    for (int g = 0; g < G; ++g) {
+      const __m512 b = _mm512_set1_ps(p[g][u]);
+#pragma GCC unroll 4
+      for (int c = 0; c < CB; ++c) o[g][c] = _mm512_fmadd_ps(b, v[c], o[g][c]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int g = 0; g < G; ++g) {
+    const __m512 iv = _mm512_set1_ps(inv[g]);
+#pragma GCC unroll 4
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(orow[g] + c0 + 16 * c, _mm512_mul_ps(o[g][c], iv));
+  }
+}
+
+template <int G>
+RACER_AVX512 void pv_rows(const float* const* p, const float* vh, int64_t vs1, int64_t S, int64_t d,
+                          const float* inv, float* const* orow) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    switch (std::min<int64_t>(4, (d - c0) / 16)) {
+      case 4: pv_block<G, 4>(p, vh, vs1, S, c0, inv, orow); break;
+      case 3: pv_block<G, 3>(p, vh, vs1, S, c0, inv, orow); break;
+      case 2: pv_block<G, 2>(p, vh, vs1, S, c0, inv, orow); break;
+      default: pv_block<G, 1>(p, vh, vs1, S, c0, inv, orow); break;
+    }
+  }
+}
+
+// Attention of nr <= WIDE_MAX_ROWS query rows that share one KV head (d % 16 == 0, d <= WIDE_MAX_D) over
+// positions [0, S): the rows' masks mr (nullptr: none), outputs orow. p: scratch [WIDE_MAX_ROWS, S].
+RACER_AVX512 void attend_wide(int nr, const float* const* qr, const float* const* mr, float* const* orow,
+                              const float* kh, int64_t ks1, const float* vh, int64_t vs1, int64_t S, int64_t d,
+                              float sc, float* p) {
+  alignas(64) float kt[WIDE_MAX_D * 16];
+  float* pr[WIDE_MAX_ROWS];
+  for (int j = 0; j < nr; ++j) pr[j] = p + j * S;
+  const int64_t paired = S - (S & 1);  // attend4 scores keys in pairs; an odd last key alone
+  for (int64_t s0 = 0; s0 < paired; s0 += 16) {
+    const int nk = static_cast<int>(std::min<int64_t>(16, paired - s0));
+    // the keys two tiles on: this task's KV comes from DRAM (a forward's weights evict it from L3), and the
+    // hardware prefetcher starts late on each new head's rows
+    for (int64_t l = 0; l < 16 && s0 + 32 + l < S; ++l)
+      for (int64_t c0 = 0; c0 < d; c0 += 16) _mm_prefetch(reinterpret_cast<const char*>(kh + (s0 + 32 + l) * ks1 + c0), _MM_HINT_T0);
+    for (int64_t c0 = 0; c0 < d; c0 += 16) transpose_tile(kh + s0 * ks1, ks1, nk, c0, kt + c0 * 16);
+    const __mmask16 m = nk == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nk) - 1u);
+    float* out[3];
+    for (int j = 0; j < nr; j += 3) {
+      const int g = std::min(3, nr - j);
+      for (int i = 0; i < g; ++i) out[i] = pr[j + i] + s0;
+      if (g == 3) qk_tile<3>(qr + j, kt, d, sc, out, m);
+      else if (g == 2) qk_tile<2>(qr + j, kt, d, sc, out, m);
+      else qk_tile<1>(qr + j, kt, d, sc, out, m);
+    }
+  }
+  if (S & 1) {  // attend4's single-key tail, the same code
+    const float* kr = kh + (S - 1) * ks1;
+    for (int j = 0; j < nr; ++j) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qr[j] + i), _mm256_loadu_ps(kr + i), a);
+      pr[j][S - 1] = hsum(a) * sc;
+    }
+  }
+  float inv[WIDE_MAX_ROWS];
+  for (int j = 0; j < nr; ++j) {
+    if (mr[j] != nullptr) {
+      int64_t u = 0;
+      for (; u + 16 <= S; u += 16)
+        _mm512_storeu_ps(pr[j] + u, _mm512_add_ps(_mm512_loadu_ps(pr[j] + u), _mm512_loadu_ps(mr[j] + u)));
+      for (; u < S; ++u) pr[j][u] += mr[j][u];
+    }
+    inv[j] = softmax_row(pr[j], S);
+  }
+  for (int j = 0; j < nr; j += 6) {
+    const int g = std::min(6, nr - j);
+    switch (g) {
+      case 6: pv_rows<6>(pr + j, vh, vs1, S, d, inv + j, orow + j); break;
+      case 5: pv_rows<5>(pr + j, vh, vs1, S, d, inv + j, orow + j); break;
+      case 4: pv_rows<4>(pr + j, vh, vs1, S, d, inv + j, orow + j); break;
+      case 3: pv_rows<3>(pr + j, vh, vs1, S, d, inv + j, orow + j); break;
+      case 2: pv_rows<2>(pr + j, vh, vs1, S, d, inv + j, orow + j); break;
+      default: pv_rows<1>(pr + j, vh, vs1, S, d, inv + j, orow + j); break;
+    }
+  }
+}
+
+// One stream of a wide attention call: its KV slot's keys/values (head 0), S positions, T rows from row0,
+// its mask rows (nullptr: none) with row stride ms.
+struct WideStream {
+  const float* keys;
+  const float* vals;
+  int64_t S, T, row0;
+  const float* mask;
+  int64_t ms;
+};
+
+// The tasks of a wide call: (stream, KV head, chunk of that head's rep * T rows, h-major), chunks of at most
+// WIDE_MAX_ROWS rows, split finer (down to 3 rows) while there are fewer tasks than twice the threads, so a
+// lone stream's three KV heads still keep both threads busy.
+void attention_wide(const std::vector<WideStream>& streams, const float* qp, float* op, int64_t nq, int64_t nkv,
+                    int64_t d, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, float sc, int64_t smax,
+                    const at::TensorOptions& opts) {
+  const int64_t rep = nq / nkv;
+  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
+  int64_t chunk = WIDE_MAX_ROWS;
+  auto count = [&](int64_t c) {
+    int64_t n = 0;
+    for (const auto& s : streams) n += nkv * ((rep * s.T + c - 1) / c);
+    return n;
+  };
+  while (chunk > 3 && count(chunk) < want) chunk = std::max<int64_t>(3, chunk / 2);
+  std::vector<int64_t> task_s, task_g, task_r;
+  for (int64_t b = 0; b < static_cast<int64_t>(streams.size()); ++b) {
+    const int64_t rows = rep * streams[b].T;
+    for (int64_t g = 0; g < nkv; ++g) {
+      for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        task_s.push_back(b);
+        task_g.push_back(g);
+        task_r.push_back(r0);
+      }
+    }
+  }
+  at::Tensor scratch = at::empty({at::get_num_threads(), WIDE_MAX_ROWS * smax}, opts);  // see `attention`
+  const int64_t ntasks = static_cast<int64_t>(task_s.size());
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 2 * chunk * smax * d));
+  at::parallel_for(0, ntasks, grain, [&](int64_t a0, int64_t a1) {
+    float* p = scratch.data_ptr<float>() + at::get_thread_num() * WIDE_MAX_ROWS * smax;
+    for (int64_t a = a0; a < a1; ++a) {
+      const WideStream& st = streams[task_s[a]];
+      const int64_t g = task_g[a], r0 = task_r[a], T = st.T;
+      const int nr = static_cast<int>(std::min<int64_t>(chunk, rep * T - r0));
+      const float* qr[WIDE_MAX_ROWS];
+      const float* mr[WIDE_MAX_ROWS];
+      float* orow[WIDE_MAX_ROWS];
+      for (int j = 0; j < nr; ++j) {
+        const int64_t h = g * rep + (r0 + j) / T, t = (r0 + j) % T;
+        qr[j] = qp + ((st.row0 + t) * nq + h) * d;
+        mr[j] = st.mask == nullptr ? nullptr : st.mask + t * st.ms;
+        orow[j] = op + (st.row0 + t) * nq * d + h * d;
+      }
+      attend_wide(nr, qr, mr, orow, st.keys + g * ks0, ks1, st.vals + g * vs0, vs1, st.S, d, sc, p);
+    }
+  });
+}
+
+bool use_wide_attention(int64_t d) { return wide_isa() && d % 16 == 0 && d <= WIDE_MAX_D; }
+
 // Attention of T query rows q [T, nq, d] over keys/values [nkv, >= S, d] (a slot of the cache; positions
 // [0, S) are read) with the additive mask [T, S] (or none: all visible). Query head h reads KV head h / (nq/nkv),
 // as transformers' repeat_kv lays them out. Returns [T, nq * d], the o_proj input. Exact softmax (max-shifted),
@@ -755,6 +995,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
   const float sc = static_cast<float>(scale);
   const bool vec = d % 8 == 0;
+  if (use_wide_attention(d)) {
+    attention_wide({WideStream{kp, vp, S, T, 0, mp, ms}}, qp, op, nq, nkv, d, ks0, ks1, vs0, vs1, sc, S, qc.options());
+    return out;
+  }
   if (d % 16 == 0) {  // blocks of 4 rows of one KV head: its rows are (head h in the group, node t), h-major
     const int64_t rows = rep * T, blocks = (rows + 3) / 4;
     // scratch for the scores, one [4, S] block per thread, allocated here on the calling thread: a heap
@@ -904,6 +1148,19 @@ at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::
       out.slice(0, r0, r1).copy_(attention(qc.slice(0, r0, r1), keys.select(0, sp[3 * b]), values.select(0, sp[3 * b]),
                                            S, mask.slice(0, r0, r1), scale));
     }
+    return out;
+  }
+  const float* qp0 = qc.data_ptr<float>();
+  if (use_wide_attention(d)) {
+    std::vector<WideStream> streams;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t r0 = sp[3 * b + 2], r1 = b + 1 < B ? sp[3 * b + 5] : R, slot = sp[3 * b];
+      streams.push_back(WideStream{keys.data_ptr<float>() + slot * keys.stride(0),
+                                   values.data_ptr<float>() + slot * values.stride(0), sp[3 * b + 1] + (r1 - r0),
+                                   r1 - r0, r0, mask.data_ptr<float>() + r0 * mask.stride(0), mask.stride(0)});
+    }
+    attention_wide(streams, qp0, out.data_ptr<float>(), nq, nkv, d, keys.stride(1), keys.stride(2), values.stride(1),
+                   values.stride(2), static_cast<float>(scale), smax, qc.options());
     return out;
   }
   // tasks: (stream, KV head, block of 4 of its rep * T_b rows), as `attention` orders them per stream
