@@ -129,7 +129,8 @@ class Drafter(Protocol):
     name: str
 
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
-        """Feed the prompt (``prompt_topk``: ``[P, k]`` top-k ids at every prompt position, or None)."""
+        """Feed the prompt (``prompt_topk``: ``[P, k]`` top-k ids per prompt position, or None; computed only
+        at each token's last position, the rows before are -1: ``engine.last_positions``)."""
 
     def propose(self, root: int, *, capacity: int, max_depth: int) -> Draft:
         """Draft tree rooted at ``root`` with at most ``capacity`` nodes and depth at most ``max_depth``."""

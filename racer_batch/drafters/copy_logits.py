@@ -34,12 +34,18 @@ class CopyLogitStore:
 
         Args:
             tokens: ``[N]`` input token ids of verified positions.
-            topk: ``[N, k']`` top-k' next-token ids at those positions (k' >= k; extra columns ignored).
+            topk: ``[N, k']`` top-k' next-token ids at those positions (k' >= k; extra columns ignored); a row
+                of -1 is a position whose prediction was not computed (a prefill computes only each token's
+                last prompt position: ``engine.last_positions``) and changes nothing.
             probs: ``[N, k']`` their target probabilities, kept when the store was made ``with_probs``;
                 None marks the rows' probabilities unknown (NaN).
         """
         if len(tokens) == 0:
             return
+        known = topk[:, 0] >= 0
+        if not known.all():
+            tokens, topk = tokens[known], topk[known]
+            probs = None if probs is None else probs[known]
         # numpy fancy assignment applies in order, so the last occurrence of a token wins.
         self.table[tokens] = topk[:, : self.k]
         if self.probs is not None:

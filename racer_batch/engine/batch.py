@@ -30,12 +30,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prefill:
-    """A stream's prompt forward: ``runner.prefill(prompt_ids, cache=cache, topk=topk)``."""
+    """A stream's prompt forward: ``runner.prefill(prompt_ids, cache=cache, topk=topk, rows=rows)``
+    (``rows`` None: the top-k at every position, and the call leaves the keyword out)."""
 
     runner: Any
     prompt_ids: list[int]
     cache: Any
     topk: int
+    rows: Any = None  # np.ndarray [R] of sorted prompt positions, or None
 
 
 @dataclass
@@ -54,7 +56,9 @@ Stream = Generator[Request, Any, Any]
 def run_one(req: Request) -> Any:
     """What the runner returns for one request, on its own (batch size 1)."""
     if isinstance(req, Prefill):
-        return req.runner.prefill(req.prompt_ids, cache=req.cache, topk=req.topk)
+        if req.rows is None:
+            return req.runner.prefill(req.prompt_ids, cache=req.cache, topk=req.topk)
+        return req.runner.prefill(req.prompt_ids, cache=req.cache, topk=req.topk, rows=req.rows)
     return req.runner.verify_tree(req.tree, cache=req.cache)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -39,24 +40,30 @@ class ModelRunner:
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], *, cache: DynamicCache, topk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prefill(self, prompt_ids: list[int], *, cache: DynamicCache, topk: int,
+                rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward the whole prompt into ``cache``.
 
+        Args:
+            rows: sorted prompt positions whose top-k is wanted (``last_positions``); None: every position.
+
         Returns:
-            (last-position logits ``[V]`` float32, top-``topk`` next-token ids at every prompt position
-            ``[P, topk]`` on the CPU, or None when topk == 0).
+            (last-position logits ``[V]`` float32, top-``topk`` next-token ids ``[P, topk]`` int64 on the CPU,
+            -1 in the rows not asked for, or None when topk == 0).
         """
+        n = len(prompt_ids)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
-        pos = torch.arange(len(prompt_ids), device=self.device).unsqueeze(0)  # [1, P]
+        pos = torch.arange(n, device=self.device).unsqueeze(0)  # [1, P]
         hidden = self.decoder(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[0]
         last_logits = self.lm_head(hidden[-1:]).float()[0]  # [V]
         top = None
         if topk > 0:
-            parts = []
-            for start in range(0, hidden.shape[0], PREFILL_TOPK_CHUNK):
-                chunk = self.lm_head(hidden[start : start + PREFILL_TOPK_CHUNK])  # [c, V]
-                parts.append(torch.topk(chunk, topk, dim=-1).indices.cpu())
-            top = torch.cat(parts, dim=0)
+            want = torch.arange(n) if rows is None else torch.as_tensor(np.asarray(rows, dtype=np.int64))
+            picked = hidden if rows is None else hidden.index_select(0, want.to(hidden.device))
+            top = torch.full((n, topk), -1, dtype=torch.long)
+            for start in range(0, picked.shape[0], PREFILL_TOPK_CHUNK):
+                chunk = self.lm_head(picked[start : start + PREFILL_TOPK_CHUNK])  # [c, V]
+                top[want[start : start + PREFILL_TOPK_CHUNK]] = torch.topk(chunk, topk, dim=-1).indices.cpu()
         return last_logits, top
 
     @torch.inference_mode()

@@ -584,29 +584,39 @@ class StaticRunner:
         return _rms_norm(x, self.final_norm, self.eps)
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], *, cache: SlotCache, topk: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def prefill(self, prompt_ids: list[int], *, cache: SlotCache, topk: int,
+                rows: Optional[np.ndarray] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Forward the prompt straight into the row's slot, in chunks of ``PREFILL_CHUNK`` tokens.
 
+        Args:
+            rows: sorted prompt positions whose top-k is wanted (``last_positions``); None: every position.
+                The output layer runs over those rows only (its weights are a fifth of SmolLM2's).
+
         Returns:
-            (last-position logits ``[V]`` float32, top-``topk`` next-token ids at every prompt position
-            ``[P, topk]`` on the CPU, or None when topk == 0).
+            (last-position logits ``[V]`` float32, top-``topk`` next-token ids ``[P, topk]`` int64 on the CPU,
+            -1 in the rows not asked for, or None when topk == 0).
         """
         n = len(prompt_ids)
         self._grow(n + self.buckets[-1])
         ids_all = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        tops, last = [], None
+        want = torch.arange(n) if rows is None else torch.as_tensor(np.asarray(rows, dtype=np.int64))
+        top = torch.full((n, topk), -1, dtype=torch.long) if topk > 0 else None
+        last = None
         for start in range(0, n, PREFILL_CHUNK):
             ids = ids_all[start : start + PREFILL_CHUNK]
             pos = torch.arange(start, start + ids.shape[0], device=self.device)
             hidden = self._forward(ids, pos, cache.slot, start, None)  # [c, H]
             last = hidden[-1:]
             if topk > 0:
-                for s in range(0, hidden.shape[0], PREFILL_TOPK_CHUNK):
-                    logits = self._head(hidden[s : s + PREFILL_TOPK_CHUNK])  # [c', V]
-                    tops.append(torch.topk(logits, topk, dim=-1).indices.cpu())
+                here = want[(want >= start) & (want < start + ids.shape[0])]  # [c'] positions in this chunk
+                picked = hidden if here.numel() == ids.shape[0] else hidden.index_select(
+                    0, (here - start).to(hidden.device))
+                for s in range(0, picked.shape[0], PREFILL_TOPK_CHUNK):
+                    logits = self._head(picked[s : s + PREFILL_TOPK_CHUNK])  # [c'', V]
+                    top[here[s : s + PREFILL_TOPK_CHUNK]] = torch.topk(logits, topk, dim=-1).indices.cpu()
         cache.length = n
         last_logits = self._head(last).float()[0].clone()  # [V], its own copy (the head buffer is reused)
-        return last_logits, (torch.cat(tops, dim=0) if topk > 0 else None)
+        return last_logits, top
 
     def _padded(self, tree: Any, committed_len: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One tree padded to ``t_pad`` nodes on the CPU: ids ``[t_pad]``, positions ``[t_pad]`` and the additive

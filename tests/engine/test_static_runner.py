@@ -194,6 +194,35 @@ def test_long_prompt_prefill_in_sdpa_sized_chunks(family, monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("runner_kind", ["static", "eager"])
+def test_prefill_top_k_at_asked_rows_only(runner_kind, monkeypatch):
+    """``prefill(rows=...)`` gives the top-k of exactly those positions (those of the full call) and -1 in
+    the rest, across prefill chunks and output-layer chunks (40 positions in chunks of 16 and 8), and the same
+    last logits."""
+    monkeypatch.setattr(sr, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(sr, "PREFILL_TOPK_CHUNK", 8)
+    import racer_batch.engine.runner as er
+
+    monkeypatch.setattr(er, "PREFILL_TOPK_CHUNK", 8)
+    model = make_model("llama", seed=61)
+    bundle = bundle_of(model)
+    runner = StaticRunner(bundle, buckets=BUCKETS) if runner_kind == "static" else ModelRunner(bundle)
+    prompt = [int(t) for t in torch.randint(3, 20, (40,), generator=torch.Generator().manual_seed(61))]
+    from racer_batch.engine.engine import last_positions
+
+    rows = last_positions(prompt)
+    assert 0 < len(rows) < len(prompt)  # 17 distinct ids in 40 positions: some rows skipped
+    last_full, top_full = runner.prefill(prompt, cache=runner.new_cache(64), topk=4)
+    last, top = runner.prefill(prompt, cache=runner.new_cache(64), topk=4, rows=rows)
+    assert torch.equal(last, last_full)
+    assert top.shape == top_full.shape == (40, 4)
+    assert torch.equal(top[rows], top_full[rows])
+    skipped = np.setdiff1d(np.arange(40), rows)
+    assert (top[skipped] == -1).all()
+    _, none = runner.prefill(prompt, cache=runner.new_cache(64), topk=0, rows=rows)
+    assert none is None
+
+
 def test_building_runners_leaves_the_hf_model_unchanged_and_shares_its_weights():
     """The runner fuses q/k/v and gate/up by re-pointing the model's own parameters into one tensor: the HF
     forward must give the same logits afterwards, and a second runner must reuse the fused storage."""
