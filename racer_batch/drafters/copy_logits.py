@@ -76,14 +76,17 @@ def grow_logits_tree(
     max_breadth: int,
     max_depth: int,
     source: int,
+    own: CopyLogitStore | None = None,
 ) -> None:
     """Fill ``builder`` breadth-first from its root with copy-logit children until it is full.
 
     A node of breadth b expands the first b entries of its token's store row; each new child costs one
     unit of the builder's capacity, a child the builder already holds (e.g. from retrieval) costs nothing
-    but is still expanded. Nodes deeper than ``max_depth`` are not created.
+    but is still expanded. Nodes deeper than ``max_depth`` are not created. ``own``: the row's own layer
+    over a shared ``store`` (``TreeDrafter``): a token's row comes from it where the row has one.
     """
     table = store.table
+    own_table = None if own is None else own.table
     queue: deque[tuple[int, int]] = deque([(0, max_breadth)])  # (node, breadth)
     depths = builder.depths
     while queue:
@@ -91,7 +94,8 @@ def grow_logits_tree(
         depth = depths[node]
         if depth >= max_depth:
             continue
-        row = table[builder.tokens[node]]
+        tok = builder.tokens[node]
+        row = table[tok] if own_table is None or own_table[tok, 0] < 0 else own_table[tok]
         for rank in range(min(breadth, table.shape[1])):
             tok = int(row[rank])
             if tok < 0:

@@ -61,7 +61,12 @@ class TreeDrafter:
     """RACER and its two ablations: retrieval (automaton) first, then the copy-logit tree fills the rest.
 
     ``use_retrieval`` / ``use_logits`` select racer (both), retrieval-only or logits-only. The automaton and
-    store live in the DraftState; this object holds only one row's progress.
+    store live in the DraftState; this object holds only one row's progress and, where the state is shared
+    (scope ``job`` / ``global``), the row's own layer of the store: the predictions after this row's own
+    tokens, read before the shared rows. Rows of a job decoded together (several streams per forward) would
+    otherwise overwrite each other's entries for common tokens every step (measured on 24 Spec-Bench prompts
+    at 4 streams, capacity 4: MAT 1.72 shared, 1.76 with private states, 1.80 one row at a time). One row at a
+    time nothing changes: the shared row of a token this row has seen is then this row's own last write.
     """
 
     needs_topk = True
@@ -74,19 +79,27 @@ class TreeDrafter:
         self.max_breadth = max_breadth
         self.name = "racer" if use_retrieval and use_logits else ("retrieval" if use_retrieval else "logits")
         self.cursor = None  # this row's automaton cursor (its windows and matching state), opened at start
+        self.own: CopyLogitStore | None = None  # this row's layer over a shared store, made at start
 
     def close(self) -> None:
-        """The row ended: close its automaton cursor (the engine calls this once per row)."""
+        """The row ended: close its automaton cursor and drop its store layer (the engine calls this once per
+        row)."""
         if self.cursor is not None and self.state.automaton is not None:
             self.state.automaton.close_cursor(self.cursor)
         self.cursor = None
+        self.own = None
 
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         st = self.state
         st.check_alive()
         st.rows += 1
+        if st.store is not None and self.use_logits and st.scope != "request":
+            self.own = CopyLogitStore(vocab_size=st.store.table.shape[0], k=st.store.k)
         if st.store is not None and prompt_topk is not None and len(prompt_ids):
-            st.store.update(np.asarray(prompt_ids, dtype=np.int64), prompt_topk)
+            ids = np.asarray(prompt_ids, dtype=np.int64)
+            st.store.update(ids, prompt_topk)
+            if self.own is not None:
+                self.own.update(ids, prompt_topk)
         if st.automaton is not None and self.use_retrieval:
             self.cursor = st.automaton.new_cursor()
             prefill_automaton(st.automaton, list(prompt_ids), self.cursor)
@@ -105,13 +118,16 @@ class TreeDrafter:
                         continue
                     where[i] = builder.add(pnode, tok, SOURCE_RETRIEVAL)
         if self.use_logits and st.store is not None and not builder.full:
-            grow_logits_tree(builder, st.store, max_breadth=self.max_breadth, max_depth=max_depth, source=SOURCE_LOGITS)
+            grow_logits_tree(builder, st.store, max_breadth=self.max_breadth, max_depth=max_depth, source=SOURCE_LOGITS,
+                             own=self.own)
         return builder.build()
 
     def update(self, verified: Verified) -> None:
         st = self.state
         if st.store is not None and len(verified.node_tokens):
             st.store.update(verified.node_tokens, verified.node_topk)
+            if self.own is not None:
+                self.own.update(verified.node_tokens, verified.node_topk)
         if st.automaton is not None and self.use_retrieval and verified.committed:
             st.automaton.extend(verified.committed, self.cursor)
             for tok in verified.committed[:-1]:
