@@ -81,6 +81,19 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None =
     return [int(t) for t in out]
 
 
+def argmax_and_topk(logits: torch.Tensor, k: int, ops: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(argmax [T], top-k ids [T, k])`` (int64 numpy) of float32 CPU ``logits [T, V]`` in one pass of our
+    kernels ``ops`` (``racer::argmax_topk``: the argmax is torch.argmax's, the first maximal index; the top-k
+    are torch.topk's ids up to the order of equal values); None where the logits are not float32 on the CPU
+    or ``ops`` is None (a runner without our kernels: the caller then uses torch's two ops)."""
+    if ops is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    if k < 1 or k > min(64, logits.shape[1]):
+        return None
+    am, top = ops.argmax_topk(logits, k)
+    return am.numpy(), top.numpy()
+
+
 def last_positions(prompt_ids: Sequence[int]) -> np.ndarray:
     """Sorted positions ``[R]`` (int64) of each distinct token's last occurrence in ``prompt_ids``.
 
@@ -338,10 +351,13 @@ class Engine:
             tree = flatten_tree(draft, committed_len=committed_len, device=runner.device, dtype=runner.dtype)
             t_b = time.perf_counter()
             logits = yield Verify(runner, tree, cache)  # [T, V]
+            fused = None  # (argmax [T], top-k [T, k]) in one pass over the logits, where our kernels can
+            if cfg.acceptance == "lossless" and params.greedy and k and not want_probs:
+                fused = argmax_and_topk(logits, k, getattr(runner, "_ops", None))
             if cfg.acceptance != "lossless":
                 path, bonus = accept_relaxed(tree, logits, config=cfg, params=params, generator=gen)
             elif params.greedy:
-                path, bonus = accept_greedy(tree, logits.argmax(dim=-1).cpu().numpy())
+                path, bonus = accept_greedy(tree, fused[0] if fused is not None else logits.argmax(dim=-1).cpu().numpy())
             else:
                 path, bonus = accept_sampling(tree, lambda node: processed_probs(logits[node], params), gen)
             t_c = time.perf_counter()
@@ -361,6 +377,8 @@ class Engine:
                 topk = top.indices.cpu().numpy()
                 logz = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [T, 1]
                 topk_probs = torch.exp(top.values.float() - logz).cpu().numpy()  # [T, k]
+            elif fused is not None:
+                topk = fused[1]
             else:
                 topk = torch.topk(logits, k, dim=-1).indices.cpu().numpy() if k else np.zeros((tree.size, 1), np.int64)
             drafter.update(Verified(tree.tokens, topk, block[:emitted], node_topk_probs=topk_probs, last_node=path[-1]))

@@ -316,3 +316,34 @@ def test_wide_attention_is_bit_identical_to_the_avx2_kernel(nq, nkv, d, isa_rest
                     attn_mask=None if m is None else m[:, :s_total], scale=d ** -0.5,
                 ).transpose(0, 1).reshape(t, nq * d)
                 torch.testing.assert_close(outs["avx2"], want, atol=1e-4, rtol=1e-4)
+
+
+@needs_ops
+@pytest.mark.parametrize("k", [1, 2, 8, 13])
+def test_argmax_topk_is_torchs_argmax_and_topk(k):
+    """One pass gives torch.argmax (the first maximal index, also among ties) and torch.topk's ids; with ties
+    the top-k holds the lower indices first (its values equal torch.topk's)."""
+    g = _gen(k)
+    for t, v in [(1, 49152), (5, 37), (16, 100), (3, k)]:
+        x = torch.randn(t, v, generator=g) * 4
+        am, top = OPS.argmax_topk(x, k)
+        assert am.dtype == top.dtype == torch.long and top.shape == (t, k)
+        assert torch.equal(am, x.argmax(dim=-1))
+        assert torch.equal(top, torch.topk(x, k, dim=-1).indices)
+    # ties: every value taken from a few levels, the maximum repeated
+    x = torch.randint(0, 4, (6, 300), generator=g).float()
+    x[:, 7] = 9.0
+    x[:, 200] = 9.0
+    x[2, 0] = 9.0
+    am, top = OPS.argmax_topk(x, k)
+    assert torch.equal(am, x.argmax(dim=-1))
+    want_vals = torch.topk(x, k, dim=-1).values
+    assert torch.equal(x.gather(1, top), want_vals)
+    for r in range(6):  # equal values in index order
+        vals = x[r, top[r]].tolist()
+        for a in range(k - 1):
+            assert vals[a] > vals[a + 1] or top[r, a] < top[r, a + 1]
+    with pytest.raises(RuntimeError, match="k"):
+        OPS.argmax_topk(x, 0)
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.argmax_topk(x.double(), 2)

@@ -583,6 +583,30 @@ def test_make_runner_kinds():
 # ---------------------------------------------------------------- 7. engine level
 
 
+def test_greedy_steps_on_our_kernels_take_the_fused_argmax_and_top_k(tiny, monkeypatch):
+    """On the static runner with our CPU kernels a greedy RACER step reads its logits once
+    (``argmax_and_topk``); the output is the reference's and equals the run on torch's two ops."""
+    import racer_batch.engine.engine as eng
+
+    calls = []
+    real = eng.argmax_and_topk
+
+    def counting(logits, k, ops):
+        out = real(logits, k, ops)
+        calls.append(out is not None)
+        return out
+
+    engine = Engine(tiny, DecodingConfig(method="racer", capacity=8, runner="static"))
+    params = GenerationParams(max_new_tokens=40)
+    monkeypatch.setattr(eng, "argmax_and_topk", counting)
+    fused = [engine.generate(p, params).token_ids for p in PROMPTS]
+    assert calls and all(calls) == (cpu_ops() is not None)
+    monkeypatch.setattr(eng, "argmax_and_topk", lambda logits, k, ops: None)
+    plain = [engine.generate(p, params).token_ids for p in PROMPTS]
+    refs = [generate_reference(tiny, p, params).token_ids for p in PROMPTS]
+    assert fused == plain == refs
+
+
 @pytest.mark.parametrize("method", ["ar", "racer", "pld"])
 def test_engine_greedy_equals_reference_on_both_runners(tiny, method):
     state_outputs = {}
