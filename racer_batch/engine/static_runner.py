@@ -489,16 +489,21 @@ class StaticRunner:
         cos, sin = self._cos[pos], self._sin[pos]  # [T, 1, D]
         nq, d, eps = self.n_heads, self.head_dim, self.eps
         kv = self.kv
-        sdpa = mask is None and t >= SDPA_MIN_ROWS  # a long prefill chunk: SDPA's blocked causal kernel
+        # a prefill chunk (no mask, several rows): our causal kernel where it runs (AVX-512), which scores no
+        # key past a row's own position; else SDPA's blocked causal kernel for long chunks, ours with a mask
+        own_causal = mask is None and t > 1 and bool(ops.has_causal(self.head_dim))
+        sdpa = mask is None and t >= SDPA_MIN_ROWS and not own_causal
         causal = sdpa and start == 0  # SDPA's is_causal needs no mask
-        if mask is None and t > 1 and not causal:  # a prefill chunk: causal over it, the prefix visible
+        if mask is None and t > 1 and not causal and not own_causal:  # causal over the chunk, the prefix visible
             mask = self._prefill_mask(t, start, ids.device)
         for li, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.ln_in, eps)
             qkv = ops.linear(h, layer.qkv._panels, layer.qkv.bias, layer.qkv.weight.shape[0])
             keys, vals = kv[li, 0, slot], kv[li, 1, slot]  # [nkv, max_len, d]
             q = ops.rope_kv_(qkv, cos, sin, keys, vals, start, nq, layer.q_norm, layer.k_norm, eps)  # [T, nq, d]
-            if sdpa:
+            if own_causal:
+                att = ops.attention_causal(q, keys, vals, start, self.scale)  # [T, nq * d]
+            elif sdpa:
                 att = F.scaled_dot_product_attention(
                     q.transpose(0, 1).unsqueeze(0), keys[:, :end].unsqueeze(0), vals[:, :end].unsqueeze(0),
                     attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.n_kv != nq,
@@ -613,10 +618,17 @@ class StaticRunner:
                     0, (here - start).to(hidden.device))
                 for s in range(0, picked.shape[0], PREFILL_TOPK_CHUNK):
                     logits = self._head(picked[s : s + PREFILL_TOPK_CHUNK])  # [c'', V]
-                    top[here[s : s + PREFILL_TOPK_CHUNK]] = torch.topk(logits, topk, dim=-1).indices.cpu()
+                    top[here[s : s + PREFILL_TOPK_CHUNK]] = self._topk(logits, topk)
         cache.length = n
         last_logits = self._head(last).float()[0].clone()  # [V], its own copy (the head buffer is reused)
         return last_logits, top
+
+    def _topk(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """Top-``k`` ids ``[T, k]`` (int64, CPU) of ``logits [T, V]``: one pass of our kernels where they run
+        (``racer::argmax_topk``; equal values in index order), else torch.topk."""
+        if self._ops is not None and logits.dtype == torch.float32 and k <= min(64, logits.shape[1]):
+            return self._ops.argmax_topk(logits, k)[1]
+        return torch.topk(logits, k, dim=-1).indices.cpu()
 
     def _padded(self, tree: Any, committed_len: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One tree padded to ``t_pad`` nodes on the CPU: ids ``[t_pad]``, positions ``[t_pad]`` and the additive

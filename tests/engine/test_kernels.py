@@ -347,3 +347,30 @@ def test_argmax_topk_is_torchs_argmax_and_topk(k):
         OPS.argmax_topk(x, 0)
     with pytest.raises(RuntimeError, match="float32"):
         OPS.argmax_topk(x.double(), 2)
+
+
+@needs_ops
+@pytest.mark.parametrize("nq,nkv,d", [(9, 3, 64), (4, 4, 32), (2, 1, 128)])
+def test_causal_prefill_attention_equals_sdpa(nq, nkv, d, isa_restored):
+    """``attention_causal``: each row of a prefill chunk sees the prefix and the chunk up to itself; a first
+    chunk and one after a prefix, at lengths around the 12-row tasks and 16-key tiles. Where the AVX-512
+    kernels do not run it refuses (the runner then takes SDPA)."""
+    if not OPS.has_causal(d):
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            OPS.attention_causal(torch.zeros(2, nq, d), torch.zeros(nkv, 4, d), torch.zeros(nkv, 4, d), 0, 0.1)
+        return
+    g = _gen(nq + d)
+    kv = torch.randn(2, nkv, 300, d, generator=g)
+    rep = nq // nkv
+    for start, t in [(0, 2), (0, 13), (0, 100), (37, 1), (37, 25), (150, 131)]:
+        q = torch.randn(t, nq, d, generator=g)
+        got = OPS.attention_causal(q, kv[0], kv[1], start, d ** -0.5)
+        s = start + t
+        vis = torch.ones(t, s, dtype=torch.bool).tril_(diagonal=start)
+        want = F.scaled_dot_product_attention(
+            q.transpose(0, 1), kv[0, :, :s].repeat_interleave(rep, 0), kv[1, :, :s].repeat_interleave(rep, 0),
+            attn_mask=vis, scale=d ** -0.5,
+        ).transpose(0, 1).reshape(t, nq * d)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    OPS.set_isa("avx2")
+    assert not OPS.has_causal(d)

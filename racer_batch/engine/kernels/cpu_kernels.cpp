@@ -848,9 +848,10 @@ RACER_AVX512 void pv_rows(const float* const* p, const float* vh, int64_t vs1, i
 
 // Attention of nr <= WIDE_MAX_ROWS query rows that share one KV head (d % 16 == 0, d <= WIDE_MAX_D) over
 // positions [0, S): the rows' masks mr (nullptr: none), outputs orow. p: scratch [WIDE_MAX_ROWS, S].
+// seen (nullptr: every row sees all S): row j sees positions [0, seen[j]) only (a causal prefill chunk).
 RACER_AVX512 void attend_wide(int nr, const float* const* qr, const float* const* mr, float* const* orow,
                               const float* kh, int64_t ks1, const float* vh, int64_t vs1, int64_t S, int64_t d,
-                              float sc, float* p) {
+                              float sc, float* p, const int64_t* seen = nullptr) {
   alignas(64) float kt[WIDE_MAX_D * 16];
   float* pr[WIDE_MAX_ROWS];
   for (int j = 0; j < nr; ++j) pr[j] = p + j * S;
@@ -888,6 +889,7 @@ RACER_AVX512 void attend_wide(int nr, const float* const* qr, const float* const
         _mm512_storeu_ps(pr[j] + u, _mm512_add_ps(_mm512_loadu_ps(pr[j] + u), _mm512_loadu_ps(mr[j] + u)));
       for (; u < S; ++u) pr[j][u] += mr[j][u];
     }
+    if (seen != nullptr) std::fill(pr[j] + seen[j], pr[j] + S, -std::numeric_limits<float>::infinity());  // e^-inf = 0
     inv[j] = softmax_row(pr[j], S);
   }
   for (int j = 0; j < nr; j += 6) {
@@ -911,6 +913,7 @@ struct WideStream {
   int64_t S, T, row0;
   const float* mask;
   int64_t ms;
+  int64_t causal = -1;  // >= 0: a prefill chunk at that start, row t seeing [0, causal + t] (mask unused)
 };
 
 // The tasks of a wide call: (stream, KV head, chunk of that head's rep * T rows, h-major), chunks of at most
@@ -957,7 +960,16 @@ void attention_wide(const std::vector<WideStream>& streams, const float* qp, flo
         mr[j] = st.mask == nullptr ? nullptr : st.mask + t * st.ms;
         orow[j] = op + (st.row0 + t) * nq * d + h * d;
       }
-      attend_wide(nr, qr, mr, orow, st.keys + g * ks0, ks1, st.vals + g * vs0, vs1, st.S, d, sc, p);
+      if (st.causal < 0) {
+        attend_wide(nr, qr, mr, orow, st.keys + g * ks0, ks1, st.vals + g * vs0, vs1, st.S, d, sc, p);
+        continue;
+      }
+      int64_t seen[WIDE_MAX_ROWS], span = 0;  // keys past the task's last visible one are not scored at all
+      for (int j = 0; j < nr; ++j) {
+        seen[j] = st.causal + (r0 + j) % T + 1;
+        span = std::max(span, seen[j]);
+      }
+      attend_wide(nr, qr, mr, orow, st.keys + g * ks0, ks1, st.vals + g * vs0, vs1, span, d, sc, p, seen);
     }
   });
 }
@@ -1115,6 +1127,30 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   });
   return out;
 }
+
+// Causal attention of a prefill chunk: q [T, nq, d] at positions [start, start + T), keys/values [nkv, >= start
+// + T, d]; row t sees positions [0, start + t]. Returns [T, nq * d]. On the AVX-512 kernels only (rows in
+// chunks of 12 consecutive positions of one head, each scoring keys up to its chunk's last visible one); the
+// runner uses SDPA where this is unavailable (``racer::has_causal``).
+at::Tensor attention_causal(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                            double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "racer::attention_causal: float32 only");
+  const at::Tensor qc = q.contiguous();
+  TORCH_CHECK(qc.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes() && keys.stride(2) == 1 &&
+              values.stride(2) == 1, "racer::attention_causal: q [T, nq, d], keys/values [nkv, >= S, d]");
+  const int64_t T = qc.size(0), nq = qc.size(1), d = qc.size(2), nkv = keys.size(0);
+  TORCH_CHECK(keys.size(2) == d && nq % nkv == 0 && start >= 0 && T > 0 && start + T <= keys.size(1),
+              "racer::attention_causal: q ", qc.sizes(), " vs keys ", keys.sizes(), " start=", start);
+  TORCH_CHECK(use_wide_attention(d), "racer::attention_causal: needs the AVX-512 kernels and head_dim % 16 == 0 <= 256");
+  at::Tensor out = at::empty({T, nq * d}, qc.options());
+  WideStream st{keys.data_ptr<float>(), values.data_ptr<float>(), start + T, T, 0, nullptr, 0, start};
+  attention_wide({st}, qc.data_ptr<float>(), out.data_ptr<float>(), nq, nkv, d, keys.stride(0), keys.stride(1),
+                 values.stride(0), values.stride(1), static_cast<float>(scale), start + T, qc.options());
+  return out;
+}
+
+bool has_causal(int64_t d) { return use_wide_attention(d); }
 
 // Tree attention of several streams' rows at once: q [R, nq, d] (the streams' rows one after another),
 // keys/values [slots, nkv, max_len, d] (one layer of the cache, every slot), seg [B, 3] int64 per stream: slot,
@@ -1322,6 +1358,7 @@ TORCH_LIBRARY(racer, m) {
   m.def("row_steps(int largest) -> int[]", row_steps);
   // the GEMM's instruction set: "avx512" or "avx2"; set_isa switches it and returns the previous one
   m.def("isa() -> str", get_isa);
+  m.def("has_causal(int head_dim) -> bool", has_causal);
   m.def("set_isa(str isa) -> str", set_isa);
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
@@ -1336,6 +1373,7 @@ TORCH_LIBRARY(racer, m) {
         "Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
   m.def("attention_seg(Tensor q, Tensor keys, Tensor values, Tensor seg, Tensor mask, float scale) -> Tensor");
   m.def("argmax_topk(Tensor logits, int k) -> (Tensor, Tensor)");
+  m.def("attention_causal(Tensor q, Tensor keys, Tensor values, int start, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(racer, CPU, m) {
@@ -1350,4 +1388,5 @@ TORCH_LIBRARY_IMPL(racer, CPU, m) {
   m.impl("rope_kv_seg_", rope_kv_seg_);
   m.impl("attention_seg", attention_seg);
   m.impl("argmax_topk", argmax_topk);
+  m.impl("attention_causal", attention_causal);
 }
