@@ -103,8 +103,7 @@ def test_isa_switch_row_steps_and_refusals(isa_restored):
 @pytest.mark.parametrize("nq,nkv", [(9, 3), (4, 4), (8, 2)])
 def test_attention_gives_the_same_bits_on_every_isa_alone_and_batched(nq, nkv, isa_restored):
     """A stream's rows give the same bits alone (``attention``) and beside other streams (``attention_seg``),
-    whichever instruction set the GEMM runs on (attention itself is AVX2 code: 12-row AVX-512 blocks were
-    tried and measured slower, see docs/architecture.md)."""
+    on either instruction set, and the AVX-512 kernel (``attend_wide``) gives the AVX2 one's bits."""
     g = _gen(nq * 10 + nkv)
     d, slots, length = 64, 5, 420
     keys = torch.randn(slots, nkv, length, d, generator=g)
