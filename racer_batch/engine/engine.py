@@ -30,6 +30,7 @@ from ..values import (
 )
 from .batch import Prefill, Verify, drive
 from .capacity import CapacityTuner, cost_at, measure_cost_curve
+from .kernels import fused_argmax_topk
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker
@@ -82,16 +83,10 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None =
 
 
 def argmax_and_topk(logits: torch.Tensor, k: int, ops: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(argmax [T], top-k ids [T, k])`` (int64 numpy) of float32 CPU ``logits [T, V]`` in one pass of our
-    kernels ``ops`` (``racer::argmax_topk``: the argmax is torch.argmax's, the first maximal index; the top-k
-    are torch.topk's ids up to the order of equal values); None where the logits are not float32 on the CPU
-    or ``ops`` is None (a runner without our kernels: the caller then uses torch's two ops)."""
-    if ops is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
-        return None
-    if k < 1 or k > min(64, logits.shape[1]):
-        return None
-    am, top = ops.argmax_topk(logits, k)
-    return am.numpy(), top.numpy()
+    """``kernels.fused_argmax_topk`` as numpy ``(argmax [T], top-k ids [T, k])``, or None where it does not
+    apply (a runner without our kernels: the caller then uses torch's two ops)."""
+    fused = fused_argmax_topk(logits, k, ops)
+    return None if fused is None else (fused[0].numpy(), fused[1].numpy())
 
 
 def last_positions(prompt_ids: Sequence[int]) -> np.ndarray:

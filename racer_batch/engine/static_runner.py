@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..drafters.base import Draft
 from ..models import ModelBundle
-from .kernels import cpu_ops
+from .kernels import cpu_ops, fused_argmax_topk
 from .tree import flatten_tree
 
 log = logging.getLogger(__name__)
@@ -625,10 +625,9 @@ class StaticRunner:
 
     def _topk(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """Top-``k`` ids ``[T, k]`` (int64, CPU) of ``logits [T, V]``: one pass of our kernels where they run
-        (``racer::argmax_topk``; equal values in index order), else torch.topk."""
-        if self._ops is not None and logits.dtype == torch.float32 and k <= min(64, logits.shape[1]):
-            return self._ops.argmax_topk(logits, k)[1]
-        return torch.topk(logits, k, dim=-1).indices.cpu()
+        (``kernels.fused_argmax_topk``; equal values in index order), else torch.topk."""
+        fused = fused_argmax_topk(logits, k, self._ops)
+        return fused[1] if fused is not None else torch.topk(logits, k, dim=-1).indices.cpu()
 
     def _padded(self, tree: Any, committed_len: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One tree padded to ``t_pad`` nodes on the CPU: ids ``[t_pad]``, positions ``[t_pad]`` and the additive

@@ -131,3 +131,15 @@ def cpu_ops():
 def unavailable_reason() -> Optional[str]:
     """Why :func:`cpu_ops` returned None (None when it loaded or was not tried yet)."""
     return _state.get("reason")  # type: ignore[return-value]
+
+
+def fused_argmax_topk(logits: torch.Tensor, k: int, ops) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(argmax [T], top-k ids [T, k])`` (int64, CPU) of float32 CPU ``logits [T, V]`` in one pass of our
+    kernels ``ops`` (``racer::argmax_topk``: the argmax is torch.argmax's, the first maximal index; the top-k
+    are torch.topk's ids up to the order of equal values); None where ``ops`` is None, the logits are not
+    float32 ``[T, V]`` on the CPU, or k is outside 1..min(64, V) (the caller then uses torch's ops)."""
+    if ops is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    if k < 1 or k > min(64, logits.shape[1]):
+        return None
+    return ops.argmax_topk(logits, k)

@@ -1187,7 +1187,6 @@ at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::
     }
     return out;
   }
-  const float* qp0 = qc.data_ptr<float>();
   if (use_wide_attention(d)) {
     std::vector<WideStream> streams;
     for (int64_t b = 0; b < B; ++b) {
@@ -1196,7 +1195,7 @@ at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::
                                    values.data_ptr<float>() + slot * values.stride(0), sp[3 * b + 1] + (r1 - r0),
                                    r1 - r0, r0, mask.data_ptr<float>() + r0 * mask.stride(0), mask.stride(0)});
     }
-    attention_wide(streams, qp0, out.data_ptr<float>(), nq, nkv, d, keys.stride(1), keys.stride(2), values.stride(1),
+    attention_wide(streams, qc.data_ptr<float>(), out.data_ptr<float>(), nq, nkv, d, keys.stride(1), keys.stride(2), values.stride(1),
                    values.stride(2), static_cast<float>(scale), smax, qc.options());
     return out;
   }
@@ -1291,8 +1290,9 @@ std::vector<int64_t> row_steps(int64_t largest) {
 // value enters ahead of another only when strictly greater, so among equal values the lower index comes
 // first and list[0] is the first maximal index, which is torch.argmax's rule ("the first maximal value").
 // (The order of equal values within the top-k may differ from torch.topk's, which leaves it unspecified.)
-inline void topk_insert(float* val, int64_t* idx, int64_t k, float x, int64_t i) {
-  int64_t p = k - 1;
+// x enters the sorted list at slot ``last`` or above (the entry at ``last``, if any, drops out).
+inline void topk_insert(float* val, int64_t* idx, int64_t last, float x, int64_t i) {
+  int64_t p = last;
   while (p > 0 && x > val[p - 1]) {
     val[p] = val[p - 1];
     idx[p] = idx[p - 1];
@@ -1318,20 +1318,8 @@ std::tuple<at::Tensor, at::Tensor> argmax_topk(const at::Tensor& logits, int64_t
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xp + r * V;
       int64_t* idx = tp + r * k;
-      const float lowest = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < k; ++j) val[j] = lowest, idx[j] = -1;
-      int64_t filled = 0;
       int64_t i = 0;
-      for (; i < V && filled < k; ++i, ++filled) {  // the first k values, each inserted by the same rule
-        int64_t p = filled;
-        while (p > 0 && row[i] > val[p - 1]) {
-          val[p] = val[p - 1];
-          idx[p] = idx[p - 1];
-          --p;
-        }
-        val[p] = row[i];
-        idx[p] = i;
-      }
+      for (; i < k; ++i) topk_insert(val, idx, i, row[i], i);  // the first k values (k <= V), same rule
       __m256 thr = _mm256_set1_ps(val[k - 1]);
       for (; i + 8 <= V; i += 8) {
         const __m256 v = _mm256_loadu_ps(row + i);
@@ -1340,12 +1328,12 @@ std::tuple<at::Tensor, at::Tensor> argmax_topk(const at::Tensor& logits, int64_t
         while (m != 0) {
           const int j = __builtin_ctz(static_cast<unsigned>(m));
           m &= m - 1;
-          if (row[i + j] > val[k - 1]) topk_insert(val, idx, k, row[i + j], i + j);
+          if (row[i + j] > val[k - 1]) topk_insert(val, idx, k - 1, row[i + j], i + j);
         }
         thr = _mm256_set1_ps(val[k - 1]);
       }
       for (; i < V; ++i)
-        if (row[i] > val[k - 1]) topk_insert(val, idx, k, row[i], i);
+        if (row[i] > val[k - 1]) topk_insert(val, idx, k - 1, row[i], i);
       ap[r] = idx[0];
     }
   });
