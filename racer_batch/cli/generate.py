@@ -40,9 +40,14 @@ _BENCH_EPILOG = epilog(
 
 
 def _load_model(model: str, **kwargs: Any) -> Any:
-    """``load_model`` with a ModelLoadError turned into ``error: ...`` on stderr and exit 3."""
+    """``load_model`` with a ModelLoadError turned into ``error: ...`` on stderr and exit 3. transformers'
+    per-tensor "Loading weights" bar is switched off (as on the service's actors, which get
+    HF_HUB_DISABLE_PROGRESS_BARS=1): a command's stderr keeps its own messages only."""
+    from transformers.utils import logging as hf_logging
+
     from racer_batch import ModelLoadError, load_model
 
+    hf_logging.disable_progress_bar()
     try:
         return load_model(model, **kwargs)
     except ModelLoadError as exc:
