@@ -23,7 +23,7 @@ demo: setup
 	$(BIN)/racer-batch submit jobs/demo.yaml --local --wait
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not service" tests
