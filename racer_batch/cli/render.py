@@ -57,8 +57,8 @@ def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:
     if st.fault_note:
         t.add_row("faults", st.fault_note)
     t.add_row("output tokens", f"{st.totals.output_tokens}  (steps {st.totals.steps}, MAT {fmt(st.mat)})")
-    t.add_row("throughput", f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
-                            f"elapsed {eta(st.elapsed_s)}, ETA {eta(st.eta_s)}")
+    t.add_row("throughput", _waiting(st) or f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
+                                          f"elapsed {eta(st.elapsed_s)}, ETA {eta(st.eta_s)}")
     for route, r in st.route_mat().items():
         t.add_row(f"route {route}", f"rows {r['rows']}, tokens {r['output_tokens']}, MAT {fmt(r['mat'])}")
     if st.output:
@@ -94,9 +94,20 @@ def print_table(t: Table) -> None:
         Console(width=100_000).print(t, soft_wrap=False)
 
 
+def _waiting(st: q.JobStatus) -> Optional[str]:
+    """``not running (queued; 6 rows committed by earlier runs)`` for a job no run is working on (never started,
+    or handed back to the queue: its run's clock was reset), where rows/s and the elapsed time would read 0."""
+    if st.state != "queued" and st.started_at:
+        return None
+    done = f"; {plural(st.rows_done, 'row')} committed by earlier runs" if st.rows_done else ""
+    return f"not running ({st.state}{done})"
+
+
 def _progress_info(st: q.JobStatus) -> str:
     if st.stalled:
         return f"{st.state}  {st.stall_note}"
+    if _waiting(st):
+        return _waiting(st)
     return (f"{st.state}  MAT {fmt(st.mat)}  {st.rows_per_s:.2f} rows/s  {st.tokens_per_s:.1f} tok/s  "
             f"ETA {eta(st.eta_s)}")
 

@@ -173,6 +173,25 @@ def test_status_says_when_the_owner_stopped_renewing(cli, tmp_path, redis_url, p
                                                "--prefix", prefix]).stdout)["stalled"] is True
 
 
+def test_status_of_a_handed_back_job_says_it_is_not_running(cli, tmp_path, redis_url, prefix, queue):
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.job.submit import submit_job
+    from racer_batch.service.results.tally import Tally
+
+    write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(6)])
+    spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
+                            "model.name": "stand-in", "output.shard_rows": 3})
+    sub = submit_job(queue, spec)
+    lease = queue.claim(consumer="w", lease_ms=60_000, block_ms=0)
+    queue.commit_shard(sub.job_id, 0, Tally(rows=3, ok=3, output_tokens=12, steps=6).to_dict())
+    running = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", prefix]).stdout
+    assert "rows/s" in running and "not running" not in running, running
+    queue.release(lease, message="worker w stopped")  # handed back: the run's clock is reset
+    res = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", prefix])
+    assert "not running (queued; 3 rows committed by earlier runs)" in res.stdout, res.stdout
+    assert "0.00 rows/s" not in res.stdout and "3/6" in res.stdout
+
+
 def test_list_and_errors_tables_are_not_cut_in_a_pipe(cli, tmp_path, redis_url, prefix):
     long_id = "row-" + "x" * 110
     deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "out"
