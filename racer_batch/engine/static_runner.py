@@ -29,9 +29,7 @@ path trees are verified unpadded (``_forward_kernels``).
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -40,7 +38,9 @@ import torch.nn.functional as F
 
 from ..drafters.base import Draft
 from ..models import ModelBundle
-from .kernels import cpu_ops, fused_argmax_topk
+from .decoder_ops import (MATMUL_PATHS, FastLinear, LayerWeights, default_matmul_path, fuse_params,
+                          rms_norm, rotate_half_rope, tree_attention)
+from .kernels import fused_argmax_topk
 from .tree import flatten_tree
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,10 @@ DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 INITIAL_POSITIONS = 2048  # KV positions per slot allocated at start (grows on demand up to the context)
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds the [chunk, S] attention scores)
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
-MATMUL_PATHS = ("auto", "torch", "small_gemm", "mkl_packed", "onednn_packed")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SDPA_MIN_ROWS = 128  # fewer query rows: our own attention (SDPA's CPU kernels cost ~0.2-8 ms at T=1)
 STREAM_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded stream counts of the batched static step
 MAX_SLOTS = 256  # KV-cache slots one runner holds at most (streams in flight)
-SMALL_ROWS = 2  # row counts up to this use plain sgemm: prepacking does not pay for one or two rows
 
 
 def describe_unsupported(model: Any) -> Optional[str]:
@@ -103,111 +101,6 @@ def pick_bucket(t: int, buckets: Sequence[int]) -> int:
     return t
 
 
-def default_matmul_path(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """The matmul path ``auto`` picks: plain ``torch`` (cuBLAS) on CUDA. On the CPU in float32 our own
-    small-row GEMM (``small_gemm``, engine/kernels) where it builds: 1.3-2x faster than oneDNN prepacked and
-    1.6-3x faster than MKL at the 1-32 rows of a verify forward on the CPUs measured (benchmarks/README.md).
-    Otherwise oneDNN prepacked weights when this torch has oneDNN (one extra copy of the weights, any row
-    count and dtype), else plain sgemm. MKL packed sgemm (``mkl_packed``) holds ~3x the weight bytes *per
-    bucket*, so it is only taken when asked for. ``RACER_MATMUL`` overrides the choice (benchmarks)."""
-    env = os.environ.get("RACER_MATMUL")
-    if env:
-        if env not in MATMUL_PATHS[1:]:
-            raise ValueError(f"RACER_MATMUL={env!r} is not one of {MATMUL_PATHS[1:]}")
-        return env
-    if device.type != "cpu":
-        return "torch"
-    if dtype == torch.float32 and cpu_ops() is not None:
-        return "small_gemm"
-    if torch.backends.mkldnn.is_available():
-        return "onednn_packed"
-    return "torch"
-
-
-class FastLinear:
-    """``y = x @ W.T + b`` with the fastest matmul this torch offers for the row count.
-
-    Args:
-        weight: ``[N, K]`` (N output features); kept as given for small row counts and as the oracle.
-        bias: ``[N]`` or None.
-        path: ``torch`` (F.linear: MKL sgemm on the CPU, cuBLAS on CUDA), ``small_gemm`` (our kernel over
-            one copy packed in 16-column panels, every row count; float32 on a CPU with AVX2/FMA),
-            ``mkl_packed`` (MKL ``cblas_sgemm_pack`` weights, one packed copy per row bucket, made on first
-            use, ~3x the weight bytes each; float32 only) or ``onednn_packed`` (one oneDNN prepacked copy,
-            any row count). On the MKL and oneDNN paths up to ``SMALL_ROWS`` rows in float32 take plain sgemm
-            (a GEMV, where their packing does not pay). A path that cannot run the weight (dtype, no kernel)
-            falls back to ``onednn_packed`` or ``torch``.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, path: str) -> None:
-        self.weight = weight.detach().contiguous()
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self._ops = None
-        if path == "small_gemm":
-            self._ops = cpu_ops() if self.weight.dtype == torch.float32 and self.weight.is_cpu else None
-        if (path == "mkl_packed" and self.weight.dtype != torch.float32) or (path == "small_gemm" and self._ops is None):
-            path = "onednn_packed" if torch.backends.mkldnn.is_available() else "torch"
-        self.path = path
-        self._packed: dict[int, torch.Tensor] = {}
-        self._onednn: Optional[torch.Tensor] = None
-        self._panels: Optional[torch.Tensor] = None  # small_gemm: [ceil(N/16), K, 16]
-        if path == "small_gemm":
-            self._panels = self._ops.pack(self.weight)
-        if path == "onednn_packed":
-            try:
-                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, 16)
-            except RuntimeError as exc:  # e.g. bfloat16 on an AVX2-only CPU: oneDNN needs AVX-512 or AVX-NE-CONVERT
-                log.info("oneDNN cannot prepack a %s weight here (%s); plain F.linear", self.weight.dtype,
-                         str(exc).splitlines()[0])
-                path = self.path = "torch"
-        # reduced precision has no fast plain GEMV on the CPU: oneDNN takes every row count there
-        self._small_plain = self.weight.dtype == torch.float32 or path != "onednn_packed"
-
-    @property
-    def extra_bytes(self) -> int:
-        """Bytes held in packed copies beside the plain weight."""
-        n = sum(p.numel() * p.element_size() for p in self._packed.values())
-        if self._onednn is not None:
-            n += self.weight.numel() * self.weight.element_size()
-        if self._panels is not None:
-            n += self._panels.numel() * self._panels.element_size()
-        return n
-
-    def prepare(self, rows: int) -> None:
-        """Pack the weight for ``rows`` rows now (warm-up), not at the first call."""
-        if self.path == "mkl_packed" and rows > SMALL_ROWS and rows not in self._packed:
-            self._packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-
-    def __call__(self, x: torch.Tensor, plain: bool = False) -> torch.Tensor:  # x: [M, K] -> [M, N]
-        """``plain``: F.linear on the plain weight (inside a compiled graph, which lowers matmuls itself)."""
-        m = x.shape[0]
-        if self._panels is not None and not plain:
-            return self._ops.linear(x, self._panels, self.bias, self.weight.shape[0])
-        if plain or self.path == "torch" or (m <= SMALL_ROWS and self._small_plain):
-            return F.linear(x, self.weight, self.bias)
-        if self.path == "mkl_packed":
-            packed = self._packed.get(m)
-            if packed is None:
-                if len(self._packed) >= 8:  # odd row counts (prefill tails) are not worth a packed copy
-                    return F.linear(x, self.weight, self.bias)
-                self.prepare(m)
-                packed = self._packed[m]
-            return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, m)
-        return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
-
-
-@dataclass
-class _Layer:
-    qkv: FastLinear  # [T, H] -> [T, (heads + 2 kv_heads) * head_dim]
-    o: FastLinear
-    gate_up: FastLinear  # [T, H] -> [T, 2 * intermediate]
-    down: FastLinear
-    ln_in: torch.Tensor  # [H]
-    ln_post: torch.Tensor  # [H]
-    q_norm: Optional[torch.Tensor]  # [head_dim] (Qwen3) or None
-    k_norm: Optional[torch.Tensor]
-
-
 class SlotCache:
     """A row's handle on one slot of the static KV cache: ``length`` committed rows in ``[0, length)``."""
 
@@ -223,66 +116,6 @@ class SlotCache:
             self.released = True
             self.runner._free_slots.append(self.slot)
             self.runner._live.pop(self.slot, None)
-
-
-@torch.no_grad()
-def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate parameters ``[n_i, K]`` along dim 0 and re-point each at its rows of the result, so the
-    fused weight (one matmul for q/k/v, one for gate/up) costs no memory beside the model's own weights, and
-    the transformers forward (the oracle, the eager runner) keeps running on the very same numbers. Params
-    that are already consecutive rows of one storage (a second runner over the same model) are reused."""
-    first = params[0]
-    offset = first.storage_offset()
-    consecutive = all(p.is_contiguous() for p in params)
-    for p in params:
-        consecutive = consecutive and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() \
-            and p.storage_offset() == offset
-        offset += p.numel()
-    total = sum(p.shape[0] for p in params)
-    if consecutive:
-        return first.detach().as_strided((total, *first.shape[1:]), first.stride())
-    fused = torch.cat([p.detach() for p in params], dim=0).contiguous()
-    row = 0
-    for p in params:
-        p.data = fused[row : row + p.shape[0]]
-        row += p.shape[0]
-    return fused
-
-
-def _tree_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: Optional[torch.Tensor],
-                    scale: float) -> torch.Tensor:
-    """Grouped-query attention of a few query rows: ``q [T, nq, d]`` over ``keys, vals [nkv, S, d]`` with the
-    additive ``mask [T, S]`` (None: all visible); returns ``[T, nq, d]``.
-
-    The ``nq / nkv`` query heads that share a KV head are folded into the row dimension (query head
-    ``j * rep + r`` reads KV head ``j``, as transformers' ``repeat_kv`` lays them out), so no KV is repeated;
-    written out as two batched matmuls and a softmax because the fused CPU kernels are slow for few rows.
-    """
-    t, nq, d = q.shape
-    nkv, s = keys.shape[0], keys.shape[1]
-    rep = nq // nkv
-    qf = q.transpose(0, 1).reshape(nkv, rep * t, d)  # [nkv, rep*T, d]
-    scores = torch.matmul(qf, keys.transpose(1, 2)).mul_(scale).view(nkv, rep, t, s)  # [nkv, rep, T, S]
-    if mask is not None:
-        scores.add_(mask)
-    probs = torch.softmax(scores, dim=-1).view(nkv, rep * t, s)
-    return torch.matmul(probs, vals).view(nq, t, d).transpose(0, 1)  # [T, nq, d]
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the Llama family computes it: in float32, scaled by ``weight`` in the input dtype."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel, same arithmetic
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on ``x [T, heads, D]`` with ``cos, sin [T, 1, D]`` (halves layout, as HF's rotate_half)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
 
 
 class StaticRunner:
@@ -348,14 +181,14 @@ class StaticRunner:
         self._rotary = dec.rotary_emb
         self.embed = dec.embed_tokens.weight.detach()  # [V, H]
         self.final_norm = dec.norm.weight.detach()
-        self.layers: list[_Layer] = []
+        self.layers: list[LayerWeights] = []
         for layer in dec.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv_w = _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            qkv_b = _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-            gu_w = _fuse([m.gate_proj.weight, m.up_proj.weight])
-            gu_b = _fuse([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
-            self.layers.append(_Layer(
+            qkv_w = fuse_params([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            qkv_b = fuse_params([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            gu_w = fuse_params([m.gate_proj.weight, m.up_proj.weight])
+            gu_b = fuse_params([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
+            self.layers.append(LayerWeights(
                 qkv=FastLinear(qkv_w, qkv_b, path=self.matmul),
                 o=FastLinear(a.o_proj.weight, a.o_proj.bias, path=self.matmul),
                 gate_up=FastLinear(gu_w, gu_b, path=self.matmul),
@@ -556,15 +389,15 @@ class StaticRunner:
             mask = None  # one token sees the whole prefix
         gqa = nkv != nq
         for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.ln_in, self.eps)
+            h = rms_norm(x, layer.ln_in, self.eps)
             qkv = layer.qkv(h, plain)  # [T, (nq + 2 nkv) d]
             v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
             if layer.q_norm is None:  # rotate q and k heads in one go
-                qk = _rotate(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
+                qk = rotate_half_rope(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
                 q, k = qk[:, :nq], qk[:, nq:]
             else:  # Qwen3: per-head RMSNorm of q and k before the rotation
-                q = _rotate(_rms_norm(qkv[:, : nq * d].view(t, nq, d), layer.q_norm, self.eps), cos, sin)
-                k = _rotate(_rms_norm(qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d), layer.k_norm, self.eps),
+                q = rotate_half_rope(rms_norm(qkv[:, : nq * d].view(t, nq, d), layer.q_norm, self.eps), cos, sin)
+                k = rotate_half_rope(rms_norm(qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d), layer.k_norm, self.eps),
                             cos, sin)
             if write_idx is None:
                 kv[li, 0, slot, :, start:end].copy_(k.transpose(0, 1))
@@ -580,13 +413,13 @@ class StaticRunner:
                     scale=self.scale, enable_gqa=gqa,
                 )[0].transpose(0, 1)  # [T, nq, d]
             else:
-                att = _tree_attention(q, keys[0], vals[0], mask, self.scale)
+                att = tree_attention(q, keys[0], vals[0], mask, self.scale)
             x = x + layer.o(att.reshape(t, nq * d), plain)
-            h = _rms_norm(x, layer.ln_post, self.eps)
+            h = rms_norm(x, layer.ln_post, self.eps)
             gu = layer.gate_up(h, plain)
             inter = gu.shape[-1] // 2
             x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:], plain)
-        return _rms_norm(x, self.final_norm, self.eps)
+        return rms_norm(x, self.final_norm, self.eps)
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], *, cache: SlotCache, topk: int,
@@ -814,26 +647,26 @@ class StaticRunner:
         sin = self._sin[pos.reshape(rows)].view(b_pad, n_pad, 1, d)
         bidx = torch.arange(b_pad, device=self.device).view(b_pad, 1)
         for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.ln_in, self.eps)
+            h = rms_norm(x, layer.ln_in, self.eps)
             qkv = layer.qkv(h).view(b_pad, n_pad, nq + 2 * nkv, d)
             v = qkv[:, :, nq + nkv :]
             if layer.q_norm is None:
-                qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)
+                qk = rotate_half_rope(qkv[:, :, : nq + nkv], cos, sin)
                 q, k = qk[:, :, :nq], qk[:, :, nq:]
             else:
-                q = _rotate(_rms_norm(qkv[:, :, :nq], layer.q_norm, self.eps), cos, sin)
-                k = _rotate(_rms_norm(qkv[:, :, nq : nq + nkv], layer.k_norm, self.eps), cos, sin)
+                q = rotate_half_rope(rms_norm(qkv[:, :, :nq], layer.q_norm, self.eps), cos, sin)
+                k = rotate_half_rope(rms_norm(qkv[:, :, nq : nq + nkv], layer.k_norm, self.eps), cos, sin)
             keys, vals = self.kv[li, 0, :b_pad], self.kv[li, 1, :b_pad]  # [B, nkv, L, d] views
             keys.transpose(1, 2)[bidx, write] = k  # [B, N, nkv, d] into each stream's own slot rows
             vals.transpose(1, 2)[bidx, write] = v
             att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=nkv != nq)  # [B, nq, N, d]
             x = x + layer.o(att.transpose(1, 2).reshape(rows, nq * d))
-            h = _rms_norm(x, layer.ln_post, self.eps)
+            h = rms_norm(x, layer.ln_post, self.eps)
             gu = layer.gate_up(h)
             inter = gu.shape[-1] // 2
             x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
-        return self.lm_head(_rms_norm(x, self.final_norm, self.eps))
+        return self.lm_head(rms_norm(x, self.final_norm, self.eps))
 
     def _capture_batch(self, b_pad: int, n_pad: int) -> tuple[Any, torch.Tensor]:
         """Capture the batched step of ``(b_pad, n_pad)`` as one CUDA graph over the static batch buffers."""

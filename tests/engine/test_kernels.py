@@ -264,7 +264,7 @@ def test_kernels_off_falls_back_with_a_reason(monkeypatch):
     monkeypatch.setenv("RACER_KERNELS", "off")
     assert cpu_ops() is None
     assert unavailable_reason() == "RACER_KERNELS=off"
-    from racer_batch.engine.static_runner import default_matmul_path
+    from racer_batch.engine.decoder_ops import default_matmul_path
 
     assert default_matmul_path(torch.device("cpu")) in ("onednn_packed", "torch")
 

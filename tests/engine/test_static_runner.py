@@ -21,14 +21,8 @@ from racer_batch.drafters.base import Draft
 from racer_batch.engine import static_runner as sr
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.runner import ModelRunner, make_runner
-from racer_batch.engine.static_runner import (
-    FastLinear,
-    SlotCache,
-    StaticRunner,
-    default_matmul_path,
-    describe_unsupported,
-    pick_bucket,
-)
+from racer_batch.engine.decoder_ops import FastLinear, default_matmul_path
+from racer_batch.engine.static_runner import SlotCache, StaticRunner, describe_unsupported, pick_bucket
 from racer_batch.engine.tree import flatten_tree
 from racer_batch.models import ModelBundle
 
