@@ -222,7 +222,7 @@ def _queue_job(queue: q.JobQueue, spec: Any, *, job_id: Optional[str]) -> Any:
     except (InputError, OutputError) as exc:
         raise CliExit(f"nothing queued: {exc}", ExitCode.INPUT) from None
     click.echo(outcome.job_id)
-    kept = f", {outcome.shards_kept} already done" if outcome.shards_kept else ""
+    kept = f", {plural(outcome.shards_kept, 'shard')} already done" if outcome.shards_kept else ""
     err_console.print(f"{outcome.action}: {outcome.plan.num_rows} rows in "
                       f"{plural(outcome.shards_total, 'shard')}{kept} -> {spec.output.path}", highlight=False)
     for note in outcome.notes:

@@ -230,9 +230,22 @@ def test_resubmitting_a_finished_local_job_starts_no_ray(cli, tmp_path, redis_ur
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--wait", *common])  # the default: Ray
     assert res.exit_code == 0, res.output
-    assert "1 already done" in res.stderr and "starting local Ray" not in res.output
+    assert "1 shard already done" in res.stderr and "starting local Ray" not in res.output
     assert "rows: 1/1" in res.stderr
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_resubmitting_a_queued_job_with_other_resources_says_they_are_not_applied(cli, tmp_path, redis_url, prefix):
+    spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}])
+    common = ["--redis-url", redis_url, "--prefix", prefix]
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--streams-per-actor", "4", *common])  # queued, no worker
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--streams-per-actor", "1", *common])
+    assert res.exit_code == 0, res.output
+    assert "already queued" in res.stderr
+    assert "not applied: resources.streams_per_actor = 1 (the queued job keeps 4;" in res.stderr, res.stderr
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--streams-per-actor", "4", *common])  # same: no note
+    assert "already queued" in res.stderr and "not applied" not in res.stderr
 
 
 def test_submit_without_a_spec_file(cli, tmp_path, redis_url, prefix, monkeypatch):

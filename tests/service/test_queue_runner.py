@@ -387,3 +387,28 @@ def test_a_suspect_node_gets_no_new_actor(monkeypatch):
     monkeypatch.setattr(ex, "_start", lambda slot, node=None: started.append((slot, node)))
     ex._start_where_room(0)
     assert started == [(0, "free")]
+
+
+def test_thread_executor_sets_torch_threads_like_an_actor_and_gives_them_back(redis_url, queue):
+    """`--executor thread` / `worker --no-ray` run rows with the job's torch_threads (auto: 1) as a Ray actor
+    does, not with the process's own count; shutdown restores that count for whatever runs next."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from racer_batch.service.execution.actors import ThreadExecutor
+    from racer_batch.service.job.spec import Resources
+
+    before = torch.get_num_threads()
+    ex = ThreadExecutor(redis_url, prefix=queue.prefix)
+    try:
+        torch.set_num_threads(3)  # a count that is neither auto's 1 nor the 2 asked for below
+        ex.prepare(Resources())
+        assert torch.get_num_threads() == 1
+        assert not hf_logging.is_progress_bar_enabled()
+        ex.prepare(Resources(torch_threads=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        ex.shutdown()
+        hf_logging.enable_progress_bar()
+    assert torch.get_num_threads() == 3
+    torch.set_num_threads(before)

@@ -108,6 +108,22 @@ def test_submit_flag_sets_streams_per_actor(cli, tmp_path, redis_url, prefix, qu
         assert res.exit_code == 2 and "--streams-per-actor" in res.output, res.output
 
 
+def test_the_worker_says_how_many_rows_each_shard_had_in_flight(cli, tmp_path, redis_url, prefix, queue):
+    """The worker's own log (Ray actors log at WARNING) names each committed shard's rows in flight, so
+    ``auto``'s choice shows without reading the manifest."""
+    from click.testing import CliRunner
+
+    write_parquet(tmp_path / "in.parquet", _rows(3))
+    spec = load_spec(None, base_overrides(tmp_path, **{"output.path": str(tmp_path / "o"),
+                                                       "resources.streams_per_actor": "auto"}))
+    sub = submit_job(queue, spec)
+    res = CliRunner().invoke(cli, ["worker", "--no-ray", "--max-jobs", "1", "--redis-url", redis_url,
+                                   "--prefix", prefix])
+    assert res.exit_code == 0, res.output
+    assert f"job {sub.job_id}: shard 0 committed (1/1 shards; rows ok 3, error 0; 2 rows in flight at once)" \
+        in res.stderr, res.stderr
+
+
 # ---- the runner, directly (no Redis, no Ray)
 def test_runner_batches_rows_and_keeps_row_order(tmp_path):
     """B = 4 on the stand-in: rows of different lengths with a bad row and a model error; the part file

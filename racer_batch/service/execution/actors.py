@@ -139,12 +139,19 @@ class ThreadExecutor:
         self.runners: list[RowRunner] = []
         self._pool: Optional[cf.ThreadPoolExecutor] = None
         self.slots = 0
+        self._threads_before: Optional[int] = None  # torch's thread count before prepare (restored at shutdown)
 
     def prepare(self, resources: Resources) -> None:
+        """``num_actors`` runner threads. torch's intra-op threads are set as a Ray actor sets its own
+        (``resources.torch_threads``, auto: 1; the process's own count comes back at ``shutdown``), and
+        transformers' "Loading weights" bar is off, as on the actors (HF_HUB_DISABLE_PROGRESS_BARS)."""
+        threads = 0 if resources.torch_threads == "auto" else int(resources.torch_threads)
+        self._set_threads(PoolShape(num_actors=1, cpus_per_actor=1.0, gpus_per_actor=0.0,
+                                    torch_threads=threads).threads)
         n = 1 if resources.num_actors == "auto" else int(resources.num_actors)
         if n == self.slots:
             return
-        self.shutdown()
+        self._shutdown_pool()
         self.runners = [self._runner(i) for i in range(n)]
         self._pool = cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="racer-batch-runner")
         self.slots = n
@@ -195,12 +202,31 @@ class ThreadExecutor:
     def root_cause(self, exc: BaseException) -> BaseException:
         return exc
 
-    def shutdown(self) -> None:
+    def _set_threads(self, threads: int) -> None:
+        try:
+            import torch
+            from transformers.utils import logging as hf_logging
+        except ImportError:  # the stand-in model needs neither
+            return
+        hf_logging.disable_progress_bar()
+        if self._threads_before is None:
+            self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+
+    def _shutdown_pool(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._pool = None
         self.runners = []
         self.slots = 0
+
+    def shutdown(self) -> None:
+        self._shutdown_pool()
+        if self._threads_before is not None:
+            import torch
+
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
 
 class GenerationActor:

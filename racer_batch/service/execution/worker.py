@@ -289,8 +289,10 @@ class Worker:
             return
         if out["written"] and not out["stopped"]:
             self._committed(job, shard, shard_summary(out))
+            width = int(out.get("streams") or 1)  # the actor's rows in flight (streams_per_actor, auto resolved)
             self._report(f"job {job.job_id}: shard {shard} committed ({len(job.done)}/{job.num_shards} shards; "
-                         f"rows ok {out['ok']}, error {out['error']})")
+                         f"rows ok {out['ok']}, error {out['error']}"
+                         + (f"; {width} rows in flight at once" if width > 1 else "") + ")")
             if time.monotonic() >= job.next_manifest:  # throttled: the part files are the truth
                 self._manifest(job, state="running")
                 job.next_manifest = time.monotonic() + 5.0

@@ -8,6 +8,7 @@ redone: service/results/resume.py).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -66,6 +67,20 @@ def validate_job(spec: JobSpec) -> InputPlan:
     return plan
 
 
+def _resources_not_applied(queue: JobQueue, job_id: str, spec: JobSpec, state: str) -> list[str]:
+    """A note per ``resources`` key this submit gives another value than the queued or running job has: the
+    job keeps its own (they are read when a worker takes the job), so saying nothing would hide that the new
+    value was dropped."""
+    try:
+        had = json.loads(queue.job_fields(job_id)["spec"]).get("resources", {})
+    except (KeyError, ValueError):
+        return []
+    now = spec.stored().get("resources", {})
+    return [f"not applied: resources.{key} = {now[key]!r} (the {state} job keeps {had.get(key)!r}; cancel it "
+            "and submit again to change it, or let it finish)"
+            for key in sorted(now) if key in had and had[key] != now[key]]
+
+
 def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) -> SubmitOutcome:
     """Validate and queue. On a resume the input is compared with the folder's part files, and the outcome
     says how many shards are kept and which are redone (the worker decides again when it runs the job).
@@ -81,7 +96,8 @@ def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) 
     if queue.job_exists(job_id):
         state = queue.job_fields(job_id).get("state")
         if state in ("queued", "running"):
-            return SubmitOutcome(job_id=job_id, plan=plan, action=f"already {state}", shards_total=num_shards)
+            return SubmitOutcome(job_id=job_id, plan=plan, action=f"already {state}", shards_total=num_shards,
+                                 notes=_resources_not_applied(queue, job_id, spec, state))
     try:
         resume = plan_resume(spec, plan) if prior else ResumePlan()
     except (OSError, AssertionError, pa.ArrowException) as exc:
