@@ -18,7 +18,7 @@ from racer_batch.engine.batch import Prefill, StreamBatch, Verify, drive
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.static_runner import StaticRunner
 from racer_batch.engine.tree import flatten_tree
-from test_static_runner import V, bundle_of, make_model, rand_tokens
+from test_static_runner import bundle_of, make_model, rand_tokens
 
 needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="the batched forward runs on our CPU kernels")
 

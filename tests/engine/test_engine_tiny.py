@@ -1,6 +1,5 @@
 """Engine tests on tiny random Llamas with a character tokenizer (no download)."""
 
-import math
 
 import numpy as np
 import pytest

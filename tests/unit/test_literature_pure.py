@@ -11,14 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from racer_batch.drafters.automaton import Automaton, prefill_automaton
 from racer_batch.drafters.base import TrieBuilder, Verified
 from racer_batch.drafters.copy_logits import CopyLogitStore, grow_logits_tree
 from racer_batch.drafters.graft import (
     ConfidenceCalibrator,
     GraftDrafter,
     grow_pruned_logits_tree,
-    refill_from_retrieval,
 )
 from racer_batch.drafters.literature_state import LiteratureState
 from racer_batch.drafters.logitspec import NgramIndex, logitspec_tree, rank_cut
