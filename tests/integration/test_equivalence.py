@@ -1,6 +1,7 @@
 """Greedy equivalence on the real default model (float32): reference AR == HF generate, and every drafter
-== HF generate, on the 24-prompt smoke set (8 per set, shared/data README's rule), including Spec-Bench
-two-turn questions where turn 2 sees the model's own turn-1 answer."""
+== HF generate, on the 24-prompt smoke set (8 per set, shared/data README's rule; RACER and its batched
+streams on all 24, the other methods on every other item), including Spec-Bench two-turn questions where
+turn 2 sees the model's own turn-1 answer."""
 
 import pytest
 import torch
@@ -9,7 +10,10 @@ from racer_batch import DecodingConfig, Engine, GenerationParams, generate_refer
 from racer_batch.benchdata import conversation, smoke_prompts
 
 pytestmark = pytest.mark.integration
-MAX_NEW = 128
+MAX_NEW = 96
+# RACER on all 24 items; AR and the ablations on every other item (12: all three sets, two-turn items
+# included), which keeps the suite inside CI's 30 minutes on the slowest 2-core machine met (Zen 3)
+FULL_SET_METHODS = ("racer",)
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +66,7 @@ def _assert_same(got, want, label):
 def test_reference_matches_hf_generate(smol, smoke, hf_outputs):
     """Our AR oracle equals HF generate. On every third smoke item (8, all three sets, two-turn items
     included): the reference runs the stock transformers forward token by token, as slow as HF generate
-    itself, and every drafter below is checked against HF generate directly on all 24."""
+    itself, and the drafters below are checked against HF generate directly (RACER on all 24)."""
     params = GenerationParams(max_new_tokens=MAX_NEW)
     subset = smoke[::3]
     assert {it.set for it in subset} == {it.set for it in smoke} and any(len(it.turns) == 2 for it in subset)
@@ -92,9 +96,11 @@ def test_drafter_matches_hf_generate(smol, smoke, hf_outputs, method):
         assert r.stats.emitted_tokens == r.output_tokens
         return r
 
-    got = _engine_outputs(smol, smoke, run)
+    items = smoke if method in FULL_SET_METHODS else smoke[::2]
+    assert {it.set for it in items} == {it.set for it in smoke} and any(len(it.turns) == 2 for it in items)
+    got = _engine_outputs(smol, items, run)
     engine.free_state(state)
-    _assert_same(got, hf_outputs, method)
+    _assert_same(got, {k: hf_outputs[k] for k in got}, method)
     if method in ("logits", "racer"):
         assert tokens / steps > 1.3  # the drafts are really accepted, not just verified
 
@@ -120,9 +126,11 @@ def test_stop_string_across_tokens_real_model(smol):
 
 
 def test_batched_streams_match_hf_generate(smol, smoke, hf_outputs):
-    """Issue 14: the 24 smoke items plus very short and long prompts decoded B = 1, 2, 4, 8 rows at a time
-    (continuous batching, one job's draft state shared, capacity auto): every row's greedy tokens equal its
-    batch-1 output and HF generate. Two-turn items stay one stream whose second turn follows its first."""
+    """Issue 14: the 24 smoke items plus very short and long prompts decoded B = 2, 4, 8 rows at a time
+    (continuous batching, one job's draft state shared, capacity auto): every row's greedy tokens equal HF
+    generate's, and so its batch-1 output (RACER one row at a time equals HF generate on the same items:
+    test_drafter_matches_hf_generate[racer]; B = 1 through StreamBatch: tests/engine/test_batch.py). Two-turn
+    items stay one stream whose second turn follows its first."""
     from racer_batch.benchdata import load_set
     from racer_batch.engine.batch import StreamBatch
 
@@ -152,7 +160,7 @@ def test_batched_streams_match_hf_generate(smol, smoke, hf_outputs):
         return outs
 
     by_width = {}
-    for width in (1, 2, 4, 8):
+    for width in (2, 4, 8):
         state = engine.new_state()
         batch, todo, got = StreamBatch(), list(items), {}
         while todo or len(batch):
@@ -165,6 +173,5 @@ def test_batched_streams_match_hf_generate(smol, smoke, hf_outputs):
         engine.free_state(state)
         _assert_same(got, want, f"racer B={width}")
         by_width[width] = (got, batch.stats)
-        if width > 1:
-            assert max(batch.stats.sizes) == width and batch.stats.rows > batch.stats.streams  # drafts verified
-    assert all(by_width[w][0] == by_width[1][0] for w in (2, 4, 8))
+        assert max(batch.stats.sizes) == width and batch.stats.rows > batch.stats.streams  # drafts verified
+    assert all(by_width[w][0] == by_width[2][0] for w in (4, 8))
