@@ -169,6 +169,7 @@ def test_status_says_when_the_owner_stopped_renewing(cli, tmp_path, redis_url, p
     assert st.stalled and st.eta_s is None
     res = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", prefix])
     assert "owner gone-worker stopped renewing its lease" in res.stdout, res.stdout
+    assert "any worker polling the queue takes the job over" in res.stdout  # none may be running
     assert json.loads(CliRunner().invoke(cli, ["status", sub.job_id, "--json", "--redis-url", redis_url,
                                                "--prefix", prefix]).stdout)["stalled"] is True
 

@@ -122,6 +122,7 @@ def test_the_worker_says_how_many_rows_each_shard_had_in_flight(cli, tmp_path, r
     assert res.exit_code == 0, res.output
     assert f"job {sub.job_id}: shard 0 committed (1/1 shards; rows ok 3, error 0; 2 rows in flight at once)" \
         in res.stderr, res.stderr
+    assert ": 3 rows in 1 shard\n" in res.stderr  # one shard, not "1 shards"
 
 
 # ---- the runner, directly (no Redis, no Ray)

@@ -164,7 +164,7 @@ class JobStatus:
         left = max(0.0, self.lease_s - self.owner_idle_s)
         after = f"in about {left:.0f} s" if left > 0 else "now"
         return (f"owner {self.owner} stopped renewing its lease {self.owner_idle_s:.0f} s ago (lease "
-                f"{self.lease_s:.0f} s); a running worker takes the job over {after}")
+                f"{self.lease_s:.0f} s); any worker polling the queue takes the job over {after}")
 
     @property
     def cancelled_rows(self) -> int:

@@ -180,7 +180,7 @@ class Worker:
             return "failed"
         num_shards = plan.num_shards(spec.output.shard_rows)
         self._report(f"job {job_id}: taken by {self.name}{' (reclaimed)' if lease.reclaimed else ''}: "
-                     f"{plan.num_rows} rows in {num_shards} shards")
+                     f"{plan.num_rows} rows in {num_shards} shard{'' if num_shards == 1 else 's'}")
         done, problem = self._resume(job_id, spec, plan)
         if done:
             self._report(f"job {job_id}: {len(done)}/{num_shards} shards kept from the output folder")
