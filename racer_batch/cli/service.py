@@ -144,7 +144,9 @@ def submit(spec_file: Optional[str], local: bool, wait: bool, job_id: Optional[s
         outcome = _queue_job(queue, spec, job_id=job_id)
         if not (local or wait):
             return
-        if local:
+        if outcome.action == "already done":  # nothing queued: the finished job's own summary
+            st = queue.status(outcome.job_id)
+        elif local:
             # nothing left to run: the embedded worker only marks the job done, so no Ray to start
             kind = executor if outcome.shards_left else "thread"
             if kind == "ray":
@@ -223,7 +225,7 @@ def _queue_job(queue: q.JobQueue, spec: Any, *, job_id: Optional[str]) -> Any:
         raise CliExit(f"nothing queued: {exc}", ExitCode.INPUT) from None
     click.echo(outcome.job_id)
     kept = f", {plural(outcome.shards_kept, 'shard')} already done" if outcome.shards_kept else ""
-    err_console.print(f"{outcome.action}: {outcome.plan.num_rows} rows in "
+    err_console.print(f"{outcome.action}: {plural(outcome.plan.num_rows, 'row')} in "
                       f"{plural(outcome.shards_total, 'shard')}{kept} -> {spec.output.path}", highlight=False)
     for note in outcome.notes:
         err_console.print(note, highlight=False)

@@ -236,6 +236,25 @@ def test_resubmitting_a_finished_local_job_starts_no_ray(cli, tmp_path, redis_ur
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
+def test_resubmitting_a_finished_job_queues_nothing_and_keeps_its_figures(cli, tmp_path, redis_url, prefix, queue):
+    spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    common = ["--redis-url", redis_url, "--prefix", prefix]
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", *common])
+    assert res.exit_code == 0, res.output
+    job_id = res.stdout.strip().splitlines()[0]
+    before = queue.status(job_id)
+    assert before.state == "done" and before.elapsed_s > 0
+    for extra in ([], ["--wait"]):  # without --local: nothing for a worker to take
+        res = CliRunner().invoke(cli, ["submit", str(spec), *extra, *common])
+        assert res.exit_code == 0, res.output
+        assert "already done: 2 rows in 1 shard, 1 shard already done" in res.stderr, res.stderr
+        after = queue.status(job_id)
+        assert after.state == "done" and after.started_at == before.started_at
+        assert after.finished_at == before.finished_at
+    assert "rows: 2/2" in res.stderr  # --wait printed the finished job's own summary
+    assert queue.claim(consumer="probe", lease_ms=1000, block_ms=0) is None  # nothing was queued
+
+
 def test_resubmitting_a_queued_job_with_other_resources_says_they_are_not_applied(cli, tmp_path, redis_url, prefix):
     spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}])
     common = ["--redis-url", redis_url, "--prefix", prefix]

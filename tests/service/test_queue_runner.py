@@ -126,7 +126,7 @@ def test_resubmit_resumes_and_other_spec_refused(queue, tmp_path):
     assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
                           executor_kind="thread").state == "done"
     again = submit_job(queue, spec)
-    assert again.job_id == sub.job_id and again.action == "resumed"
+    assert again.job_id == sub.job_id and again.action == "already done" and again.shards_left == 0
     with pytest.raises(OutputError, match="different spec"):
         submit_job(queue, load_spec(None, base_overrides(tmp_path, **{"generation.max_new_tokens": 9})))
 

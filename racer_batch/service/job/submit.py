@@ -67,6 +67,11 @@ def validate_job(spec: JobSpec) -> InputPlan:
     return plan
 
 
+def state_of(queue: JobQueue, job_id: str) -> Optional[str]:
+    """The job's state in Redis, or None when Redis does not know it."""
+    return queue.job_fields(job_id).get("state") if queue.job_exists(job_id) else None
+
+
 def _resources_not_applied(queue: JobQueue, job_id: str, spec: JobSpec, state: str) -> list[str]:
     """A note per ``resources`` key this submit gives another value than the queued or running job has: the
     job keeps its own (they are read when a worker takes the job), so saying nothing would hide that the new
@@ -102,6 +107,11 @@ def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) 
         resume = plan_resume(spec, plan) if prior else ResumePlan()
     except (OSError, AssertionError, pa.ArrowException) as exc:
         raise InputError(f"cannot read the input to compare it with {spec.output.path!r}: {exc}") from None
+    if prior and state_of(queue, job_id) == "done" and len(resume.done) >= num_shards:
+        # finished, and the folder still holds every shard for these rows: nothing to queue, and the job keeps
+        # its run's figures (queueing it again would start a new, empty run's clock)
+        return SubmitOutcome(job_id=job_id, plan=plan, action="already done", shards_total=num_shards,
+                             shards_kept=len(resume.done), notes=resume.describe())
     if read_manifest(spec.output.path) is None:  # claim the folder for this job and spec
         write_manifest(spec.output.path, job_manifest(job_id, spec, plan, state="queued", done={}))
     queue.enqueue(job_id=job_id, spec=spec.stored(), plan=plan.to_dict(), priority=spec.priority, name=spec.name)
