@@ -106,8 +106,8 @@ def _waiting(st: q.JobStatus) -> Optional[str]:
 def _progress_info(st: q.JobStatus) -> str:
     if st.stalled:
         return f"{st.state}  {st.stall_note}"
-    if _waiting(st):
-        return _waiting(st)
+    if waiting := _waiting(st):
+        return waiting
     return (f"{st.state}  MAT {fmt(st.mat)}  {st.rows_per_s:.2f} rows/s  {st.tokens_per_s:.1f} tok/s  "
             f"ETA {eta(st.eta_s)}")
 

@@ -134,7 +134,8 @@ def test_a_job_whose_rows_all_failed_fails_and_points_to_errors(cli, tmp_path, r
     assert f"racer-batch errors {job_id} --prefix {prefix}" in res.stdout
 
 
-def test_status_counts_the_rows_a_cancel_left_unanswered(cli, tmp_path, redis_url, prefix, queue):
+def _six_rows_claimed(tmp_path: Path, queue):
+    """A stand-in job of 6 rows in 2 shards, submitted and claimed by worker ``w``: (submit outcome, lease)."""
     from racer_batch.service.job.spec import load_spec
     from racer_batch.service.job.submit import submit_job
 
@@ -142,7 +143,11 @@ def test_status_counts_the_rows_a_cancel_left_unanswered(cli, tmp_path, redis_ur
     spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
                             "model.name": "stand-in", "output.shard_rows": 3})
     sub = submit_job(queue, spec)
-    lease = queue.claim(consumer="w", lease_ms=60_000, block_ms=0)
+    return sub, queue.claim(consumer="w", lease_ms=60_000, block_ms=0)
+
+
+def test_status_counts_the_rows_a_cancel_left_unanswered(cli, tmp_path, redis_url, prefix, queue):
+    sub, lease = _six_rows_claimed(tmp_path, queue)
     queue.finish(lease, state="cancelled")  # cancelled before any shard was committed
     res = CliRunner().invoke(cli, ["status", sub.job_id, "--json", "--redis-url", redis_url, "--prefix", prefix])
     assert json.loads(res.stdout)["cancelled"] == 6
@@ -175,15 +180,9 @@ def test_status_says_when_the_owner_stopped_renewing(cli, tmp_path, redis_url, p
 
 
 def test_status_of_a_handed_back_job_says_it_is_not_running(cli, tmp_path, redis_url, prefix, queue):
-    from racer_batch.service.job.spec import load_spec
-    from racer_batch.service.job.submit import submit_job
     from racer_batch.service.results.tally import Tally
 
-    write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(6)])
-    spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
-                            "model.name": "stand-in", "output.shard_rows": 3})
-    sub = submit_job(queue, spec)
-    lease = queue.claim(consumer="w", lease_ms=60_000, block_ms=0)
+    sub, lease = _six_rows_claimed(tmp_path, queue)
     queue.commit_shard(sub.job_id, 0, Tally(rows=3, ok=3, output_tokens=12, steps=6).to_dict())
     running = CliRunner().invoke(cli, ["status", sub.job_id, "--redis-url", redis_url, "--prefix", prefix]).stdout
     assert "rows/s" in running and "not running" not in running, running

@@ -146,7 +146,7 @@ class ThreadExecutor:
         (``resources.torch_threads``, auto: 1; the process's own count comes back at ``shutdown``), and
         transformers' "Loading weights" bar is off, as on the actors (HF_HUB_DISABLE_PROGRESS_BARS)."""
         threads = 0 if resources.torch_threads == "auto" else int(resources.torch_threads)
-        self._set_threads(PoolShape(num_actors=1, cpus_per_actor=1.0, gpus_per_actor=0.0,
+        self._as_on_actors(PoolShape(num_actors=1, cpus_per_actor=1.0, gpus_per_actor=0.0,
                                     torch_threads=threads).threads)
         n = 1 if resources.num_actors == "auto" else int(resources.num_actors)
         if n == self.slots:
@@ -202,7 +202,8 @@ class ThreadExecutor:
     def root_cause(self, exc: BaseException) -> BaseException:
         return exc
 
-    def _set_threads(self, threads: int) -> None:
+    def _as_on_actors(self, threads: int) -> None:
+        """torch's intra-op threads and the HF progress bar as a Ray actor has them."""
         try:
             import torch
             from transformers.utils import logging as hf_logging

@@ -67,17 +67,12 @@ def validate_job(spec: JobSpec) -> InputPlan:
     return plan
 
 
-def state_of(queue: JobQueue, job_id: str) -> Optional[str]:
-    """The job's state in Redis, or None when Redis does not know it."""
-    return queue.job_fields(job_id).get("state") if queue.job_exists(job_id) else None
-
-
-def _resources_not_applied(queue: JobQueue, job_id: str, spec: JobSpec, state: str) -> list[str]:
-    """A note per ``resources`` key this submit gives another value than the queued or running job has: the
-    job keeps its own (they are read when a worker takes the job), so saying nothing would hide that the new
-    value was dropped."""
+def _resources_not_applied(fields: dict, spec: JobSpec, state: str) -> list[str]:
+    """A note per ``resources`` key this submit gives another value than the queued or running job has
+    (``fields``: its Redis hash): the job keeps its own (they are read when a worker takes the job), so saying
+    nothing would hide that the new value was dropped."""
     try:
-        had = json.loads(queue.job_fields(job_id)["spec"]).get("resources", {})
+        had = json.loads(fields["spec"]).get("resources", {})
     except (KeyError, ValueError):
         return []
     now = spec.stored().get("resources", {})
@@ -98,16 +93,16 @@ def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) 
         raise OutputError(f"output.path = {spec.output.path!r} belongs to job {prior}, not {job_id}")
     job_id = job_id or prior or new_job_id()
     num_shards = plan.num_shards(spec.output.shard_rows)
-    if queue.job_exists(job_id):
-        state = queue.job_fields(job_id).get("state")
-        if state in ("queued", "running"):
-            return SubmitOutcome(job_id=job_id, plan=plan, action=f"already {state}", shards_total=num_shards,
-                                 notes=_resources_not_applied(queue, job_id, spec, state))
+    fields = queue.job_fields(job_id) if queue.job_exists(job_id) else {}
+    state = fields.get("state")  # None: Redis does not know the job
+    if state in ("queued", "running"):
+        return SubmitOutcome(job_id=job_id, plan=plan, action=f"already {state}", shards_total=num_shards,
+                             notes=_resources_not_applied(fields, spec, state))
     try:
         resume = plan_resume(spec, plan) if prior else ResumePlan()
     except (OSError, AssertionError, pa.ArrowException) as exc:
         raise InputError(f"cannot read the input to compare it with {spec.output.path!r}: {exc}") from None
-    if prior and state_of(queue, job_id) == "done" and len(resume.done) >= num_shards:
+    if prior and state == "done" and len(resume.done) >= num_shards:
         # finished, and the folder still holds every shard for these rows: nothing to queue, and the job keeps
         # its run's figures (queueing it again would start a new, empty run's clock)
         return SubmitOutcome(job_id=job_id, plan=plan, action="already done", shards_total=num_shards,
