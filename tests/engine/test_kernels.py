@@ -100,6 +100,32 @@ def test_isa_switch_row_steps_and_refusals(isa_restored):
 
 
 @needs_ops
+@pytest.mark.parametrize("nq,nkv", [(9, 3), (4, 4), (8, 2), (12, 1)])
+def test_a_tree_rows_attention_bits_do_not_depend_on_how_many_rows_share_its_block(nq, nkv, isa_restored):
+    """The AVX2 kernel takes a KV head's query rows in blocks of 1-4 split as evenly as possible (9 -> 3 + 3 + 3,
+    not 4 + 4 + 1 padded), so a row lands in blocks of different sizes as the tree grows: its bits must be the
+    same whatever the block's size or position (each row alone against the whole tree, T = 1..9)."""
+    g = _gen(nq * 7 + nkv)
+    d, length, start = 64, 300, 211
+    keys = torch.randn(nkv, length, d, generator=g)
+    vals = torch.randn(nkv, length, d, generator=g)
+    neg = torch.finfo(torch.float32).min
+    OPS.set_isa("avx2")
+    for t in range(1, 10):
+        q = torch.randn(t, nq, d, generator=g)
+        mask = torch.zeros(t, start + t)
+        tree = torch.tril(torch.ones(t, t)) * (torch.rand(t, t, generator=g) < 0.6) + torch.eye(t)
+        mask[:, start:] = torch.where(tree > 0, 0.0, neg)
+        whole = OPS.attention(q, keys, vals, start + t, mask, 0.125)
+        for i in range(t):
+            alone = OPS.attention(q[i : i + 1], keys, vals, start + t, mask[i : i + 1], 0.125)
+            assert torch.equal(alone, whole[i : i + 1]), (t, i)
+        for lo in range(t):  # any run of consecutive rows, so blocks start at every offset
+            part = OPS.attention(q[lo:], keys, vals, start + t, mask[lo:], 0.125)
+            assert torch.equal(part, whole[lo:]), (t, lo)
+
+
+@needs_ops
 @pytest.mark.parametrize("nq,nkv", [(9, 3), (4, 4), (8, 2)])
 def test_attention_gives_the_same_bits_on_every_isa_alone_and_batched(nq, nkv, isa_restored):
     """A stream's rows give the same bits alone (``attention``) and beside other streams (``attention_seg``),
