@@ -185,7 +185,7 @@ def run_soak(*, rows: int, redis_url: str, model: str = "tiny-random", max_new_t
 def table(result: dict, *, lines_max: int = 25) -> str:
     """Markdown: the slopes, then about ``lines_max`` samples of the curve."""
     s = result["summary"]
-    lines = [f"| series | slope per 1,000 rows (after warm-up) | max |", "|---|---|---|"]
+    lines = ["| series | slope per 1,000 rows (after warm-up) | max |", "|---|---|---|"]
     maxes = {"actor_rss_mb": s["actor_rss_mb_max"], "automaton_nodes": s["automaton_nodes_max"],
              "row_stream_len": s["row_stream_len_max"], "redis_state_kb": s["redis_state_kb_max"]}
     for k, slope in s["slope_per_1k_rows"].items():
