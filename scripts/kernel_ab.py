@@ -99,6 +99,16 @@ def unpack(rev: str, dest: Path) -> Path:
     return dest
 
 
+def describe(rev: str) -> str:
+    """``rev`` with the commit it named when the run was made (the worktree: HEAD's, and whether it was dirty)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, check=False).stdout.strip()
+    if rev == "WORKTREE":
+        dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+        return f"WORKTREE (at {git('rev-parse', '--short', 'HEAD')}{dirty})"
+    return f"{rev} ({git('rev-parse', '--short', rev)})"
+
+
 def run_child(src: Path, configs: str, repeats: int, threads: int, verify: bool) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, str(src), configs, str(repeats), str(threads),
                            "1" if verify else "0"], capture_output=True, text=True, check=False)
@@ -174,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             rounds.append(got)
     d = {"command": "python scripts/kernel_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
          "stamp": stamp, "machine": f"{cpu_name()} ({os.cpu_count()} cores), {platform.python_version()}",
-         "isa": isa, "base": args.base, "head": args.head, "rounds": args.rounds, "repeats": args.repeats,
+         "isa": isa, "base": describe(args.base), "head": describe(args.head), "rounds": args.rounds, "repeats": args.repeats,
          "configs": configs, "rows": summarize(rounds, configs), "raw": rounds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

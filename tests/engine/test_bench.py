@@ -348,3 +348,37 @@ def test_throughput_bench_isas_side_by_side(throughput, tmp_path):
                             prompts=["a b"])
     finally:
         ops.set_isa(old)
+
+
+def _kernel_ab():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "kernel_ab.py"
+    spec = importlib.util.spec_from_file_location("kernel_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernel_ab_times_two_revisions_in_alternating_processes(tmp_path):
+    """scripts/kernel_ab.py: HEAD (unpacked from git) against this checkout, attention only, one config: each
+    revision's ms, the ratio, the commit each revision named, and the report files; bad configs refused."""
+    from racer_batch.engine.kernels import cpu_ops
+    kab = _kernel_ab()
+    with pytest.raises(SystemExit) as bad:
+        kab.main(["--base", "HEAD", "--configs", "4x0x3"])
+    assert bad.value.code == 2
+    if cpu_ops() is None:  # the children would fail the same way: the error says so
+        with pytest.raises(RuntimeError, match="failed"):
+            kab.main(["--base", "HEAD", "--configs", "1x16x2", "--rounds", "1", "--repeats", "1", "--no-verify",
+                      "--out", str(tmp_path)])
+        return
+    assert kab.main(["--base", "HEAD", "--configs", "1x16x2,2x8x1", "--rounds", "2", "--repeats", "1",
+                     "--no-verify", "--out", str(tmp_path)]) == 0
+    (js,) = tmp_path.glob("kernel-ab-*.json")
+    d = json.loads(js.read_text())
+    assert [r["config"] for r in d["rows"]] == ["1x16x2", "2x8x1"] and all(r["what"] == "attention" for r in d["rows"])
+    assert all(r["base_ms"] > 0 and r["head_ms"] > 0 and r["head_over_base"] > 0 for r in d["rows"])
+    assert d["base"].startswith("HEAD (") and d["head"].startswith("WORKTREE (at ") and len(d["raw"]) == 2
+    assert "| attention | 1x16x2 |" in js.with_suffix(".md").read_text()
