@@ -8,6 +8,7 @@ import torch
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.benchdata import conversation, smoke_prompts
+from racer_batch.engine.engine import encode_prompt
 
 pytestmark = pytest.mark.integration
 MAX_NEW = 80
@@ -39,7 +40,7 @@ def hf_outputs(smol, smoke):
     tok = smol.tokenizer
 
     def gen_one(msgs):
-        ids = torch.tensor([Engine(smol).encode(msgs)])
+        ids = torch.tensor([encode_prompt(smol.tokenizer, msgs)])
         with torch.inference_mode():
             out = smol.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
                                       eos_token_id=smol.eos_ids, pad_token_id=smol.eos_ids[0])
@@ -140,12 +141,12 @@ def test_batched_streams_match_hf_generate(smol, smoke, hf_outputs):
     tok = smol.tokenizer
     want = dict(hf_outputs)
     for key, turns in extra.items():
-        ids = torch.tensor([Engine(smol).encode(conversation(turns, []))])
+        ids = torch.tensor([encode_prompt(smol.tokenizer, conversation(turns, []))])
         with torch.inference_mode():
             out = smol.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
                                       do_sample=False, eos_token_id=smol.eos_ids, pad_token_id=smol.eos_ids[0])
         want[key] = [out[0, ids.shape[1]:].tolist()]
-    assert max(len(Engine(smol).encode(conversation(t, []))) for t in extra.values()) > 512  # past one prefill chunk
+    assert max(len(encode_prompt(smol.tokenizer, conversation(t, []))) for t in extra.values()) > 512  # past one prefill chunk
     items = [(it.item_id + it.set, list(it.turns)) for it in smoke] + list(extra.items())
     # interleave long, short and two-turn rows so batch-mates differ in length
     items = items[::2] + items[1::2]
