@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from racer_batch.service.execution import queue as q
+from racer_batch.service.execution.queue import plural
 from racer_batch.service.execution.worker import errors_command
 
 PLAIN_PROGRESS_S = 10.0  # without a terminal: one progress line at most this often
@@ -33,11 +34,6 @@ def eta(s: Optional[float]) -> str:
         return "-"
     s = int(s)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def plural(count: int, noun: str) -> str:
-    """``plural(1, "shard")`` -> "1 shard", ``plural(3, "shard")`` -> "3 shards"."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:

@@ -20,6 +20,7 @@ import click
 from rich.table import Column, Table
 
 from racer_batch.service.execution import queue as q
+from racer_batch.service.execution.queue import plural
 from racer_batch.service.job.inputs import InputError
 from racer_batch.service.results.output import OutputError
 from racer_batch.service.job.spec import SpecError, load_spec, parse_override
@@ -27,7 +28,7 @@ from racer_batch.values import METHODS
 
 from .exit_codes import CliExit, ExitCode, epilog
 from .options import redis_options
-from .render import JobProgress, err_console, fmt, plural, print_table, status_table, summary_lines
+from .render import JobProgress, err_console, fmt, print_table, status_table, summary_lines
 
 _REDIS = (ExitCode.SERVICE, "Redis")
 _NO_JOB = (ExitCode.INPUT, "no such job")

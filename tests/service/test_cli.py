@@ -25,6 +25,13 @@ def _spec(tmp_path: Path, rows: list[dict]) -> Path:
     return spec
 
 
+def _run_here(cli, spec: Path, common: list[str]):
+    """``submit SPEC --local --executor thread``, which must succeed: (the CLI result, the job id it printed)."""
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", *common])
+    assert res.exit_code == 0, res.output
+    return res, res.stdout.strip().splitlines()[0]
+
+
 def test_submit_local_status_list_errors(cli, tmp_path, redis_url, prefix):
     spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": ""}, {"id": "c", "prompt": "y"}])
     common = ["--redis-url", redis_url, "--prefix", prefix]
@@ -98,9 +105,7 @@ def test_local_submit_starts_private_redis_when_none_answers(cli, tmp_path):
 def test_progress_lines_without_a_terminal_and_ctrl_c_exit_code(cli, tmp_path, redis_url, prefix, monkeypatch):
     spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
     common = ["--redis-url", redis_url, "--prefix", prefix]
-    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", *common])
-    assert res.exit_code == 0, res.output
-    job_id = res.stdout.strip().splitlines()[0]
+    res, job_id = _run_here(cli, spec, common)
     # the test runner's stderr is not a terminal: plain progress lines, the last one with every row done
     progress = [ln for ln in res.stderr.splitlines() if ln.startswith(f"{job_id}: ")]
     assert progress and progress[-1].startswith(f"{job_id}: 2/2 rows") and "done" in progress[-1], res.stderr
@@ -226,8 +231,7 @@ def test_worker_shows_activity_at_the_default_log_level(cli, tmp_path, redis_url
 def test_resubmitting_a_finished_local_job_starts_no_ray(cli, tmp_path, redis_url, prefix):
     spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}])
     common = ["--redis-url", redis_url, "--prefix", prefix]
-    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", *common])
-    assert res.exit_code == 0, res.output
+    _run_here(cli, spec, common)
     res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--wait", *common])  # the default: Ray
     assert res.exit_code == 0, res.output
     assert "1 shard already done" in res.stderr and "starting local Ray" not in res.output
@@ -238,9 +242,7 @@ def test_resubmitting_a_finished_local_job_starts_no_ray(cli, tmp_path, redis_ur
 def test_resubmitting_a_finished_job_queues_nothing_and_keeps_its_figures(cli, tmp_path, redis_url, prefix, queue):
     spec = _spec(tmp_path, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
     common = ["--redis-url", redis_url, "--prefix", prefix]
-    res = CliRunner().invoke(cli, ["submit", str(spec), "--local", "--executor", "thread", *common])
-    assert res.exit_code == 0, res.output
-    job_id = res.stdout.strip().splitlines()[0]
+    res, job_id = _run_here(cli, spec, common)
     before = queue.status(job_id)
     assert before.state == "done" and before.elapsed_s > 0
     for extra in ([], ["--wait"]):  # without --local: nothing for a worker to take

@@ -145,9 +145,7 @@ class ThreadExecutor:
         """``num_actors`` runner threads. torch's intra-op threads are set as a Ray actor sets its own
         (``resources.torch_threads``, auto: 1; the process's own count comes back at ``shutdown``), and
         transformers' "Loading weights" bar is off, as on the actors (HF_HUB_DISABLE_PROGRESS_BARS)."""
-        threads = 0 if resources.torch_threads == "auto" else int(resources.torch_threads)
-        self._as_on_actors(PoolShape(num_actors=1, cpus_per_actor=1.0, gpus_per_actor=0.0,
-                                    torch_threads=threads).threads)
+        self._as_on_actors(resolve_shape(resources, cluster_cpus=0, cluster_gpus=0).threads)
         n = 1 if resources.num_actors == "auto" else int(resources.num_actors)
         if n == self.slots:
             return

@@ -50,6 +50,11 @@ class QueueUnavailable(RuntimeError):
     """Redis cannot be reached or refused us; the message has the redacted URL and the reason."""
 
 
+def plural(count: int, noun: str) -> str:
+    """``plural(1, "shard")`` -> "1 shard", ``plural(3, "shard")`` -> "3 shards" (status, worker and CLI lines)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def redact_url(url: str) -> str:
     """``rediss://user:secret@host:6380/0`` -> ``rediss://user:***@host:6380/0`` (never log a password)."""
     try:
@@ -144,7 +149,7 @@ class JobStatus:
         if self.nodes_lost:
             ids = ", ".join(n[:8] for n in self.nodes_lost)
             parts.append(f"{len(self.nodes_lost)} Ray node{'s' if len(self.nodes_lost) > 1 else ''} lost ({ids})")
-        parts.append(f"{self.shards_retried} shard{'' if self.shards_retried == 1 else 's'} retried")
+        parts.append(f"{plural(self.shards_retried, 'shard')} retried")
         if self.shard_retries > self.shards_retried:
             parts[-1] += f" ({self.shard_retries} retries)"
         return ", ".join(parts)

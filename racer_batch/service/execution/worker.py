@@ -24,7 +24,7 @@ from racer_batch.service.execution.actors import ClusterLost, Executor
 from racer_batch.service.job.inputs import InputError, InputPlan, answer_columns, iter_shards, plan_input
 from racer_batch.service.results.manifest import job_manifest, shard_summary
 from racer_batch.service.results.output import write_manifest
-from racer_batch.service.execution.queue import DEFAULT_PREFIX, JobQueue, Lease
+from racer_batch.service.execution.queue import DEFAULT_PREFIX, JobQueue, Lease, plural
 from racer_batch.service.results.record import RowOrigin, RowRecord, now_utc
 from racer_batch.service.results.resume import ResumePlan, clear_stale, plan_resume
 from racer_batch.service.execution.runner import CANCELLED, LEASE_LOST, ShardTask, ShardWriter
@@ -180,7 +180,7 @@ class Worker:
             return "failed"
         num_shards = plan.num_shards(spec.output.shard_rows)
         self._report(f"job {job_id}: taken by {self.name}{' (reclaimed)' if lease.reclaimed else ''}: "
-                     f"{plan.num_rows} rows in {num_shards} shard{'' if num_shards == 1 else 's'}")
+                     f"{plan.num_rows} rows in {plural(num_shards, 'shard')}")
         done, problem = self._resume(job_id, spec, plan)
         if done:
             self._report(f"job {job_id}: {len(done)}/{num_shards} shards kept from the output folder")
