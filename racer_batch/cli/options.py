@@ -24,10 +24,12 @@ def redis_options(*, url_help: str, prefix_help: str) -> Callable[[Any], Any]:
 
 def pydantic_message(exc: Any) -> str:
     """One line per error of a pydantic ``ValidationError``: ``field = value: reason`` (no boilerplate)."""
+    from racer_batch.service.job.spec import error_reason
+
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ())) or "value"
-        parts.append(f"{loc} = {err.get('input')!r}: {err.get('msg')}")
+        parts.append(f"{loc} = {err.get('input')!r}: {error_reason(err)}")
     return "; ".join(parts)
 
 

@@ -131,6 +131,51 @@ def test_resubmit_resumes_and_other_spec_refused(queue, tmp_path):
         submit_job(queue, load_spec(None, base_overrides(tmp_path, **{"generation.max_new_tokens": 9})))
 
 
+def test_a_finished_folder_submitted_under_a_new_prefix_shows_its_kept_shards_at_once(queue, redis_url, tmp_path):
+    """The folder is the truth: a Redis that does not know the job (another prefix, or data lost) learns its
+    kept shards at submit, so status says 6/6 before any worker has run."""
+    from racer_batch.service.execution.queue import JobQueue
+
+    spec, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": f"p {i}"} for i in range(6)],
+                                   **{"output.shard_rows": 3})
+    assert run_until_done(queue, sub.job_id, url=queue_url(queue), prefix=queue.prefix,
+                          executor_kind="thread").state == "done"
+    moved = JobQueue.from_url(redis_url, prefix=queue.prefix + "moved:")  # under the test's prefix: dropped after
+    again = submit_job(moved, spec)
+    assert (again.job_id, again.action, again.shards_kept) == (sub.job_id, "resumed", 2)
+    st = moved.status(sub.job_id)
+    assert (st.state, st.shards_done, st.rows_done, st.totals.ok) == ("queued", 2, 6, 6), st.to_dict()
+    assert run_until_done(moved, sub.job_id, url=redis_url, prefix=moved.prefix,
+                          executor_kind="thread").state == "done"
+    assert moved.status(sub.job_id).rows_done == 6
+
+
+def test_a_stalled_owner_rows_in_flight_are_not_counted_done_and_a_takeover_drops_them(queue, tmp_path):
+    """Rows a dead owner's unfinished shard had answered are redone by the next owner (part files are
+    written per shard): a stalled status leaves them out of rows done and says so; a takeover clears them."""
+    from racer_batch.service.results.tally import Tally
+
+    _, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": f"p {i}"} for i in range(6)],
+                                **{"output.shard_rows": 3})
+    lease = queue.claim(consumer="gone-worker", lease_ms=1_500, block_ms=0)
+    queue.commit_shard(sub.job_id, 0, Tally(rows=3, ok=3, output_tokens=9, steps=6).to_dict())
+    queue.record_row(sub.job_id, {"id": "3", "status": "ok"}, shard=1,
+                     progress=Tally(rows=2, ok=2, output_tokens=5, steps=4))
+    assert queue.renew(lease)
+    fresh = queue.status(sub.job_id)
+    assert (fresh.stalled, fresh.rows_done, fresh.rows_lost) == (False, 5, 0)
+    time.sleep(1.1)  # over two thirds of the lease without a renewal
+    st = queue.status(sub.job_id)
+    assert (st.stalled, st.rows_done, st.rows_lost, st.totals.output_tokens) == (True, 3, 2, 9), st.to_dict()
+    assert "the 2 rows its unfinished shards had answered are not counted" in st.stall_note
+    assert st.to_dict()["rows_lost"] == 2
+    time.sleep(0.5)  # the lease has run out: another worker takes the job over
+    taken = queue.claim(consumer="next-worker", lease_ms=1_500, block_ms=0)  # reclaims entries idle this long
+    assert taken is not None and taken.reclaimed
+    after = queue.status(sub.job_id)
+    assert (after.stalled, after.owner, after.rows_done, after.rows_lost) == (False, "next-worker", 3, 0)
+
+
 def test_cancel_keeps_finished_shards_then_resume(queue, tmp_path):
     rows = [{"id": i, "prompt": f"p {i}"} for i in range(12)]
     spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=15",

@@ -106,6 +106,9 @@ def test_submit_flag_sets_streams_per_actor(cli, tmp_path, redis_url, prefix, qu
     for bad in ("0", "lots"):
         res = CliRunner().invoke(cli, [*common, "--streams-per-actor", bad])
         assert res.exit_code == 2 and "--streams-per-actor" in res.output, res.output
+        assert "Value error" not in res.output, res.output  # the validator's own words, not pydantic's heading
+    res = CliRunner().invoke(cli, [*common, "--streams-per-actor", "0"])
+    assert "resources.streams_per_actor = 0: streams_per_actor must be in 1..64 or 'auto', got 0" in res.output
 
 
 def test_the_worker_says_how_many_rows_each_shard_had_in_flight(cli, tmp_path, redis_url, prefix, queue):

@@ -55,6 +55,11 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
+def _stalled(state: Optional[str], owner_idle_s: Optional[float], lease_s: Optional[float]) -> bool:
+    """JobStatus.stalled's rule: running, and the owner's last renewal is over two thirds of a lease old."""
+    return state == "running" and owner_idle_s is not None and bool(lease_s) and owner_idle_s > lease_s * 2 / 3
+
+
 def redact_url(url: str) -> str:
     """``rediss://user:secret@host:6380/0`` -> ``rediss://user:***@host:6380/0`` (never log a password)."""
     try:
@@ -121,7 +126,7 @@ class JobStatus:
     state: str
     name: Optional[str]
     rows_total: int
-    totals: Tally  # committed shards' summaries plus the running attempts' progress
+    totals: Tally  # committed shards' summaries plus the running attempts' progress (not a stalled owner's)
     shards_total: int
     shards_done: int
     submitted_at: float
@@ -139,6 +144,7 @@ class JobStatus:
     nodes_lost: list[str] = field(default_factory=list)  # Ray node ids lost under this job's actors (hex)
     shards_retried: int = 0  # distinct shards redone (after their actor died or found no room, or an error)
     shard_retries: int = 0  # shard attempts redone (a shard retried twice counts 2)
+    rows_lost: int = 0  # rows a stalled owner's unfinished shards had answered (not in totals: they are redone)
 
     @property
     def fault_note(self) -> Optional[str]:
@@ -158,8 +164,7 @@ class JobStatus:
     def stalled(self) -> bool:
         """A running job whose owner missed two lease renewals (it renews every third of the lease): the
         worker is likely dead, and another takes the job over once the lease has run out."""
-        return (self.state == "running" and self.owner_idle_s is not None and bool(self.lease_s)
-                and self.owner_idle_s > self.lease_s * 2 / 3)
+        return _stalled(self.state, self.owner_idle_s, self.lease_s)
 
     @property
     def stall_note(self) -> Optional[str]:
@@ -168,8 +173,10 @@ class JobStatus:
             return None
         left = max(0.0, self.lease_s - self.owner_idle_s)
         after = f"in about {left:.0f} s" if left > 0 else "now"
+        lost = (f"; the {plural(self.rows_lost, 'row')} its unfinished shards had answered are not counted "
+                "(the next owner redoes those shards)") if self.rows_lost else ""
         return (f"owner {self.owner} stopped renewing its lease {self.owner_idle_s:.0f} s ago (lease "
-                f"{self.lease_s:.0f} s); any worker polling the queue takes the job over {after}")
+                f"{self.lease_s:.0f} s); any worker polling the queue takes the job over {after}{lost}")
 
     @property
     def cancelled_rows(self) -> int:
@@ -225,7 +232,8 @@ class JobStatus:
         return {
             "job_id": self.job_id, "state": self.state, "name": self.name, "rows_total": self.rows_total,
             "rows_done": self.rows_done, "ok": self.totals.ok, "error": self.totals.error,
-            "cancelled": self.cancelled_rows, "stalled": self.stalled, "owner_idle_s": self.owner_idle_s, "output_tokens": self.totals.output_tokens,
+            "cancelled": self.cancelled_rows, "stalled": self.stalled, "owner_idle_s": self.owner_idle_s,
+            "rows_lost": self.rows_lost, "output_tokens": self.totals.output_tokens,
             "steps": self.totals.steps, "mat": self.mat, "shards_total": self.shards_total,
             "shards_done": self.shards_done, "rows_per_s": self.rows_per_s, "tokens_per_s": self.tokens_per_s,
             "eta_s": self.eta_s, "elapsed_s": self.elapsed_s, "routes": self.route_mat(), "owner": self.owner,
@@ -373,6 +381,8 @@ class JobQueue:
             return None
         self.r.hset(key, mapping={"owner": consumer, "state": "running", "lease_stream": stream,
                                   "lease_entry": entry_id, "lease_ms": lease_ms})
+        if reclaimed:  # the dead owner's unfinished shard attempts: this owner redoes them and writes its own
+            self.r.delete(self.k_job(job_id, "inflight"))
         self.r.hsetnx(key, "started_at", time.time())
         self.r.hincrby(key, "attempts", 1)
         self._lease_event(job_id, "taken", consumer, reclaimed="1" if reclaimed else "0")
@@ -485,6 +495,16 @@ class JobQueue:
         if shards:
             self.r.hdel(self.k_job(job_id, "shards"), *[str(s) for s in shards])
 
+    def sync_committed(self, job_id: str, done: dict[int, dict]) -> None:
+        """Make the committed summaries agree with the output folder's kept shards ``done`` (shard -> summary;
+        the folder is the truth): add the ones Redis lacks (a resumed folder under a new prefix or after a
+        Redis loss), forget the ones the folder no longer backs."""
+        known = self.committed(job_id)
+        for shard, meta in done.items():
+            if shard not in known:
+                self.commit_shard(job_id, shard, meta)
+        self.uncommit_shards(job_id, [s for s in known if s not in done])
+
     def clear_inflight(self, job_id: str, shard: int) -> None:
         self.r.hdel(self.k_job(job_id, "inflight"), str(shard))
 
@@ -501,19 +521,25 @@ class JobQueue:
         shards_total = -(-rows_total // shard_rows)
         committed = self.committed(job_id)
         totals = Tally.of(committed.values())
+        inflight = Tally()
         for shard, v in self.r.hgetall(self.k_job(job_id, "inflight")).items():
             if int(shard) not in committed:
-                totals.merge(Tally.from_dict(json.loads(v)))
+                inflight.merge(Tally.from_dict(json.loads(v)))
 
         def _f(key: str) -> Optional[float]:
             return float(d[key]) if d.get(key) else None
 
         idle_s = self._owner_idle_s(d) if d.get("state") == "running" else None
         lease_ms = _f("lease_ms")
+        # a stalled owner's unfinished shards are redone whole by the next owner (a part file is written only
+        # when its shard ends), so their rows so far are not counted as done
+        stalled = _stalled(d.get("state"), idle_s, lease_ms / 1000.0 if lease_ms else None)
+        if not stalled:
+            totals.merge(inflight)
 
         return JobStatus(
             job_id=job_id, state=d.get("state", "?"), name=d.get("name") or None, rows_total=rows_total,
-            totals=totals, shards_total=shards_total, shards_done=len(committed),
+            totals=totals, rows_lost=inflight.rows if stalled else 0, shards_total=shards_total, shards_done=len(committed),
             submitted_at=float(d.get("submitted_at", 0)), started_at=_f("started_at"),
             finished_at=_f("finished_at"), owner=d.get("owner"), output=d.get("output"), model=d.get("model"),
             base_rows=int(d.get("base_rows") or 0), base_tokens=int(d.get("base_tokens") or 0),

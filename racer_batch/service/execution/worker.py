@@ -338,13 +338,7 @@ class Worker:
         for line in resume.describe():
             self._report(f"job {job_id}: {line}")
         done = resume.done
-        known = self.queue.committed(job_id)
-        for shard, meta in done.items():  # recovery: the output folder is the truth
-            if shard not in known:
-                self.queue.commit_shard(job_id, shard, meta)
-        stale = [s for s in known if s not in done]
-        if stale:
-            self.queue.uncommit_shards(job_id, stale)
+        self.queue.sync_committed(job_id, done)  # recovery: the output folder is the truth
         self._redis_best_effort(self.queue.mark_run_base, job_id)
         return done, None
 

@@ -230,6 +230,16 @@ def _given_by(key: str, labels: dict[str, str]) -> Optional[str]:
     return None
 
 
+def error_reason(err: dict) -> str:
+    """One pydantic error's reason without the ``Value error, `` / ``Assertion failed, `` pydantic puts before
+    a validator's own message (that message already says what is wrong)."""
+    msg = str(err.get("msg", ""))
+    for head in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(head):
+            return msg[len(head):]
+    return msg
+
+
 def format_validation_error(err: ValidationError, *, where: str, labels: Optional[dict[str, str]] = None) -> str:
     """One line per error, ``  key = value: reason``; a value that came from the command line says which
     flag gave it (``labels``: dotted key -> flag), and when every error did, the heading says so instead of
@@ -244,7 +254,7 @@ def format_validation_error(err: ValidationError, *, where: str, labels: Optiona
             shown = shown[:117] + "..."
         flag = _given_by(key, labels)
         from_flags += flag is not None
-        lines.append(f"  {key} = {shown}: {e['msg']}" + (f" (given by {flag})" if flag else ""))
+        lines.append(f"  {key} = {shown}: {error_reason(e)}" + (f" (given by {flag})" if flag else ""))
     head = "invalid option (command line):" if from_flags == len(lines) else f"invalid job spec ({where}):"
     return "\n".join([head, *lines])
 

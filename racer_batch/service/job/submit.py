@@ -109,6 +109,9 @@ def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) 
                              shards_kept=len(resume.done), notes=resume.describe())
     if read_manifest(spec.output.path) is None:  # claim the folder for this job and spec
         write_manifest(spec.output.path, job_manifest(job_id, spec, plan, state="queued", done={}))
+    # status counts the kept shards from now on, not only once a worker has taken the job (before the enqueue:
+    # a worker may take it at once and commit shards of its own)
+    queue.sync_committed(job_id, resume.done)
     queue.enqueue(job_id=job_id, spec=spec.stored(), plan=plan.to_dict(), priority=spec.priority, name=spec.name)
     return SubmitOutcome(job_id=job_id, plan=plan, action="resumed" if prior else "queued",
                          shards_total=num_shards, shards_kept=len(resume.done), notes=resume.describe())
