@@ -4,7 +4,11 @@ speedup ~= MAT * t(1) / (t(T) + t_draft + t_update). At start-up ``measure_cost_
 verification forward over T tree tokens with a warm KV cache for each candidate capacity. During decoding
 ``CapacityTuner`` records, for every step, how many draft tokens would have been accepted had the tree
 been cut at each smaller capacity (drafters create nodes best-first, so a tree of capacity c is the first
-c nodes of a larger one), and picks the capacity with the most expected tokens per second.
+c nodes of a larger one), and picks the capacity with the most expected tokens per second. A size is seen
+only on the steps that used it or a larger one (the warm-up, one size up on exploration steps), so the
+expected accepted length of each size is the smallest size's mean over every step plus, size by size, the
+mean gain over the next smaller size on the steps that saw both (paired): sizes seen on different steps are
+never compared through different texts.
 """
 
 from __future__ import annotations
@@ -94,10 +98,13 @@ class CapacityTuner:
             that is the largest candidate; on our CPU kernels, where t(64) is ~7x t(1), it is 12, so the
             warm-up does not spend 16 steps at 7x the price. Larger candidates are still reached afterwards:
             each exploration step tries one size up, which makes the next size observable.
+        switch_margin: the chosen capacity changes only when another one's expected tokens/s beats it by more
+            than this fraction. Without it two near-equal sizes took turns every step (seen on a Zen 4: 84.57
+            vs 84.47 tokens/s, 4 -> 6 -> 4 ...), each switch a log line and a different tree size.
     """
 
     def __init__(self, cost_ms: dict[int, float], candidates: list[int], *, warmup_steps: int = 16, explore_every: int = 8,
-                 warmup_cost_ratio: float = 2.0) -> None:
+                 warmup_cost_ratio: float = 2.0, switch_margin: float = 0.02) -> None:
         self.cost_ms = dict(cost_ms)
         self.candidates = sorted(candidates)
         base = self.cost_ms.get(1, min(self.cost_ms[c] for c in self.candidates))
@@ -106,11 +113,15 @@ class CapacityTuner:
         self.warmup_cost_ratio = warmup_cost_ratio
         self.warmup_steps = warmup_steps
         self.explore_every = explore_every
-        self.sum_acc = np.zeros(len(self.candidates))  # accepted drafts summed over informative steps
+        # per candidate: accepted drafts beyond those of the next smaller candidate, summed over the steps
+        # that saw it (a step sees every candidate up to the capacity it used), and the count of those steps
+        self.sum_gain = np.zeros(len(self.candidates))
         self.n_obs = np.zeros(len(self.candidates))
         self.overhead_ms = 0.0
         self.steps = 0
+        self.switch_margin = switch_margin
         self.current = self.warmup_cap
+        self._current_at: dict[int, int] = {}  # streams (> 1) -> the capacity chosen for that many streams
 
     def cost(self, rows: int) -> float:
         """Verify ms of a forward over ``rows`` tree rows (``cost_at`` of the measured curve)."""
@@ -132,7 +143,7 @@ class CapacityTuner:
         t(max)/t(current) times a normal one: 4x on a CPU at 64 vs 8)."""
         if self.steps < self.warmup_steps:
             return self.warmup_capacity(streams)
-        best = self.current if streams <= 1 else self.choose(streams)
+        best = self.current if streams <= 1 else self._settled(streams)
         if self.explore_every and self.steps % self.explore_every == 0:
             i = self.candidates.index(best)
             return self.candidates[min(i + 1, len(self.candidates) - 1)]
@@ -142,6 +153,7 @@ class CapacityTuner:
         """Record one step: the creation-order indices of the accepted draft nodes (root excluded)."""
         self.steps += 1
         self.overhead_ms += (overhead_ms - self.overhead_ms) * 0.05 if self.steps > 1 else overhead_ms
+        prev = 0
         for i, cap in enumerate(self.candidates):
             if cap > used_capacity:
                 break
@@ -151,10 +163,11 @@ class CapacityTuner:
                 if idx >= cap:
                     break
                 acc += 1
-            self.sum_acc[i] += acc
+            self.sum_gain[i] += acc - prev
+            prev = acc
             self.n_obs[i] += 1
         if self.steps >= self.warmup_steps:
-            best = self.choose()
+            best = self._keep_or_switch(self.current, self.expected_rates())
             if best != self.current:
                 log.info("capacity auto: %d -> %d (expected tokens/s %s)", self.current, best, self.expected_rates())
                 self.current = best
@@ -162,14 +175,36 @@ class CapacityTuner:
     def expected_rates(self, streams: int = 1) -> dict[int, float]:
         """{capacity: expected emitted tokens per second of all ``streams`` streams together} from the
         observations so far: ``streams x MAT(c) / (t(streams x c) + streams x overhead)``, the per-stream
-        drafting and acceptance work being serial between the batched forwards."""
+        drafting and acceptance work being serial between the batched forwards. MAT(c) is 1 + the smallest
+        size's mean accepted length + the paired mean gains of each size over the next smaller one up to c
+        (see the module docstring); it never falls as c grows."""
         rates = {}
+        mat = 1.0
         for i, cap in enumerate(self.candidates):
-            if self.n_obs[i] == 0:
-                continue
-            mat = 1.0 + self.sum_acc[i] / self.n_obs[i]
+            if self.n_obs[i] == 0:  # no step saw this size, so none saw a larger one
+                break
+            mat += self.sum_gain[i] / self.n_obs[i]
             rates[cap] = round(1000.0 * streams * mat / (self.cost(streams * cap) + streams * self.overhead_ms), 2)
         return rates
+
+    def _keep_or_switch(self, current: int, rates: dict[int, float]) -> int:
+        """The capacity with the most expected tokens/s in ``rates``, unless ``current`` is within
+        ``switch_margin`` of it (then ``current``)."""
+        if not rates:
+            return current
+        best = max(rates, key=rates.get)
+        if current in rates and rates[best] <= rates[current] * (1.0 + self.switch_margin):
+            return current
+        return best
+
+    def _settled(self, streams: int) -> int:
+        """The capacity for ``streams`` streams per forward, kept between steps like ``current``."""
+        rates = self.expected_rates(streams)
+        if not rates:
+            return self.warmup_capacity(streams)
+        now = self._keep_or_switch(self._current_at.get(streams, -1), rates)
+        self._current_at[streams] = now
+        return now
 
     def choose(self, streams: int = 1) -> int:
         rates = self.expected_rates(streams)

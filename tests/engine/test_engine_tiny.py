@@ -226,6 +226,41 @@ def test_capacity_tuner_explores_one_size_up_not_the_largest():
     assert used[4:].count(16) == 5
 
 
+def test_capacity_tuner_keeps_its_choice_between_near_equal_sizes_and_switches_on_a_clear_win():
+    """Two sizes within switch_margin of each other: the choice stays put (it took turns every step before);
+    once one is clearly better the tuner moves to it."""
+    def run(margin: float) -> tuple[CapacityTuner, list[int]]:
+        tuner = CapacityTuner({4: 10.0, 6: 12.4}, [4, 6], warmup_steps=0, explore_every=0, switch_margin=margin)
+        chosen = []
+        for step in range(40):  # MAT(4) = 4 always; MAT(6) alternates around 5: 400 vs ~403 tokens/s
+            tuner.observe(used_capacity=6, accepted_creation_idx=[1, 2, 3] if step % 2 == 0 else [1, 2, 3, 4, 5],
+                          overhead_ms=0.0)
+            chosen.append(tuner.current)
+        return tuner, chosen
+
+    tuner, chosen = run(0.02)
+    assert set(chosen[1:]) == {4}, chosen
+    _, flapping = run(0.0)
+    assert sum(a != b for a, b in zip(flapping, flapping[1:])) >= 10  # what the margin prevents
+    for _ in range(20):  # size 6 now accepts deeper every step: clearly better
+        tuner.observe(used_capacity=6, accepted_creation_idx=[1, 2, 3, 4, 5], overhead_ms=0.0)
+    assert tuner.current == 6 and tuner.expected_rates()[6] > 1.02 * tuner.expected_rates()[4]
+
+
+def test_capacity_tuner_compares_sizes_on_the_steps_that_saw_both():
+    """A large size seen only early (the warm-up, on text that drafts well) is not credited with that text's
+    acceptance against a small size seen on every step: its gain over the small size is taken from the steps
+    that saw both. Unpaired means would give MAT(4) = 4 and choose 4 here."""
+    tuner = CapacityTuner({2: 10.0, 4: 30.0}, [2, 4], warmup_steps=0, explore_every=0)
+    for _ in range(16):  # early: every draft node accepted; both sizes seen
+        tuner.observe(used_capacity=4, accepted_creation_idx=[1, 2, 3], overhead_ms=0.0)
+    for _ in range(84):  # later: nothing accepted; only size 2 used
+        tuner.observe(used_capacity=2, accepted_creation_idx=[], overhead_ms=0.0)
+    rates = tuner.expected_rates()
+    assert rates[2] == pytest.approx(1000 * 1.16 / 10) and rates[4] == pytest.approx(1000 * (1.16 + 2.0) / 30, abs=0.01)
+    assert tuner.choose() == 2 and tuner.current == 2
+
+
 def test_capacity_tuner_warmup_capacity_follows_the_cost_curve():
     flat = CapacityTuner({1: 10.0, 4: 10.5, 16: 11.0, 64: 13.0}, [4, 16, 64], warmup_steps=4)
     assert flat.warmup_cap == 64 and flat.capacity() == 64  # a GPU-like curve: warm up at the largest
