@@ -170,6 +170,23 @@ class RunRecord:
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Output tokens over the wall time without the prefills (each runs alone, its batch-mates waiting):
+        the part of the run that batching can speed up."""
+        decode_s = self.wall_s - self.prefill_ms / 1000.0
+        return self.output_tokens / decode_s if decode_s > 0 else float("nan")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunRecord":
+        """The inverse of ``to_dict`` but for the token ids, which the JSON does not keep (``tokens`` empty)."""
+        return cls(tokens=[], wall_s=d["wall_s"], output_tokens=d["output_tokens"], forwards=d["forwards"],
+                   rows=d["rows"], stream_steps=d["stream_steps"], sizes={int(k): v for k, v in d["sizes"].items()},
+                   prefills=d["prefills"], prefill_ms=d["prefill_ms"], stall_ms=d["stall_ms"],
+                   stall_stream_ms=d["stall_stream_ms"], verify_ms=d["verify_ms"], row_steps=d["row_steps"],
+                   row_capacities={int(k): v for k, v in d["row_capacities"].items()},
+                   tuner_choice=d["tuner_choice"])
+
     def to_dict(self) -> dict:
         return {"wall_s": round(self.wall_s, 3), "output_tokens": self.output_tokens,
                 "tokens_per_s": round(self.tokens_per_s, 3), "forwards": self.forwards, "rows": self.rows,
@@ -299,6 +316,7 @@ def summarize(runs: dict[str, list[Optional[RunRecord]]], settings: list[Setting
     b0 = min(bs)
     ar0 = contender_label(Setting("ar", "ar", 1), b0)
     tps = {k: [r.tokens_per_s if r is not None else None for r in v] for k, v in runs.items()}
+    dtps = {k: [r.decode_tokens_per_s if r is not None else None for r in v] for k, v in runs.items()}
     rows = []
     for s in settings:
         for b in bs:
@@ -317,6 +335,7 @@ def summarize(runs: dict[str, list[Optional[RunRecord]]], settings: list[Setting
                     caps[str(c)] = caps.get(str(c), 0) + n
             vs_b1 = _median(per_round_ratios(tps, label, contender_label(s, b0)))
             vs_ar = _median(per_round_ratios(tps, label, ar0)) if ar0 in runs else None
+            decode_vs_b1 = _median(per_round_ratios(dtps, label, contender_label(s, b0)))
             rows.append({
                 "contender": label, "setting": s.label, "method": s.method, "capacity": s.capacity, "streams": b,
                 "rounds": len(recs),
@@ -324,6 +343,8 @@ def summarize(runs: dict[str, list[Optional[RunRecord]]], settings: list[Setting
                 "tokens_per_s_min": _r(min(r.tokens_per_s for r in recs), 2),
                 "tokens_per_s_max": _r(max(r.tokens_per_s for r in recs), 2),
                 "ratio_to_b1": _r(vs_b1, 3), "ratio_to_ar_b1": _r(vs_ar, 3),
+                "decode_tokens_per_s": _r(med(lambda r: r.decode_tokens_per_s), 2),
+                "decode_ratio_to_b1": _r(decode_vs_b1, 3),
                 "forwards_per_s": _r(med(lambda r: r.forwards / r.wall_s), 2),
                 "rows_per_forward": _r(med(lambda r: r.rows / r.forwards if r.forwards else None), 2),
                 "streams_per_forward": _r(med(lambda r: r.stream_steps / r.forwards if r.forwards else None), 2),
@@ -351,6 +372,9 @@ DEFINITIONS = [
     "most B streams in flight; the median over rounds (min..max in the JSON).",
     "x B=1, x ar B=1: tokens/s over that of the same method+capacity at the smallest B, and over ar at the "
     "smallest B, each computed within a round and then medianed over rounds.",
+    "decode tokens/s, decode x B=1: the same without the prefills' time (wall time minus every joining row's "
+    "prefill; B streams cannot share a prompt forward, so this is the part batching speeds up), ratio per round "
+    "then medianed.",
     "forwards/s: batched verify forwards per second of wall time (a prefill is not counted); rows/forward: tree "
     "rows verified per forward (all streams together); streams/forward: streams whose trees shared a forward "
     "(below B while the batch fills at the start or drains at the end).",
@@ -387,6 +411,9 @@ def render_md(d: dict) -> str:
     lens = s["prompt_tokens"]
     lines = [f"# Throughput of one actor, B streams per forward ({d['stamp']})", "",
              f"Reproduce: `{d['command']}`", "",
+             *([f"Summary columns recomputed on {d['resummarized_at']} from the runs in the JSON "
+                "(`scripts/throughput_bench.py --resummarize`); the measurements are those of the run.", ""]
+               if d.get("resummarized_at") else []),
              f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']} with {m['torch_threads']} threads; load "
              f"average {m['load_start']} at start, {m['load_now']} at the last write.", "",
              f"Settings: model {s['model']}, {s['prompts']} {s['prompt_source']} (prompt tokens "
@@ -401,7 +428,8 @@ def render_md(d: dict) -> str:
         lines += ["First mismatches: " + "; ".join(
             f"{x['contender']} row {x['row']} vs {x['reference']} at token {x['position']} (round {x['round']})"
             for x in loss["examples"]), ""]
-    cols = ["method", "capacity", "B", "tokens/s", "x B=1", "x ar B=1", "forwards/s", "rows/forward",
+    cols = ["method", "capacity", "B", "tokens/s", "x B=1", "x ar B=1", "decode tokens/s", "decode x B=1",
+            "forwards/s", "rows/forward",
             "streams/forward", "MAT", "prefill ms/join", "prefill share", "stall share", "capacity chosen",
             "mismatches"]
     lines += ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
@@ -413,12 +441,15 @@ def render_md(d: dict) -> str:
         cap = "chain" if r["method"] == "pld" else r["capacity"]
         lines.append("| " + " | ".join(f(x) for x in (
             r["setting"], cap, r["streams"], r["tokens_per_s"], r["ratio_to_b1"], r["ratio_to_ar_b1"],
-            r["forwards_per_s"], r["rows_per_forward"], r["streams_per_forward"], r["mat"], r["prefill_ms_per_join"],
+            r.get("decode_tokens_per_s"), r.get("decode_ratio_to_b1"), r["forwards_per_s"], r["rows_per_forward"], r["streams_per_forward"], r["mat"], r["prefill_ms_per_join"],
             r["prefill_share"], r["stall_share"], r["tuner_capacity"], r["mismatches"])) + " |")
     at4 = [r for r in d["rows"] if r["streams"] == 4 and r["ratio_to_b1"] is not None and min(s["streams"]) == 1]
     if at4:
         lines += ["", "B=4 over B=1 (issue 14's target on this CPU: at least 2x): " + ", ".join(
             f"{r['setting']} {r['ratio_to_b1']}x" for r in at4) + "."]
+        if all(r.get("decode_ratio_to_b1") is not None for r in at4):
+            lines[-1] += " Decode only (prefills left out): " + ", ".join(
+                f"{r['setting']} {r['decode_ratio_to_b1']}x" for r in at4) + "."
     lines += ["", "Engines (set-up seconds: weight packing, warm-up, capacity auto's cost curve): "
               + ", ".join(f"{k} {v['setup_s']} s" for k, v in d["engines"].items()), "", "Columns:", "",
               *[f"- {x}" for x in DEFINITIONS], ""]
@@ -508,6 +539,35 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
     return d
 
 
+def resummarize(path: Path) -> tuple[Path, Path]:
+    """Rewrite ``throughput-<stamp>.json`` / ``.md`` with the current ``summarize`` over the runs the JSON
+    holds: columns added since it was written are filled in, every value it had (the measured runs, the
+    lossless verdict, each row's figures and mismatch count) is kept as written. Returns the two paths.
+
+    Raises:
+        ValueError: the file is not a throughput result (no ``runs`` / ``rows``).
+    """
+    d = json.loads(path.read_text())
+    if not isinstance(d, dict) or "runs" not in d or "rows" not in d:
+        raise ValueError(f"{path} is not a throughput-*.json result")
+    settings: list[Setting] = []
+    for row in d["rows"]:
+        if all(x.label != row["setting"] for x in settings):
+            settings.append(Setting(row["setting"], row["method"], row["capacity"]))
+    runs = {label: [RunRecord.from_dict(x) for x in recs] for label, recs in d["runs"].items()}
+    mismatches = {row["contender"]: row.get("mismatches", 0) for row in d["rows"]}
+    old = {row["contender"]: row for row in d["rows"]}
+    rows = summarize(runs, settings, list(d["settings"]["streams"]))
+    for row in rows:
+        row["mismatches"] = mismatches.get(row["contender"], 0)
+        # what the file already had stays as written (the JSON's runs are rounded: a recomputed median can
+        # move in its last digit); only the columns it lacked are added
+        row.update(old.get(row["contender"], {}))
+    d["rows"] = rows
+    d["resummarized_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return write_results(d, path.parent, stamp=d["stamp"])
+
+
 def parse_list(text: str, *, allow_auto: bool = False) -> list:
     """``"auto,4,8"`` -> ``["auto", 4, 8]`` (``auto`` only where allowed).
 
@@ -546,9 +606,15 @@ def main(argv: Optional[list[str]] = None, *, bundle: Optional[ModelBundle] = No
     p.add_argument("--smoke", action="store_true", help="2 prompts, 16 tokens, B 1 and 2, one round (a quick check)")
     p.add_argument("--out", default=str(ROOT / "benchmarks"))
     p.add_argument("--tag", default=None, help="appended to the file stamp")
+    p.add_argument("--resummarize", default=None, metavar="JSON", help="rewrite a committed throughput-*.json "
+                   "and its .md with this version's summary columns from the runs it holds (no decoding)")
     p.add_argument("--isas", default=None, help="our CPU kernels' instruction sets side by side, e.g. avx512,avx2 "
                    "(the first keeps the plain labels; default: the machine's own only)")
     args = p.parse_args(argv)
+    if args.resummarize:
+        jpath, mpath = resummarize(Path(args.resummarize))
+        print(f"rewrote {jpath} and {mpath}")
+        return 0
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():  # a flag given beats --smoke
         if getattr(args, key) is None:
             setattr(args, key, value)
