@@ -29,7 +29,8 @@ def pydantic_message(exc: Any) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ())) or "value"
-        parts.append(f"{loc} = {err.get('input')!r}: {error_reason(err)}")
+        given = "" if err.get("type") == "missing" else f" = {err.get('input')!r}"
+        parts.append(f"{loc}{given}: {error_reason(err)}")
     return "; ".join(parts)
 
 

@@ -44,6 +44,8 @@ def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:
     t.add_row("state", st.state + (f"  ({st.message})" if st.message else ""))
     if st.stalled:
         t.add_row("owner", st.stall_note)
+        if st.lost_note:
+            t.add_row("rows lost", st.lost_note)
     t.add_row("model / method", f"{st.model} / {st.method}")
     t.add_row("rows", f"{st.rows_done}/{st.rows_total}  ok {st.totals.ok}  error {st.totals.error}  "
                       f"cancelled {st.cancelled_rows}")
@@ -53,8 +55,10 @@ def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:
     if st.fault_note:
         t.add_row("faults", st.fault_note)
     t.add_row("output tokens", f"{st.totals.output_tokens}  (steps {st.totals.steps}, MAT {fmt(st.mat)})")
-    t.add_row("throughput", _waiting(st) or f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
-                                          f"elapsed {eta(st.elapsed_s)}, ETA {eta(st.eta_s)}")
+    stalled = f"stalled: no progress counted until another worker takes the job (elapsed {eta(st.elapsed_s)})"
+    t.add_row("throughput", _waiting(st) or (stalled if st.stalled else
+                                             f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
+                                             f"elapsed {eta(st.elapsed_s)}, ETA {eta(st.eta_s)}"))
     for route, r in st.route_mat().items():
         t.add_row(f"route {route}", f"rows {r['rows']}, tokens {r['output_tokens']}, MAT {fmt(r['mat'])}")
     if st.output:
@@ -72,8 +76,11 @@ def summary_lines(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> list[st
         f"cancelled {st.cancelled_rows}{resumed})",
         f"tokens: {st.totals.output_tokens} output tokens in {st.totals.steps} steps, MAT {fmt(st.mat)}",
         f"speed: {st.tokens_per_s:.1f} tokens/s over this run's wall time ({st.elapsed_s:.1f} s, start-up included); "
-        f"{(st.totals.output_tokens / gen_s) if gen_s > 0 else 0:.1f} tokens/s while generating",
+        f"{(st.totals.output_tokens / gen_s) if gen_s > 0 else 0:.1f} tokens/s while generating"
+        + (" (all runs)" if st.base_tokens else ""),
     ]
+    if st.base_rows and st.totals.output_tokens <= st.base_tokens:  # every shard was kept: nothing to time
+        lines[-1] = "speed: nothing generated in this run (every row was kept from earlier runs)"
     for route, r in st.route_mat().items():
         lines.append(f"  route {route}: {r['rows']} rows, {r['output_tokens']} tokens, MAT {fmt(r['mat'])}")
     if st.totals.error:

@@ -147,7 +147,12 @@ def test_a_finished_folder_submitted_under_a_new_prefix_shows_its_kept_shards_at
     assert (st.state, st.shards_done, st.rows_done, st.totals.ok) == ("queued", 2, 6, 6), st.to_dict()
     assert run_until_done(moved, sub.job_id, url=redis_url, prefix=moved.prefix,
                           executor_kind="thread").state == "done"
-    assert moved.status(sub.job_id).rows_done == 6
+    final = moved.status(sub.job_id)
+    assert final.rows_done == 6 and final.base_rows == 6
+    from racer_batch.cli.render import summary_lines
+
+    speed = [ln for ln in summary_lines(final) if ln.startswith("speed:")]
+    assert speed == ["speed: nothing generated in this run (every row was kept from earlier runs)"], speed
 
 
 def test_a_stalled_owner_rows_in_flight_are_not_counted_done_and_a_takeover_drops_them(queue, tmp_path):
@@ -167,7 +172,18 @@ def test_a_stalled_owner_rows_in_flight_are_not_counted_done_and_a_takeover_drop
     time.sleep(1.1)  # over two thirds of the lease without a renewal
     st = queue.status(sub.job_id)
     assert (st.stalled, st.rows_done, st.rows_lost, st.totals.output_tokens) == (True, 3, 2, 9), st.to_dict()
-    assert "the 2 rows its unfinished shards had answered are not counted" in st.stall_note
+    assert st.lost_note == "2 rows answered by unfinished shards, not counted: the next owner redoes them"
+    import io
+
+    from rich.console import Console
+
+    from racer_batch.cli.render import status_table
+
+    out = io.StringIO()
+    Console(file=out, width=400).print(status_table(st, prefix=queue.prefix))
+    shown = out.getvalue()
+    assert "rows lost" in shown and "3/6" in shown and "stalled: no progress counted" in shown, shown
+    assert "rows/s" not in shown  # a falling rate while nobody works would mislead
     assert st.to_dict()["rows_lost"] == 2
     time.sleep(0.5)  # the lease has run out: another worker takes the job over
     taken = queue.claim(consumer="next-worker", lease_ms=1_500, block_ms=0)  # reclaims entries idle this long

@@ -63,6 +63,23 @@ def test_spec_errors_name_key_and_value(override, key, shown):
     assert f"{key} = {shown}" in str(err.value)
 
 
+def test_spec_errors_read_as_our_words_not_pydantic_boilerplate(tmp_path):
+    """A missing section is ``required`` (no value shown: pydantic's input there is the parent section), a
+    bound reads ``must be >= 1``, an unknown key names the nearest known key of its section."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text("input: {path: in.parquet}\ndecoding: {capcity: 4}\ngeneration: {max_new_tokens: -3}\n"
+                    "resources: {gpus: 1, colour: red}\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(spec)
+    msg = str(err.value)
+    for line in ("  output: required", "  decoding.capcity = 4: unknown key (did you mean 'capacity'?)",
+                 "  generation.max_new_tokens = -3: must be >= 1",
+                 "  resources.gpus = 1: unknown key (did you mean 'gpus_per_actor'?)",
+                 '  resources.colour = "red": unknown key'):
+        assert line in msg.splitlines(), msg
+    assert "Field required" not in msg and "Extra inputs" not in msg and "Input should" not in msg
+
+
 def test_spec_yaml_cannot_execute(tmp_path):
     bad = tmp_path / "evil.yaml"
     bad.write_text("input: !!python/object/apply:os.system ['echo hi']\n")

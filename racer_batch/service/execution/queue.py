@@ -173,10 +173,15 @@ class JobStatus:
             return None
         left = max(0.0, self.lease_s - self.owner_idle_s)
         after = f"in about {left:.0f} s" if left > 0 else "now"
-        lost = (f"; the {plural(self.rows_lost, 'row')} its unfinished shards had answered are not counted "
-                "(the next owner redoes those shards)") if self.rows_lost else ""
         return (f"owner {self.owner} stopped renewing its lease {self.owner_idle_s:.0f} s ago (lease "
-                f"{self.lease_s:.0f} s); any worker polling the queue takes the job over {after}{lost}")
+                f"{self.lease_s:.0f} s); any worker polling the queue takes the job over {after}")
+
+    @property
+    def lost_note(self) -> Optional[str]:
+        """``2 rows answered by unfinished shards, not counted: the next owner redoes them`` (stalled jobs)."""
+        if not self.stalled or not self.rows_lost:
+            return None
+        return f"{plural(self.rows_lost, 'row')} answered by unfinished shards, not counted: the next owner redoes them"
 
     @property
     def cancelled_rows(self) -> int:

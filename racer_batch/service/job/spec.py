@@ -14,6 +14,7 @@ relative to the current directory. Example::
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 import os
@@ -230,9 +231,46 @@ def _given_by(key: str, labels: dict[str, str]) -> Optional[str]:
     return None
 
 
-def error_reason(err: dict) -> str:
-    """One pydantic error's reason without the ``Value error, `` / ``Assertion failed, `` pydantic puts before
-    a validator's own message (that message already says what is wrong)."""
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le"), "greater_than": (">", "gt"),
+           "less_than": ("<", "lt")}
+
+
+def _fields_at(model: Any, path: tuple) -> list[str]:
+    """The field names of the pydantic model section reached from ``model`` along ``path`` (field names), or
+    [] where the path leaves the models (a list, a plain value)."""
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        stack, model = [field.annotation], None
+        while stack:  # Optional[X], Union[X, str], ...: the first model among the arguments
+            t = stack.pop(0)
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                model = t
+                break
+            stack.extend(getattr(t, "__args__", ()))
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def error_reason(err: dict, model: Any = None) -> str:
+    """One pydantic error's reason in our words: a validator's own message without the ``Value error, `` /
+    ``Assertion failed, `` pydantic puts before it, ``required``, ``must be >= 1`` for a bound, and ``unknown
+    key`` with the nearest known key of that section of ``model`` (a pydantic model class) when one is close."""
+    kind = err.get("type")
+    if kind == "missing":
+        return "required"
+    if kind == "extra_forbidden":
+        loc = tuple(str(p) for p in err.get("loc", ()))
+        names = _fields_at(model, loc[:-1]) if loc else []
+        near = (difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.7)
+                or [n for n in names if loc[-1] and loc[-1] in n][:1]) if names else []
+        return "unknown key" + (f" (did you mean {near[0]!r}?)" if near else "")
+    if kind in _BOUNDS and isinstance(err.get("ctx"), dict):
+        op, key = _BOUNDS[kind]
+        if key in err["ctx"]:
+            return f"must be {op} {err['ctx'][key]}"
     msg = str(err.get("msg", ""))
     for head in ("Value error, ", "Assertion failed, "):
         if msg.startswith(head):
@@ -254,7 +292,8 @@ def format_validation_error(err: ValidationError, *, where: str, labels: Optiona
             shown = shown[:117] + "..."
         flag = _given_by(key, labels)
         from_flags += flag is not None
-        lines.append(f"  {key} = {shown}: {error_reason(e)}" + (f" (given by {flag})" if flag else ""))
+        given = "" if e.get("type") == "missing" else f" = {shown}"  # a missing key's "input" is its section
+        lines.append(f"  {key}{given}: {error_reason(e, JobSpec)}" + (f" (given by {flag})" if flag else ""))
     head = "invalid option (command line):" if from_flags == len(lines) else f"invalid job spec ({where}):"
     return "\n".join([head, *lines])
 
