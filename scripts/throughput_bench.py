@@ -188,11 +188,13 @@ class RunRecord:
                    tuner_choice=d["tuner_choice"])
 
     def to_dict(self) -> dict:
-        return {"wall_s": round(self.wall_s, 3), "output_tokens": self.output_tokens,
+        # full enough precision that a summary recomputed from the JSON (--resummarize) matches the run's own,
+        # even for the millisecond runs of a tiny test model
+        return {"wall_s": round(self.wall_s, 6), "output_tokens": self.output_tokens,
                 "tokens_per_s": round(self.tokens_per_s, 3), "forwards": self.forwards, "rows": self.rows,
                 "stream_steps": self.stream_steps, "sizes": {str(k): v for k, v in sorted(self.sizes.items())},
-                "prefills": self.prefills, "prefill_ms": round(self.prefill_ms, 1), "stall_ms": round(self.stall_ms, 1),
-                "stall_stream_ms": round(self.stall_stream_ms, 1), "verify_ms": round(self.verify_ms, 1),
+                "prefills": self.prefills, "prefill_ms": round(self.prefill_ms, 3), "stall_ms": round(self.stall_ms, 3),
+                "stall_stream_ms": round(self.stall_stream_ms, 3), "verify_ms": round(self.verify_ms, 3),
                 "row_steps": self.row_steps,
                 "mat": round(self.output_tokens / self.row_steps, 3) if self.row_steps else None,
                 "row_capacities": {str(k): v for k, v in sorted(self.row_capacities.items())},
