@@ -100,7 +100,9 @@ _OVERRIDE_FLAGS = {
     "shard_rows": ("--shard-rows", "output.shard_rows"),
     "priority": ("--priority", "priority"), "seed": ("--seed", "seed"),
 }
-_INT_OR_AUTO = ("--capacity", "--num-actors", "--streams-per-actor")
+# flags parsed to an int here (their fields would answer other text with pydantic's union errors);
+# --streams-per-actor goes through as text: its field's own validator reads it and names the range
+_INT_OR_AUTO = ("--capacity", "--num-actors")
 
 
 @click.command(epilog=_SUBMIT_EPILOG)

@@ -107,8 +107,11 @@ def test_submit_flag_sets_streams_per_actor(cli, tmp_path, redis_url, prefix, qu
         res = CliRunner().invoke(cli, [*common, "--streams-per-actor", bad])
         assert res.exit_code == 2 and "--streams-per-actor" in res.output, res.output
         assert "Value error" not in res.output, res.output  # the validator's own words, not pydantic's heading
+    res = CliRunner().invoke(cli, [*common, "--streams-per-actor", "lots"])  # the same words as in a YAML spec
+    assert ("resources.streams_per_actor = \"lots\": streams_per_actor must be an integer 1..64 or 'auto', got "
+            "'lots' (given by --streams-per-actor)") in res.output, res.output
     res = CliRunner().invoke(cli, [*common, "--streams-per-actor", "0"])
-    assert "resources.streams_per_actor = 0: streams_per_actor must be in 1..64 or 'auto', got 0" in res.output
+    assert 'resources.streams_per_actor = "0": streams_per_actor must be in 1..64 or \'auto\', got 0' in res.output
 
 
 def test_the_worker_says_how_many_rows_each_shard_had_in_flight(cli, tmp_path, redis_url, prefix, queue):
