@@ -557,14 +557,13 @@ def resummarize(path: Path) -> tuple[Path, Path]:
         if all(x.label != row["setting"] for x in settings):
             settings.append(Setting(row["setting"], row["method"], row["capacity"]))
     runs = {label: [RunRecord.from_dict(x) for x in recs] for label, recs in d["runs"].items()}
-    mismatches = {row["contender"]: row.get("mismatches", 0) for row in d["rows"]}
     old = {row["contender"]: row for row in d["rows"]}
     rows = summarize(runs, settings, list(d["settings"]["streams"]))
     for row in rows:
-        row["mismatches"] = mismatches.get(row["contender"], 0)
-        # what the file already had stays as written (the JSON's runs are rounded: a recomputed median can
-        # move in its last digit); only the columns it lacked are added
+        # what the file already had (its mismatch count included) stays as written: the JSON's runs are
+        # rounded, so a recomputed median can move in its last digit; only the columns it lacked are added
         row.update(old.get(row["contender"], {}))
+        row.setdefault("mismatches", 0)
     d["rows"] = rows
     d["resummarized_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return write_results(d, path.parent, stamp=d["stamp"])

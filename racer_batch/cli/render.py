@@ -55,10 +55,7 @@ def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:
     if st.fault_note:
         t.add_row("faults", st.fault_note)
     t.add_row("output tokens", f"{st.totals.output_tokens}  (steps {st.totals.steps}, MAT {fmt(st.mat)})")
-    stalled = f"stalled: no progress counted until another worker takes the job (elapsed {eta(st.elapsed_s)})"
-    t.add_row("throughput", _waiting(st) or (stalled if st.stalled else
-                                             f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, "
-                                             f"elapsed {eta(st.elapsed_s)}, ETA {eta(st.eta_s)}"))
+    t.add_row("throughput", _waiting(st) or _rate(st))
     for route, r in st.route_mat().items():
         t.add_row(f"route {route}", f"rows {r['rows']}, tokens {r['output_tokens']}, MAT {fmt(r['mat'])}")
     if st.output:
@@ -66,21 +63,31 @@ def status_table(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> Table:
     return t
 
 
+def _rate(st: q.JobStatus) -> str:
+    """status's throughput line of a job a run is working on; a stalled one shows no rate (it only falls)."""
+    if st.stalled:
+        return f"stalled: no progress counted until another worker takes the job (elapsed {eta(st.elapsed_s)})"
+    return (f"{st.rows_per_s:.2f} rows/s, {st.tokens_per_s:.1f} tokens/s, elapsed {eta(st.elapsed_s)}, "
+            f"ETA {eta(st.eta_s)}")
+
+
 def summary_lines(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> list[str]:
     """The end-of-job summary of ``submit --wait`` / ``--local`` (stderr), one string per line."""
     gen_s = (st.totals.device_ms or st.totals.gen_ms) / 1000.0  # rows sharing forwards count their share
     resumed = f", {st.base_rows} done before this run" if st.base_rows else ""
+    if st.base_rows and st.totals.output_tokens <= st.base_tokens:  # every shard was kept: nothing to time
+        speed = "speed: nothing generated in this run (every row was kept from earlier runs)"
+    else:
+        speed = (f"speed: {st.tokens_per_s:.1f} tokens/s over this run's wall time ({st.elapsed_s:.1f} s, start-up "
+                 f"included); {(st.totals.output_tokens / gen_s) if gen_s > 0 else 0:.1f} tokens/s while generating"
+                 + (" (all runs)" if st.base_tokens else ""))
     lines = [
         f"job {st.job_id}: {st.state}" + (f" ({st.message})" if st.message else ""),
         f"rows: {st.rows_done}/{st.rows_total} (ok {st.totals.ok}, error {st.totals.error}, "
         f"cancelled {st.cancelled_rows}{resumed})",
         f"tokens: {st.totals.output_tokens} output tokens in {st.totals.steps} steps, MAT {fmt(st.mat)}",
-        f"speed: {st.tokens_per_s:.1f} tokens/s over this run's wall time ({st.elapsed_s:.1f} s, start-up included); "
-        f"{(st.totals.output_tokens / gen_s) if gen_s > 0 else 0:.1f} tokens/s while generating"
-        + (" (all runs)" if st.base_tokens else ""),
+        speed,
     ]
-    if st.base_rows and st.totals.output_tokens <= st.base_tokens:  # every shard was kept: nothing to time
-        lines[-1] = "speed: nothing generated in this run (every row was kept from earlier runs)"
     for route, r in st.route_mat().items():
         lines.append(f"  route {route}: {r['rows']} rows, {r['output_tokens']} tokens, MAT {fmt(r['mat'])}")
     if st.totals.error:

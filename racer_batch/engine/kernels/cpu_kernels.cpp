@@ -768,9 +768,11 @@ void attend4(int nr, const float* const* qr, const float* const* mr, float* cons
 }
 
 // Blocks of at most 4 of a KV head's `rows` query rows, as even as possible (9 -> 3, 3, 3; 10 -> 4, 3, 3):
-// block k starts at row_start4(rows, k); there are (rows + 3) / 4 blocks.
+// there are row_blocks4(rows) blocks, block k starts at row_start4(rows, k).
+inline int64_t row_blocks4(int64_t rows) { return (rows + 3) / 4; }
+
 inline int64_t row_start4(int64_t rows, int64_t k) {
-  const int64_t blocks = (rows + 3) / 4, base = rows / blocks, extra = rows % blocks;
+  const int64_t blocks = row_blocks4(rows), base = rows / blocks, extra = rows % blocks;
   return k * base + std::min(k, extra);
 }
 
@@ -1063,7 +1065,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
     return out;
   }
   if (d % 16 == 0) {  // blocks of up to 4 rows of one KV head (row_start4): its rows are (head h in the group, node t), h-major
-    const int64_t rows = rep * T, blocks = (rows + 3) / 4;
+    const int64_t rows = rep * T, blocks = row_blocks4(rows);
     // scratch for the scores, one [4, S] block per thread, allocated here on the calling thread: a heap
     // allocation inside the parallel region lands in each worker thread's own malloc arena, whose size then
     // drifts with S from call to call (seen as tens of MB of RSS jitter in the soak test)
@@ -1250,14 +1252,14 @@ at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::
     return out;
   }
   // tasks: (stream, KV head, block k of its rep * T_b rows: row_start4), as `attention` orders them per stream
-  std::vector<int64_t> task_seg, task_g, task_r;
+  std::vector<int64_t> task_seg, task_g, task_k;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t T = (b + 1 < B ? sp[3 * b + 5] : R) - sp[3 * b + 2], blocks = (rep * T + 3) / 4;
+    const int64_t T = (b + 1 < B ? sp[3 * b + 5] : R) - sp[3 * b + 2], blocks = row_blocks4(rep * T);
     for (int64_t g = 0; g < nkv; ++g) {
       for (int64_t k = 0; k < blocks; ++k) {
         task_seg.push_back(b);
         task_g.push_back(g);
-        task_r.push_back(k);
+        task_k.push_back(k);
       }
     }
   }
@@ -1276,7 +1278,7 @@ at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::
   at::parallel_for(0, ntasks, grain, [&](int64_t a0, int64_t a1) {
     float* p = scratch.data_ptr<float>() + at::get_thread_num() * 4 * smax;
     for (int64_t a = a0; a < a1; ++a) {
-      const int64_t b = task_seg[a], g = task_g[a], k = task_r[a];
+      const int64_t b = task_seg[a], g = task_g[a], k = task_k[a];
       const int64_t row0 = sp[3 * b + 2], T = (b + 1 < B ? sp[3 * b + 5] : R) - row0, S = sp[3 * b + 1] + T;
       const int64_t slot = sp[3 * b], rows = rep * T, r0 = row_start4(rows, k);
       const int nr = static_cast<int>(row_start4(rows, k + 1) - r0);

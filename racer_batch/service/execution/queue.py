@@ -536,9 +536,10 @@ class JobQueue:
 
         idle_s = self._owner_idle_s(d) if d.get("state") == "running" else None
         lease_ms = _f("lease_ms")
+        lease_s = lease_ms / 1000.0 if lease_ms else None
         # a stalled owner's unfinished shards are redone whole by the next owner (a part file is written only
         # when its shard ends), so their rows so far are not counted as done
-        stalled = _stalled(d.get("state"), idle_s, lease_ms / 1000.0 if lease_ms else None)
+        stalled = _stalled(d.get("state"), idle_s, lease_s)
         if not stalled:
             totals.merge(inflight)
 
@@ -549,7 +550,7 @@ class JobQueue:
             finished_at=_f("finished_at"), owner=d.get("owner"), output=d.get("output"), model=d.get("model"),
             base_rows=int(d.get("base_rows") or 0), base_tokens=int(d.get("base_tokens") or 0),
             method=d.get("method"), message=d.get("message") or None, owner_idle_s=idle_s,
-            lease_s=lease_ms / 1000.0 if lease_ms else None, nodes_lost=json.loads(d.get("nodes_lost") or "[]"),
+            lease_s=lease_s, nodes_lost=json.loads(d.get("nodes_lost") or "[]"),
             shards_retried=int(d.get("shards_retried") or 0), shard_retries=int(d.get("shard_retries") or 0),
         )
 
