@@ -129,7 +129,7 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def _pick_device(device: str | None) -> str:
+def pick_device(device: str | None) -> str:
     if device:
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -201,7 +201,7 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    dev = _pick_device(device)
+    dev = pick_device(device)
     torch_dtype = _pick_dtype(dtype, dev)
     if name == "smollm2-135m":
         folder: str | Path = smollm2_folder()

@@ -22,6 +22,7 @@ class ArDrafter:
 
     name = "ar"
     needs_topk = False
+    root_only = True  # every draft is the root alone and update learns nothing (the engine skips both calls)
 
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         pass

@@ -1,21 +1,22 @@
-"""Several streams decoded together: each stream is a generator that yields the forward it needs next, and a
-``StreamBatch`` runs one step of every stream in flight, verifying their draft trees in one batched forward.
+"""Several streams decoded together: each stream is a generator that yields the work it needs next, and a
+``StreamBatch`` runs one step of every stream in flight, each part of the step once for all of them.
 
 A stream (``Engine.stream``) keeps batch-1 RACER semantics: its own draft tree, committed length, stop rules,
-seeded generator and KV-cache slot. It yields a ``Prefill`` (the prompt, once, at its first step) or a
-``Verify`` (one flattened draft tree over its slot) and is sent back what the runner returned for it; it
-returns its ``GenerationResult``. ``drive`` runs one stream alone (``Engine.generate``); a ``StreamBatch`` runs
-many: at each step every stream's pending ``Verify`` goes into one ``runner.verify_batch`` call (the trees
-concatenated, each with its own tree mask over its own slot), while a joining stream's ``Prefill`` runs on its
-own just before (a separate prefill: it stalls the others for one prompt forward, measured in
-benchmarks/throughput-*.md). Streams join and leave between steps (continuous batching): the caller adds a
-new stream whenever one finishes.
+seeded generator and KV-cache slot. It yields a ``Prefill`` (the prompt, once, at its first step), then a
+``Decode`` per step (its ``step.DecodeRow``), and returns its ``GenerationResult``. ``drive`` runs one stream
+alone (``Engine.generate``); a ``StreamBatch`` runs many: every pending ``Decode`` of one engine goes into one
+``step.Stepper.step`` call (one batched propose, one ``runner.verify_flat`` forward over all trees, batched
+acceptance, stops, ``keep_rows_batch``, drafter update and telemetry: engine/step.py), while a joining stream's
+``Prefill`` runs on its own just before (a separate prefill: it stalls the others for one prompt forward,
+measured in benchmarks/throughput-*.md). Streams join and leave between steps (continuous batching): the
+caller adds a new stream whenever one finishes. A ``Verify`` (one tree, the runner's logits sent back) serves
+streams that are not an Engine's (the service tests' stand-in engine).
 
-Isolation: a stream that raises (a bad row) ends alone with its exception; if the batched forward itself
-raises, each stream of that forward is retried alone, so only the one that fails again ends with the error.
-The arithmetic of one stream's rows does not depend on its batch-mates on our CPU kernels and on the
-padded CUDA path (each row's GEMM reduction order is fixed), so greedy and seeded sampled outputs are those of
-the stream decoded alone (tests/engine/test_batch.py).
+Isolation: a stream that raises (a bad row) ends alone with its exception; if a batched step raises before
+any row committed a token, each of its streams steps again alone, so only the one that fails again ends with
+the error. The arithmetic of one stream's rows does not depend on its batch-mates on our CPU kernels and on
+the padded CUDA path (each row's GEMM reduction order is fixed), so greedy and seeded sampled outputs are those
+of the stream decoded alone (tests/engine/test_batch.py).
 """
 
 from __future__ import annotations
@@ -49,12 +50,24 @@ class Verify:
     cache: Any
 
 
-Request = Any  # Prefill | Verify
+@dataclass
+class Decode:
+    """One decode step of a stream (``step.DecodeRow``): run by its engine's ``step.Stepper`` together with
+    every other pending ``Decode`` of that engine in one batched step; the stream is sent None."""
+
+    stepper: Any
+    row: Any
+
+
+Request = Any  # Prefill | Verify | Decode
 Stream = Generator[Request, Any, Any]
 
 
 def run_one(req: Request) -> Any:
     """What the runner returns for one request, on its own (batch size 1)."""
+    if isinstance(req, Decode):
+        req.stepper.step([req.row])
+        return None
     if isinstance(req, Prefill):
         if req.rows is None:
             return req.runner.prefill(req.prompt_ids, cache=req.cache, topk=req.topk)
@@ -102,6 +115,7 @@ class BatchStats:
     verify_ms: float = 0.0
     fallbacks: int = 0  # batched forwards that raised and were retried stream by stream
     sizes: dict = field(default_factory=dict)  # batch size -> steps
+    host_ms: dict = field(default_factory=dict)  # host time of the batched decode steps per part (step.HOST_PARTS)
 
 
 class StreamBatch:
@@ -190,28 +204,66 @@ class StreamBatch:
             st.prefills += 1
             st.prefill_ms += ms
         groups: dict[int, list[Hashable]] = {}
+        decodes: dict[int, list[Hashable]] = {}
         for key, live in self._live.items():
-            if isinstance(live.request, Verify):
+            if isinstance(live.request, Decode):
+                decodes.setdefault(id(live.request.stepper), []).append(key)
+            elif isinstance(live.request, Verify):
                 groups.setdefault(id(live.request.runner), []).append(key)
+        for keys in decodes.values():
+            self._decode_group(keys)
         for keys in groups.values():
-            reqs = [self._live[k].request for k in keys]
-            t0 = time.perf_counter()
-            outs = self._verify(reqs)
-            ms = (time.perf_counter() - t0) * 1000.0
-            st.verify_ms += ms
-            for key in keys:
-                self._charge(key, reqs[0].runner, ms / len(keys))
-            st.steps += 1
-            st.streams += len(keys)
-            st.rows += sum(r.tree.size for r in reqs)
-            st.sizes[len(keys)] = st.sizes.get(len(keys), 0) + 1
-            for key, out in zip(keys, outs):
-                if isinstance(out, BaseException):
-                    self._send(key, error=out)
-                else:
-                    self._send(key, out)
+            self._verify_group(keys)
         done, self._done = self._done, []
         return done
+
+    def _count(self, keys: list[Hashable], runner: Any, ms: float, rows: int) -> None:
+        st = self.stats
+        for key in keys:
+            self._charge(key, runner, ms / len(keys))
+        st.verify_ms += ms
+        st.steps += 1
+        st.streams += len(keys)
+        st.rows += rows
+        st.sizes[len(keys)] = st.sizes.get(len(keys), 0) + 1
+
+    def _decode_group(self, keys: list[Hashable]) -> None:
+        """One batched decode step of these streams (one engine's); where it fails before any row committed
+        a token, each row is retried alone so that only a row that fails by itself ends with the error."""
+        rows = [self._live[k].request.row for k in keys]
+        stepper = self._live[keys[0]].request.stepper
+        try:
+            ms = stepper.step(rows, self.stats.host_ms)
+        except Exception as exc:  # noqa: BLE001 - find the stream that fails by itself
+            if len(keys) == 1 or stepper.committing:
+                for key in keys:
+                    self._send(key, error=exc)
+                return
+            log.warning("batched decode step of %d streams failed (%r); stepping them one by one", len(keys), exc)
+            self.stats.fallbacks += 1
+            for key, row in zip(keys, rows):
+                try:
+                    stepper.step([row], self.stats.host_ms)
+                except Exception as exc1:  # noqa: BLE001
+                    self._send(key, error=exc1)
+                else:
+                    self._send(key, None)
+            return
+        self._count(keys, stepper.runner, ms, stepper.last_rows)
+        for key in keys:
+            self._send(key, None)
+
+    def _verify_group(self, keys: list[Hashable]) -> None:
+        reqs = [self._live[k].request for k in keys]
+        t0 = time.perf_counter()
+        outs = self._verify(reqs)
+        ms = (time.perf_counter() - t0) * 1000.0
+        self._count(keys, reqs[0].runner, ms, sum(r.tree.size for r in reqs))
+        for key, out in zip(keys, outs):
+            if isinstance(out, BaseException):
+                self._send(key, error=out)
+            else:
+                self._send(key, out)
 
     def _verify(self, reqs: list[Verify]) -> list[Any]:
         """Logits per request from one batched forward; if it raises, each request alone (its own outcome)."""

@@ -151,21 +151,36 @@ class CapacityTuner:
 
     def observe(self, *, used_capacity: int, accepted_creation_idx: list[int], overhead_ms: float) -> None:
         """Record one step: the creation-order indices of the accepted draft nodes (root excluded)."""
-        self.steps += 1
-        self.overhead_ms += (overhead_ms - self.overhead_ms) * 0.05 if self.steps > 1 else overhead_ms
+        self.observe_batch(used_capacity=used_capacity, accepted_creation_idx=np.asarray(accepted_creation_idx, dtype=np.int64),
+                           streams=1, overhead_ms=overhead_ms)
+
+    def observe_batch(self, *, used_capacity: int, accepted_creation_idx: np.ndarray, streams: int,
+                      overhead_ms: float) -> None:
+        """Record one batched step of ``streams`` trees at once: the same counts as ``streams`` calls of
+        ``observe`` (one per tree), from the creation-order indices of every tree's accepted draft nodes
+        together (``[A]``: only how many fall below each candidate matters, summed over the trees), then one
+        choice."""
+        if streams < 1:
+            return
+        # a tree's accepted nodes below capacity c are a prefix of its path (parents are created first), so
+        # counting the indices below c over all trees gives the summed accepted lengths at capacity c
+        idx = np.asarray(accepted_creation_idx)
+        first = self.steps == 0
+        self.steps += streams
+        if first:
+            self.overhead_ms = overhead_ms
+            streams_after = streams - 1
+        else:
+            streams_after = streams
+        self.overhead_ms += (overhead_ms - self.overhead_ms) * (1.0 - 0.95 ** streams_after)
         prev = 0
         for i, cap in enumerate(self.candidates):
             if cap > used_capacity:
                 break
-            # accepted nodes whose creation index fits in capacity `cap` form a prefix of the path
-            acc = 0
-            for idx in accepted_creation_idx:
-                if idx >= cap:
-                    break
-                acc += 1
+            acc = int(np.count_nonzero(idx < cap))
             self.sum_gain[i] += acc - prev
             prev = acc
-            self.n_obs[i] += 1
+            self.n_obs[i] += streams
         if self.steps >= self.warmup_steps:
             best = self._keep_or_switch(self.current, self.expected_rates())
             if best != self.current:

@@ -13,34 +13,39 @@ import time
 from typing import Any, Callable, Generator, Sequence, Union
 
 import numpy as np
-import torch
 
 from ..drafters.base import Verified
 from ..drafters.registry import get_method, make_drafter, make_state
 from ..drafters.state import DraftState
 from ..models import ModelBundle
 from ..values import (
-    SOURCE_LOGITS,
-    SOURCE_RETRIEVAL,
     DecodingConfig,
     GenerationParams,
     GenerationResult,
     RowStats,
     StepRecord,
 )
-from .batch import Prefill, Verify, drive
+from .batch import Decode, Prefill, drive
 from .capacity import CapacityTuner, cost_at, measure_cost_curve
-from .kernels import fused_argmax_topk
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker
-from .tree import accept_greedy, accept_relaxed, accept_sampling, flatten_tree
+from .step import DecodeRow, Stepper, argmax_and_topk  # noqa: F401 - argmax_and_topk re-exported
 
 log = logging.getLogger(__name__)
 
 SMALL_BATCH_CAPACITIES = (1, 2, 3)  # extra capacity: auto candidates when several streams share a forward
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
+
+
+def _check_messages(messages: list) -> None:
+    """Raise ValueError naming the first message that is not ``{"role": ..., "content": str}``."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {m!r}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None = None) -> list[int]:
@@ -65,11 +70,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None =
         raise ValueError("prompt is empty")
     if all(isinstance(m, int) and not isinstance(m, bool) for m in messages):
         return [int(m) for m in messages]
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {m!r}")
-        if not isinstance(m["content"], str):
-            raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
+    _check_messages(messages)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     if not getattr(tokenizer, "chat_template", None):
@@ -80,13 +81,6 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None =
     if hasattr(out, "keys"):
         out = out["input_ids"]
     return [int(t) for t in out]
-
-
-def argmax_and_topk(logits: torch.Tensor, k: int, ops: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """``kernels.fused_argmax_topk`` as numpy ``(argmax [T], top-k ids [T, k])``, or None where it does not
-    apply (a runner without our kernels: the caller then uses torch's two ops)."""
-    fused = fused_argmax_topk(logits, k, ops)
-    return None if fused is None else (fused[0].numpy(), fused[1].numpy())
 
 
 def last_positions(prompt_ids: Sequence[int]) -> np.ndarray:
@@ -148,17 +142,7 @@ class Engine:
         self._in_flight = 0  # streams of this engine started and not ended (a StreamBatch runs several)
         self.tuner: CapacityTuner | None = None
         self.drafts = get_method(self.config.method).drafts
-        if not self.drafts:
-            sizes = [1]
-        elif self.config.capacity == "auto":
-            # the configured candidates plus the sizes where this runner's cost steps up (a tree of 6 costs
-            # what one of 4 does on our CPU kernels): output-neutral, so the config (and its hash) stays as set
-            auto = sorted(set(self.config.auto_capacities))
-            sizes = sorted(set(auto) | {s for s in self.runner.step_sizes(auto[-1]) if s >= auto[0]})
-            if self.streams > 1:  # with B trees per forward the best tree is small (B x 3 rows at B = 4 on a CPU)
-                sizes = sorted(set(sizes) | {c for c in SMALL_BATCH_CAPACITIES if c < sizes[0]})
-        else:
-            sizes = [int(self.config.capacity)]
+        sizes = self._tree_sizes()
         reserve = getattr(self.runner, "reserve_slots", None)
         if reserve is not None:
             reserve(self.streams)
@@ -172,6 +156,22 @@ class Engine:
             log.info("verify cost curve t(T)/t(1): %s", {t: round(ms / cost[1], 2) for t, ms in cost.items()})
             self.tuner = CapacityTuner(cost, cands)
             self.cost_curve_ms = cost
+        self.stepper = Stepper(self)
+
+    def _tree_sizes(self) -> list[int]:
+        """Every tree size this engine will verify: 1 for a method without drafts, the capacity, or with
+        ``capacity: auto`` the candidates."""
+        if not self.drafts:
+            return [1]
+        if self.config.capacity != "auto":
+            return [int(self.config.capacity)]
+        # the configured candidates plus the sizes where this runner's cost steps up (a tree of 6 costs
+        # what one of 4 does on our CPU kernels): output-neutral, so the config (and its hash) stays as set
+        auto = sorted(set(self.config.auto_capacities))
+        sizes = sorted(set(auto) | {s for s in self.runner.step_sizes(auto[-1]) if s >= auto[0]})
+        if self.streams > 1:  # with B trees per forward the best tree is small (B x 3 rows at B = 4 on a CPU)
+            sizes = sorted(set(sizes) | {c for c in SMALL_BATCH_CAPACITIES if c < sizes[0]})
+        return sizes
 
     def choose_streams(self, choices: Sequence[int]) -> int:
         """How many streams to verify in one forward (``resources.streams_per_actor: auto``): the choice with
@@ -319,89 +319,41 @@ class Engine:
             if close is not None:
                 close()
 
-    def _decode(self, prompt_ids: list[int], params: GenerationParams, *, drafter: Any, cache: Any,
-                stops: StopChecker, stats: RowStats, k: int, want_probs: bool,
-                should_cancel: Callable[[], bool] | None) -> Generator[Any, Any, GenerationResult]:
-        runner, cfg = self.runner, self.config
-        gen = make_generator(params.seed)
-        t0 = time.perf_counter()
-        last_logits, prompt_topk = yield Prefill(runner, prompt_ids, cache, k, last_positions(prompt_ids) if k else None)
+    def _prefill(self, prompt_ids: list[int], params: GenerationParams, *, drafter: Any, cache: Any, k: int,
+                 gen: Any) -> Generator[Any, Any, tuple[int, int]]:
+        """The prompt forward; the drafter learns the prompt. Returns (the first token, the prompt length)."""
+        last_logits, prompt_topk = yield Prefill(self.runner, prompt_ids, cache, k,
+                                                 last_positions(prompt_ids) if k else None)
         first = int(last_logits.argmax()) if params.greedy else draw(processed_probs(last_logits, params), gen)
         drafter.start(prompt_ids, prompt_topk.numpy() if prompt_topk is not None else None)
         drafter.update(Verified(np.zeros(0, np.int64), np.zeros((0, max(k, 1)), np.int64), [first]))
+        return first, len(prompt_ids)
+
+    def _decode(self, prompt_ids: list[int], params: GenerationParams, *, drafter: Any, cache: Any,
+                stops: StopChecker, stats: RowStats, k: int, want_probs: bool,
+                should_cancel: Callable[[], bool] | None) -> Generator[Any, Any, GenerationResult]:
+        """The prefill (step 0: the first token), then one ``Decode`` per step until a stop rule ends the row;
+        the steps themselves run batched in ``step.Stepper`` (module docstring there)."""
+        gen = make_generator(params.seed)
+        t0 = time.perf_counter()
+        first, prompt_len = yield from self._prefill(prompt_ids, params, drafter=drafter, cache=cache, k=k, gen=gen)
         prefill_ms = (time.perf_counter() - t0) * 1000.0
         stats.observe_step(StepRecord(1, 0, 1, 0, 0, 0, 0, 0.0, 0.0, 0.0))
-        done = stops.push(first)
-        finish = stops.finish
-        committed_len = len(prompt_ids)
-        root = first
+        stops.push(first)
+        row = DecodeRow(drafter, cache, stops, params, gen, committed_len=prompt_len, root=first, k=k,
+                        want_probs=want_probs, keep_steps=stats.keep_steps, finish=stops.finish)
+        row.done = row.finish is not None
         t_decode = time.perf_counter()
-        while not done:
-            if should_cancel is not None and should_cancel():
-                finish = "cancelled"
-                break
-            t_a = time.perf_counter()
-            capacity = self._capacity(self._in_flight)
-            draft = drafter.propose(root, capacity=capacity, max_depth=stops.remaining - 1)
-            tree = flatten_tree(draft, committed_len=committed_len, device=runner.device, dtype=runner.dtype)
-            t_b = time.perf_counter()
-            logits = yield Verify(runner, tree, cache)  # [T, V]
-            fused = None  # (argmax [T], top-k [T, k]) in one pass over the logits, where our kernels can
-            if cfg.acceptance == "lossless" and params.greedy and k and not want_probs:
-                fused = argmax_and_topk(logits, k, getattr(runner, "_ops", None))
-            if cfg.acceptance != "lossless":
-                path, bonus = accept_relaxed(tree, logits, config=cfg, params=params, generator=gen)
-            elif params.greedy:
-                path, bonus = accept_greedy(tree, fused[0] if fused is not None else logits.argmax(dim=-1).cpu().numpy())
-            else:
-                path, bonus = accept_sampling(tree, lambda node: processed_probs(logits[node], params), gen)
-            t_c = time.perf_counter()
-            block = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
-            emitted = 0
-            for tok in block:
-                emitted += 1
-                if stops.push(tok):
-                    done, finish = True, stops.finish
+        self.stepper.open(row)
+        try:
+            while not row.done:
+                if should_cancel is not None and should_cancel():
+                    row.finish = "cancelled"
                     break
-            if not done:
-                runner.keep_rows(cache, committed_len=committed_len, nodes=path)
-                committed_len += len(path)
-            topk_probs = None
-            if want_probs:  # only drafters that keep probabilities beside the ids (graft) pay for the softmax
-                top = torch.topk(logits, k, dim=-1)
-                topk = top.indices.cpu().numpy()
-                logz = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [T, 1]
-                topk_probs = torch.exp(top.values.float() - logz).cpu().numpy()  # [T, k]
-            elif fused is not None:
-                topk = fused[1]
-            else:
-                topk = torch.topk(logits, k, dim=-1).indices.cpu().numpy() if k else np.zeros((tree.size, 1), np.int64)
-            drafter.update(Verified(tree.tokens, topk, block[:emitted], node_topk_probs=topk_probs, last_node=path[-1]))
-            root = bonus
-            t_d = time.perf_counter()
-
-            acc_nodes = path[1 : 1 + min(len(path) - 1, emitted)]
-            src = tree.sources[acc_nodes] if acc_nodes else np.zeros(0, np.int64)
-            both = SOURCE_RETRIEVAL | SOURCE_LOGITS
-            rec = StepRecord(
-                tree_size=tree.size,
-                accepted_length=len(acc_nodes),
-                emitted=emitted,
-                accepted_retrieval=int(np.sum(src == SOURCE_RETRIEVAL)),
-                accepted_logits=int(np.sum(src == SOURCE_LOGITS)),
-                accepted_both=int(np.sum(src == both)),
-                accepted_other=int(np.sum((src & both) == 0)),
-                draft_ms=(t_b - t_a) * 1000.0,
-                verify_ms=(t_c - t_b) * 1000.0,
-                update_ms=(t_d - t_c) * 1000.0,
-            )
-            stats.observe_step(rec)
-            if self.tuner is not None:
-                self.tuner.observe(
-                    used_capacity=capacity,
-                    accepted_creation_idx=[int(tree.order[n]) for n in path[1:]],
-                    overhead_ms=rec.draft_ms + rec.update_ms,
-                )
+                yield Decode(self.stepper, row)
+        finally:
+            self.stepper.close(row, stats)
+        finish = row.finish
         decode_ms = (time.perf_counter() - t_decode) * 1000.0
         stats.capacity = self._capacity(self._in_flight)
         return GenerationResult(

@@ -56,6 +56,14 @@ class StopChecker:
             self.finish = "context"
         return self.finish is not None
 
+    def push_many(self, tokens: Sequence[int]) -> int:
+        """Push ``tokens`` in order until one ends generation; returns how many were taken (``finish`` is set
+        when generation ended). Text is decoded only when the checker has stop strings."""
+        for i, tok in enumerate(tokens):
+            if self.push(tok):
+                return i + 1
+        return len(tokens)
+
     def _stop_completed(self) -> bool:
         # Cheap check on the tail first (a stop string of m characters spans at most m tokens that each
         # decode to at least one character; the margin covers byte-fallback pieces), then the exact cut.

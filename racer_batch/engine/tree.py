@@ -76,6 +76,72 @@ class TreeInputs:
         return self._mask
 
 
+@dataclass
+class FlatTrees:
+    """Several streams' draft trees concatenated into one flat batch: the one input shape of a verify forward.
+
+    Each stream's tree is in breadth-first order (as ``flatten_tree`` orders it, root first); stream ``b`` owns
+    rows ``cu[b] : cu[b + 1]``. Row ``r`` of stream ``b`` sits at position ``starts[b] + depths[r]`` and attends
+    to the ``starts[b]`` committed positions of its KV-cache slot plus its tree ancestors and itself.
+
+    Attributes:
+        tokens: ``[R]`` int64 token ids.
+        parents: ``[R]`` int64 parent of each row, as an index local to its own tree (-1 for a root).
+        depths: ``[R]`` int64 depth of each row (roots 0).
+        cu: ``[B + 1]`` int64 cumulative rows per stream (``cu[0] == 0``, ``cu[-1] == R``).
+        starts: ``[B]`` int64 committed length of each stream's KV-cache slot (the first tree row's position).
+        caches: ``B`` cache handles (the runner's ``new_cache`` objects), one per stream, distinct slots.
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    cu: np.ndarray
+    starts: np.ndarray
+    caches: list
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.caches)
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def sizes(self) -> np.ndarray:
+        """``[B]`` rows per stream."""
+        return np.diff(self.cu)
+
+    def positions(self) -> np.ndarray:
+        """``[R]`` int64 position of every row: its stream's committed length + its depth."""
+        return np.repeat(self.starts, self.sizes()) + self.depths
+
+    def visible(self, b: int) -> np.ndarray:
+        """``[T_b, T_b]`` bool tree block of stream ``b``'s mask (ancestors and self)."""
+        lo, hi = int(self.cu[b]), int(self.cu[b + 1])
+        par = self.parents[lo:hi]
+        n = hi - lo
+        vis = np.eye(n, dtype=bool)
+        for i in range(1, n):
+            vis[i] |= vis[par[i]]
+        return vis
+
+    @staticmethod
+    def of(items: list, starts: list | None = None) -> "FlatTrees":
+        """From ``[(TreeInputs, cache), ...]`` (``starts`` default: each tree's ``committed_len``)."""
+        trees = [t for t, _ in items]
+        cu = np.zeros(len(trees) + 1, dtype=np.int64)
+        cu[1:] = np.cumsum([t.size for t in trees])
+        return FlatTrees(
+            tokens=np.concatenate([t.tokens for t in trees]).astype(np.int64),
+            parents=np.concatenate([t.parents for t in trees]).astype(np.int64),
+            depths=np.concatenate([t.depths for t in trees]).astype(np.int64),
+            cu=cu,
+            starts=np.asarray(starts if starts is not None else [t.committed_len for t in trees], dtype=np.int64),
+            caches=[c for _, c in items],
+        )
+
+
 def flatten_tree(draft: Draft, *, committed_len: int, device: torch.device | str, dtype: torch.dtype) -> TreeInputs:
     """Flatten ``draft`` for one verification forward pass over a KV cache of ``committed_len`` positions."""
     n = len(draft)

@@ -14,7 +14,7 @@ import torch
 from helpers import tiny_bundle
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
-from racer_batch.engine.batch import Prefill, StreamBatch, Verify, drive
+from racer_batch.engine.batch import Decode, Prefill, StreamBatch, drive, run_one
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.static_runner import StaticRunner
 from racer_batch.engine.tree import flatten_tree
@@ -155,16 +155,20 @@ def test_a_failing_stream_ends_alone():
 
 @needs_kernels
 def test_batched_forward_failure_falls_back_stream_by_stream(monkeypatch):
-    """If the batched forward raises, each stream is verified alone: outputs unchanged, the fallback counted."""
+    """If the batched step's forward raises, each stream steps alone: outputs unchanged, the fallback counted."""
     bundle = tiny_bundle(seed=1, head_scale=60.0)
     engine = Engine(bundle, DecodingConfig(method="racer", capacity=8), streams=3)
     params = GenerationParams(max_new_tokens=16)
     expect = [engine.generate(p, params).token_ids for p in PROMPTS[:3]]
 
-    def broken(items):
-        raise RuntimeError("injected batched-forward failure")
+    real = engine.runner.verify_flat
 
-    monkeypatch.setattr(engine.runner, "verify_batch", broken)
+    def broken(flat):
+        if flat.num_streams > 1:
+            raise RuntimeError("injected batched-forward failure")
+        return real(flat)
+
+    monkeypatch.setattr(engine.runner, "verify_flat", broken)
     out, stats = _run_batch(engine, PROMPTS[:3], lambda i: params, width=3)
     assert [out[i].token_ids for i in range(3)] == expect
     assert stats.fallbacks > 0
@@ -180,7 +184,11 @@ def test_drive_matches_generate_and_stream_yields_requests():
     assert engine.runner.slots == len(engine.runner._free_slots)
     assert drive(engine.stream("abcabc", GenerationParams(max_new_tokens=9))).token_ids == \
         engine.generate("abcabc", GenerationParams(max_new_tokens=9)).token_ids
-    assert Verify  # the request type a step yields after the prefill
+    assert isinstance(s2 := engine.stream("abcabc", GenerationParams(max_new_tokens=5)), object)
+    req = next(s2)
+    req = s2.send(run_one(req))
+    assert isinstance(req, Decode) and req.row.committed_len == len(engine.encode("abcabc"))  # after the prefill
+    s2.close()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "llama_mqa"])

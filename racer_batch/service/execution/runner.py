@@ -33,7 +33,7 @@ from racer_batch.service.results.output import part_path, shard_complete, write_
 from racer_batch.service.results.record import RowOrigin, RowRecord, ShadowRecord, now_utc
 from racer_batch.service.results.shadow import baseline_first, sample_seed, shadow_path, shadow_selected, write_shadow
 from racer_batch.service.results.sinks import RowSink
-from racer_batch.service.job.spec import AUTO_STREAMS, JobSpec, ModelSpec
+from racer_batch.service.job.spec import JobSpec, ModelSpec, auto_streams
 from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
 from racer_batch.service.results.tally import Tally
 from racer_batch.engine.batch import BatchStats, StreamBatch, drive
@@ -244,25 +244,30 @@ class RowRunner:
                     self._states[key] = (engine, state)
         return self._engines[h]
 
-    @staticmethod
-    def _slots_for(spec: JobSpec) -> int:
+    def _auto_streams(self) -> tuple[int, ...]:
+        """``streams_per_actor: auto``'s choices on this runner's device (the loaded model's, else the asked)."""
+        from racer_batch.models import pick_device
+
+        return auto_streams(getattr(self._bundle, "device", None) or pick_device(self.device))
+
+    def _slots_for(self, spec: JobSpec) -> int:
         """Rows at once an engine of this job needs room for: the setting (auto: the largest choice), at most
         a shard's rows."""
         want = spec.resources.streams_per_actor
-        top = max(AUTO_STREAMS) if want == "auto" else int(want)
+        top = max(self._auto_streams()) if want == "auto" else int(want)
         return max(1, min(top, spec.output.shard_rows))
 
-    @staticmethod
-    def _width(engine: Any, spec: JobSpec, rows: int) -> int:
+    def _width(self, engine: Any, spec: JobSpec, rows: int) -> int:
         """B, the rows of this shard in flight at once: the setting, or with ``auto`` the engine's choice
-        among AUTO_STREAMS (``choose_streams``); at most the shard's ``rows``; 1 for an engine without
+        among ``auto_streams`` of the device (``choose_streams``); at most the shard's ``rows``; 1 for an engine without
         ``stream``."""
         want = spec.resources.streams_per_actor
         if not hasattr(engine, "stream"):
             return 1
         if want != "auto":
             return max(1, min(int(want), rows))
-        choices = [b for b in AUTO_STREAMS if b <= max(1, rows)]
+        room = int(getattr(engine, "streams", max(self._auto_streams())))
+        choices = [b for b in self._auto_streams() if b <= max(1, min(rows, room))]
         choose = getattr(engine, "choose_streams", None)
         return int(choose(choices)) if choose is not None else 1
 

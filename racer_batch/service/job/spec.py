@@ -100,7 +100,15 @@ class GenerationDefaults(BaseModel):
 # Resources field -> (lowest, highest) allowed number; the field may also be "auto"
 _RESOURCE_RANGES = {"num_actors": (1, 4096), "torch_threads": (1, 512), "gpus_per_actor": (0, 16),
                     "streams_per_actor": (1, 64)}
-AUTO_STREAMS = (1, 2, 4, 8)  # the batch sizes ``streams_per_actor: auto`` chooses from (engine.choose_streams)
+AUTO_STREAMS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes ``streams_per_actor: auto`` chooses from on a GPU
+# ... and on a CPU, where a verify forward is compute-bound past ~12-16 rows (benchmarks/throughput-*.md), so more
+# streams only hold KV-cache slots (94 MB each for SmolLM2-135M at 2,048 positions)
+AUTO_STREAMS_CPU = (1, 2, 4, 8, 16)
+
+
+def auto_streams(device: object) -> tuple[int, ...]:
+    """The batch sizes ``streams_per_actor: auto`` chooses from on ``device`` (a torch device or its name)."""
+    return AUTO_STREAMS if str(device).startswith("cuda") else AUTO_STREAMS_CPU
 
 
 class Resources(BaseModel):
@@ -119,7 +127,7 @@ class Resources(BaseModel):
     )
     streams_per_actor: Union[int, Literal["auto"]] = Field(
         1, description="rows an actor decodes at once, their draft trees verified in one forward (1..64; auto: "
-        "the engine's measured best of 1, 2, 4, 8, at most the shard's rows). Outputs do not depend on it; each "
+        "the engine's measured best of 1, 2, 4, 8, 16 (on a GPU also 32, 64), at most the shard's rows). Outputs do not depend on it; each "
         "stream holds a KV-cache slot of its own"
     )
 

@@ -1,0 +1,496 @@
+"""The batched decode step: one step of every stream of an engine, each part one call over all streams.
+
+A stream (``Engine.stream``) keeps its per-row state in a ``DecodeRow`` and yields a ``Decode`` request per
+step; ``StreamBatch`` hands every pending ``Decode`` of one engine to ``Stepper.step`` at once, and ``drive``
+hands a lone stream's the same way (B = 1 is the same code). One step of B rows is:
+
+1. **propose**: every row's draft tree, as one flat batch (``tree.FlatTrees``: each tree breadth-first, ``cu``
+   row offsets). RACER and its ablations on the native draft core: one call for all rows
+   (``drafters.native.propose_batch``); AR: the roots alone, no call; any other drafter: its own ``propose``
+   per row, flattened here.
+2. **forward**: one ``runner.verify_flat`` over all trees (each over its own KV-cache slot).
+3. **accept**: greedy rows together (``greedy_paths``: vectorised over the concatenated trees, each row's
+   longest path whose every token is its parent's argmax); sampled rows each with its own seeded generator
+   (one draw per emitted token, so a row's output does not depend on its batch-mates); relaxed acceptance
+   per row as before.
+4. **stops**: each row's block (accepted tokens + bonus) through its ``StopChecker``; text is decoded only
+   for rows with stop strings.
+5. **keep_rows**: one ``runner.keep_rows_batch`` call keeps every row's accepted KV rows.
+6. **update**: the native draft core learns from every row in one call (``update_batch``); other drafters
+   per row.
+7. **telemetry**: per-row counters in one table (``Telemetry``: a row of numbers per stream, added to with
+   one vectorised call per step), the capacity tuner observes the step once (``CapacityTuner.observe_batch``).
+
+The host time of each part is added to ``host_ms`` (part name -> ms; ``HOST_PARTS``), which a ``StreamBatch``
+keeps in ``BatchStats.host_ms`` (scripts/host_bench.py reports it per stream-step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..drafters.base import Verified
+from ..values import SOURCE_LOGITS, SOURCE_RETRIEVAL, StepRecord
+from .kernels import fused_argmax_topk
+from .sampling import processed_probs
+from .tree import FlatTrees, accept_relaxed, accept_sampling
+
+HOST_PARTS = ("propose", "flatten", "accept", "stops", "keep_rows", "update", "telemetry")
+
+# the counters of one row's telemetry (Telemetry columns)
+TEL_FIELDS = ("steps", "emitted", "accepted", "retrieval", "logits", "both", "other", "tree_tokens",
+              "draft_ms", "verify_ms", "update_ms")
+_HIST = 65  # accepted-length histogram bins (0 .. 64; longer lengths go in the last)
+
+
+@dataclass(eq=False)
+class DecodeRow:
+    """One stream's decoding state between steps (the engine's ``_decode`` owns it).
+
+    Attributes:
+        drafter: the row's drafter (its ``native`` attribute, when set, is ``(NativeDraftState, row handle)``).
+        cache: the row's KV-cache handle. committed_len: positions in it (prompt + kept tokens).
+        root: the last emitted token, not yet in the KV cache (the next tree's root).
+        stops: the row's ``StopChecker``; done/finish once it ended.
+        gen: the row's seeded generator (sampling). k: top-k ids its drafter learns from (0: none).
+        keep_steps: keep one StepRecord per step (``records``) besides the counters.
+    """
+
+    drafter: Any
+    cache: Any
+    stops: Any
+    params: Any
+    gen: Any
+    committed_len: int
+    root: int
+    k: int = 0
+    want_probs: bool = False
+    keep_steps: bool = False
+    done: bool = False
+    finish: Optional[str] = None
+    tid: int = -1
+    records: list = field(default_factory=list)
+
+
+class Telemetry:
+    """Per-row counters of every row in flight: one ``[rows, len(TEL_FIELDS)]`` float table and one accepted-
+    length histogram ``[rows, 65]``, each added to once per step for all rows (``np.add.at``)."""
+
+    def __init__(self) -> None:
+        self.table = np.zeros((8, len(TEL_FIELDS)))
+        self.hist = np.zeros((8, _HIST), dtype=np.int64)
+        self._free = list(range(7, -1, -1))
+
+    def open(self) -> int:
+        """A zeroed row for a new stream; returns its index."""
+        if not self._free:
+            n = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.hist = np.concatenate([self.hist, np.zeros_like(self.hist)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        tid = self._free.pop()
+        self.table[tid] = 0.0
+        self.hist[tid] = 0
+        return tid
+
+    def close(self, tid: int, stats: Any) -> None:
+        """Add row ``tid``'s counters into ``stats`` (a ``RowStats``) and free the row."""
+        v = dict(zip(TEL_FIELDS, self.table[tid].tolist()))
+        stats.steps += int(v["steps"])
+        stats.emitted_tokens += int(v["emitted"])
+        stats.accepted_retrieval += int(v["retrieval"])
+        stats.accepted_logits += int(v["logits"])
+        stats.accepted_both += int(v["both"])
+        stats.accepted_other += int(v["other"])
+        stats.tree_tokens += int(v["tree_tokens"])
+        stats.draft_ms += v["draft_ms"]
+        stats.verify_ms += v["verify_ms"]
+        stats.update_ms += v["update_ms"]
+        for n in np.nonzero(self.hist[tid])[0]:
+            stats.accepted_hist[int(n)] = stats.accepted_hist.get(int(n), 0) + int(self.hist[tid, n])
+        self._free.append(tid)
+
+    def add(self, tids: np.ndarray, values: np.ndarray, accepted: np.ndarray) -> None:
+        """Add ``values [B, len(TEL_FIELDS)]`` to the rows ``tids [B]`` and count ``accepted [B]`` lengths."""
+        np.add.at(self.table, tids, values)
+        np.add.at(self.hist, (tids, np.minimum(accepted, _HIST - 1)), 1)
+
+
+def greedy_paths(flat: FlatTrees, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy acceptance of every tree of a flat batch at once (RACER.md 4: the longest path whose every
+    drafted token equals the target's argmax at its parent).
+
+    A trie node has at most one child per token, so the nodes whose whole ancestry matches form one chain per
+    tree: the accepted path. Computed level by level (depth 1, 2, ...) over all trees together.
+
+    Args:
+        flat: the trees (``parents`` local, each tree breadth-first).
+        choices: ``[R]`` argmax token of every row's logits.
+    Returns:
+        ``(nodes, cu_paths, bonus, rows)``: ``nodes`` the accepted paths' local node indices (root first) of
+        all trees concatenated, ``cu_paths [B + 1]`` their offsets, ``bonus [B]`` each tree's bonus token (the
+        argmax at its path's last node) and ``rows`` the global row of every entry of ``nodes``.
+    """
+    sizes = np.diff(flat.cu)
+    base = np.repeat(flat.cu[:-1], sizes)
+    parents = flat.parents
+    ok = parents < 0  # roots
+    maxd = int(flat.depths.max()) if flat.rows else 0
+    if maxd:
+        gpar = np.where(ok, 0, parents + base)
+        match = flat.tokens == choices[gpar]
+        for d in range(1, maxd + 1):
+            idx = np.flatnonzero(flat.depths == d)
+            ok[idx] = match[idx] & ok[gpar[idx]]
+    rows = np.flatnonzero(ok)
+    counts = np.add.reduceat(ok.astype(np.int64), flat.cu[:-1])
+    cu_paths = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu_paths[1:])
+    bonus = choices[rows[cu_paths[1:] - 1]]
+    return rows - base[rows], cu_paths, bonus, rows
+
+
+def flat_of_drafts(drafts: list, starts: np.ndarray, caches: list) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+    """Draft trees (creation order) as one flat batch, each breadth-first as ``tree.flatten_tree`` orders it.
+
+    Returns:
+        ``(flat, sources [R], order [R])``: ``order`` the creation index of every row within its tree.
+    """
+    toks, pars, deps, srcs, ords, sizes = [], [], [], [], [], []
+    for d in drafts:
+        n = len(d)
+        par0 = np.asarray(d.parents, dtype=np.int64)
+        depth0 = np.zeros(n, dtype=np.int64)
+        for i in range(1, n):
+            depth0[i] = depth0[par0[i]] + 1
+        order = np.argsort(depth0, kind="stable")
+        new_of_old = np.empty(n, dtype=np.int64)
+        new_of_old[order] = np.arange(n)
+        pars.append(np.where(par0[order] >= 0, new_of_old[np.maximum(par0[order], 0)], -1))
+        deps.append(depth0[order])
+        toks.append(np.asarray(d.token_ids, dtype=np.int64)[order])
+        srcs.append(np.asarray(d.sources, dtype=np.int64)[order])
+        ords.append(order)
+        sizes.append(n)
+    cu = np.zeros(len(drafts) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=cu[1:])
+    flat = FlatTrees(np.concatenate(toks), np.concatenate(pars), np.concatenate(deps), cu, starts, caches)
+    return flat, np.concatenate(srcs), np.concatenate(ords)
+
+
+class _Children:
+    """``tree.children`` of one tree of a flat batch, for the per-row acceptance rules."""
+
+    def __init__(self, tokens: np.ndarray, parents: np.ndarray) -> None:
+        self.children: list[dict[int, int]] = [{} for _ in range(len(tokens))]
+        for i in range(1, len(tokens)):
+            self.children[int(parents[i])][int(tokens[i])] = i
+
+
+def argmax_and_topk(logits: torch.Tensor, k: int, ops: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``kernels.fused_argmax_topk`` as numpy ``(argmax [R], top-k ids [R, k])``, or None where it does not
+    apply (a runner without our kernels: the caller then uses torch's two ops)."""
+    fused = fused_argmax_topk(logits, k, ops)
+    return None if fused is None else (fused[0].numpy(), fused[1].numpy())
+
+
+class Stepper:
+    """Runs the batched decode step for one engine (module docstring)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.runner = engine.runner
+        self.config = engine.config
+        self.telemetry = Telemetry()
+        self._ops = getattr(self.runner, "_ops", None)
+        self.committing = False  # the running step has begun committing tokens (no retry past this point)
+        self.last_rows = 0  # tree rows of the last step's forward
+
+    # ---- row lifecycle
+    def open(self, row: DecodeRow) -> None:
+        row.tid = self.telemetry.open()
+
+    def close(self, row: DecodeRow, stats: Any) -> None:
+        """Move the row's counters into ``stats`` (a ``RowStats``; StepRecords too when kept)."""
+        if row.tid >= 0:
+            self.telemetry.close(row.tid, stats)
+            row.tid = -1
+        stats.step_records.extend(row.records)
+
+    # ---- the step
+    def step(self, rows: list[DecodeRow], host_ms: Optional[dict] = None) -> float:
+        """One decode step of every row in ``rows`` (rows of this engine, none done). Returns the forward's
+        milliseconds. ``host_ms``: part name -> ms, added to."""
+        host = host_ms if host_ms is not None else {}
+        clock = _Clock(host)
+        self.committing = False
+        cap = self.engine._capacity(self.engine._in_flight)
+        flat, sources, order = self._propose(rows, cap, clock)
+        clock.lap("flatten")
+        self.last_rows = flat.rows
+        t0 = time.perf_counter()
+        logits = verify_flat(self.runner, flat)  # [R, V]
+        # the argmax / top-k over the vocabulary reads the logits where they are: device work on a GPU, and
+        # counted with the forward here, not as host bookkeeping
+        choices, topk, probs = self._scores(rows, logits)
+        forward_ms = (time.perf_counter() - t0) * 1000.0
+        clock.skip()
+        nodes, cu_paths, bonus, acc_rows = self._accept(rows, flat, logits, choices)
+        clock.lap("accept")
+        self.committing = True
+        blocks, emitted = self._stops(rows, flat, nodes, cu_paths, bonus)
+        clock.lap("stops")
+        self._keep(rows, flat, nodes, cu_paths)
+        clock.lap("keep_rows")
+        self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted)
+        clock.lap("update")
+        self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock)
+        clock.lap("telemetry")
+        return forward_ms
+
+    def _propose(self, rows: list[DecodeRow], cap: int, clock: "_Clock") -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+        """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
+        own trees are flattened here), with each row's ``sources`` and creation ``order``."""
+        b = len(rows)
+        starts = np.fromiter((r.committed_len for r in rows), np.int64, b)
+        caches = [r.cache for r in rows]
+        roots = np.fromiter((r.root for r in rows), np.int64, b)
+        if all(getattr(r.drafter, "root_only", False) for r in rows):
+            zeros = np.zeros(b, dtype=np.int64)
+            flat = FlatTrees(roots, zeros - 1, zeros, np.arange(b + 1, dtype=np.int64), starts, caches)
+            clock.lap("propose")
+            return flat, zeros, zeros
+        depth = np.fromiter((r.stops.remaining - 1 for r in rows), np.int64, b)
+        native = [getattr(r.drafter, "native", None) for r in rows]
+        if all(n is not None for n in native):
+            from ..drafters.native import propose_batch
+
+            got = propose_batch([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b), roots,
+                                np.full(b, cap, dtype=np.int64), depth)
+            flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
+            clock.lap("propose")
+            return flat, got.sources, got.order
+        drafts = [r.drafter.propose(int(roots[i]), capacity=cap, max_depth=int(depth[i])) for i, r in enumerate(rows)]
+        clock.lap("propose")
+        return flat_of_drafts(drafts, starts, caches)
+
+    def _scores(self, rows: list[DecodeRow], logits: torch.Tensor) -> tuple[np.ndarray, Optional[np.ndarray], Any]:
+        """``(argmax [R], top-k ids [R, k] or None, top-k probabilities [R, k] or None)`` of every row."""
+        k = rows[0].k
+        want_probs = rows[0].want_probs
+        if not want_probs:
+            fused = _fused(logits, max(k, 1), self._ops)
+            if fused is not None:
+                return fused[0], (fused[1] if k else None), None
+        choices = logits.argmax(dim=-1).cpu().numpy()
+        if not k:
+            return choices, None, None
+        top = torch.topk(logits, k, dim=-1)
+        probs = None
+        if want_probs:  # only drafters that keep probabilities beside the ids (graft) pay for the softmax
+            logz = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+            probs = torch.exp(top.values.float() - logz).cpu().numpy()
+        return choices, top.indices.cpu().numpy(), probs
+
+    def _accept(self, rows: list[DecodeRow], flat: FlatTrees, logits: torch.Tensor, choices: np.ndarray):
+        nodes, cu_paths, bonus, acc_rows = greedy_paths(flat, choices)
+        lossless = self.config.acceptance == "lossless"
+        if lossless and all(r.params.greedy for r in rows):
+            return nodes, cu_paths, bonus, acc_rows
+        paths = [nodes[cu_paths[i]: cu_paths[i + 1]] for i in range(len(rows))]
+        bonus = bonus.copy()
+        for i, r in enumerate(rows):
+            if lossless and r.params.greedy:
+                continue
+            lo, hi = int(flat.cu[i]), int(flat.cu[i + 1])
+            tree = _Children(flat.tokens[lo:hi], flat.parents[lo:hi])
+            row_logits = logits[lo:hi]
+            if not lossless:
+                path, bonus[i] = accept_relaxed(tree, row_logits, config=self.config, params=r.params, generator=r.gen)
+            else:
+                path, bonus[i] = accept_sampling(tree, lambda n: processed_probs(row_logits[n], r.params), r.gen)
+            paths[i] = np.asarray(path, dtype=np.int64)
+        cu_paths = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in paths], out=cu_paths[1:])
+        nodes = np.concatenate(paths)
+        return nodes, cu_paths, bonus, nodes + np.repeat(flat.cu[:-1], np.diff(cu_paths))
+
+    @staticmethod
+    def _stops(rows, flat, nodes, cu_paths, bonus) -> tuple[list[list[int]], np.ndarray]:
+        """Each row's block (accepted draft tokens, then the bonus) through its stop rules; returns the blocks
+        and how many of each were emitted."""
+        base = np.repeat(flat.cu[:-1], np.diff(cu_paths))
+        drafted = flat.tokens[nodes + base].tolist()
+        bonus_l = bonus.tolist()
+        cu = cu_paths.tolist()
+        blocks: list[list[int]] = []
+        emitted = np.zeros(len(rows), dtype=np.int64)
+        for i, r in enumerate(rows):
+            block = drafted[cu[i] + 1: cu[i + 1]]
+            block.append(bonus_l[i])
+            n = r.stops.push_many(block)
+            if r.stops.finish is not None:
+                r.done, r.finish = True, r.stops.finish
+            emitted[i] = n
+            blocks.append(block)
+        return blocks, emitted
+
+    def _keep(self, rows, flat, nodes, cu_paths) -> None:
+        """Keep the accepted path's KV rows of every row that goes on; advance its committed length."""
+        live = [i for i, r in enumerate(rows) if not r.done]
+        if not live:
+            return
+        lengths = np.diff(cu_paths)
+        if len(live) == len(rows):
+            keep_nodes, keep_cu = nodes, cu_paths
+        else:
+            keep_nodes = np.concatenate([nodes[cu_paths[i]: cu_paths[i + 1]] for i in live])
+            keep_cu = np.zeros(len(live) + 1, dtype=np.int64)
+            np.cumsum(lengths[live], out=keep_cu[1:])
+        keep_rows_batch(self.runner, [rows[i].cache for i in live], flat.starts[live], keep_nodes, keep_cu)
+        for i in live:
+            rows[i].committed_len += int(lengths[i])
+
+    def _update(self, rows, flat, topk, probs, nodes, cu_paths, blocks, emitted) -> None:
+        """The drafters learn from the step: every verified node's top-k and the committed tokens."""
+        for i, r in enumerate(rows):
+            r.root = blocks[i][-1]
+        if all(getattr(r.drafter, "root_only", False) for r in rows):
+            return
+        if topk is None:
+            topk = np.zeros((flat.rows, 1), dtype=np.int64)
+        committed = [blocks[i][: int(emitted[i])] for i in range(len(rows))]
+        native = [getattr(r.drafter, "native", None) for r in rows]
+        if all(n is not None for n in native):
+            _update_native(native, flat, topk, committed)
+            return
+        for i, r in enumerate(rows):
+            lo, hi = int(flat.cu[i]), int(flat.cu[i + 1])
+            r.drafter.update(Verified(
+                flat.tokens[lo:hi], topk[lo:hi], committed[i],
+                node_topk_probs=None if probs is None else probs[lo:hi],
+                last_node=int(nodes[cu_paths[i + 1] - 1]),
+            ))
+
+    def _observe(self, rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock) -> None:
+        """Telemetry of the step for every row (one table update) and one capacity-tuner observation."""
+        b = len(rows)
+        lengths = np.diff(cu_paths) - 1  # accepted draft nodes per row (root excluded)
+        accepted = np.minimum(lengths, emitted)  # a stop inside the block cuts the accepted count too
+        base = np.repeat(flat.cu[:-1], np.diff(cu_paths))
+        glob = nodes + base
+        nonroot = nodes > 0
+        # an accepted node counts when its place in the path is within the emitted tokens
+        place = np.arange(len(nodes)) - np.repeat(cu_paths[:-1], np.diff(cu_paths))
+        counted = nonroot & (place <= np.repeat(accepted, np.diff(cu_paths)))
+        src = sources[glob] if len(sources) else np.zeros(len(glob), np.int64)
+        owner = np.repeat(np.arange(b), np.diff(cu_paths))
+        both = SOURCE_RETRIEVAL | SOURCE_LOGITS
+        vals = np.zeros((b, len(TEL_FIELDS)))
+        vals[:, 0] = 1.0
+        vals[:, 1] = emitted
+        vals[:, 2] = accepted
+        for col, sel in ((3, src == SOURCE_RETRIEVAL), (4, src == SOURCE_LOGITS), (5, src == both),
+                         (6, (src & both) == 0)):
+            np.add.at(vals[:, col], owner[counted & sel], 1)
+        vals[:, 7] = np.diff(flat.cu)
+        host = clock.since_start_ms()
+        vals[:, 8] = clock.part("propose") / b
+        vals[:, 9] = forward_ms / b
+        vals[:, 10] = (host - clock.part("propose")) / b
+        tids = np.fromiter((r.tid for r in rows), np.int64, b)
+        self.telemetry.add(tids, vals, accepted)
+        if any(r.keep_steps for r in rows):
+            _keep_records(rows, vals)
+        tuner = self.engine.tuner
+        if tuner is not None:
+            tuner.observe_batch(used_capacity=cap, accepted_creation_idx=order[glob[nonroot]], streams=b,
+                                overhead_ms=host / b)
+
+
+def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: list[list[int]]) -> None:
+    """One ``update_batch`` call of the native draft core for every row (``native``: (state, row handle))."""
+    from ..drafters.native import update_batch
+
+    b = len(native)
+    cu_c = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum([len(c) for c in committed], out=cu_c[1:])
+    flat_c = np.fromiter((t for c in committed for t in c), np.int64, int(cu_c[-1]))
+    update_batch([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b),
+                 flat.cu, flat.tokens, topk, flat_c, cu_c)
+
+
+def _keep_records(rows: list[DecodeRow], vals: np.ndarray) -> None:
+    for i, r in enumerate(rows):
+        if r.keep_steps:
+            v = vals[i]
+            r.records.append(StepRecord(int(v[7]), int(v[2]), int(v[1]), int(v[3]), int(v[4]), int(v[5]), int(v[6]),
+                                        float(v[8]), float(v[9]), float(v[10])))
+
+
+class _Clock:
+    """Per-part host time of one step, added to a shared ``host_ms`` dict."""
+
+    __slots__ = ("host", "t0", "t", "own")
+
+    def __init__(self, host: dict) -> None:
+        self.host = host
+        self.t0 = self.t = time.perf_counter()
+        self.own: dict[str, float] = {}
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        ms = (now - self.t) * 1000.0
+        self.own[part] = self.own.get(part, 0.0) + ms
+        self.host[part] = self.host.get(part, 0.0) + ms
+        self.t = now
+
+    def skip(self) -> None:
+        """Not host time (the forward): restart the lap."""
+        now = time.perf_counter()
+        self.t0 += now - self.t
+        self.t = now
+
+    def part(self, name: str) -> float:
+        return self.own.get(name, 0.0)
+
+    def since_start_ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1000.0
+
+
+def _fused(logits: torch.Tensor, k: int, ops: Any):
+    return argmax_and_topk(logits, k, ops)  # looked up at call time, so tests can count its calls
+
+
+def verify_flat(runner: Any, flat: FlatTrees) -> torch.Tensor:
+    """``runner.verify_flat(flat)``; for a runner without it, each tree through ``verify_batch``."""
+    fn = getattr(runner, "verify_flat", None)
+    if fn is not None:
+        return fn(flat)
+    from ..drafters.base import Draft
+    from .tree import flatten_tree
+
+    items = []
+    for b in range(flat.num_streams):
+        lo, hi = int(flat.cu[b]), int(flat.cu[b + 1])
+        draft = Draft(flat.tokens[lo:hi].tolist(), flat.parents[lo:hi].tolist(), [0] * (hi - lo))
+        tree = flatten_tree(draft, committed_len=int(flat.starts[b]), device=runner.device, dtype=runner.dtype)
+        items.append((tree, flat.caches[b]))
+    if len(items) == 1:
+        return runner.verify_tree(items[0][0], cache=items[0][1])
+    return torch.cat(runner.verify_batch(items))
+
+
+def keep_rows_batch(runner: Any, caches: list, starts: np.ndarray, nodes: np.ndarray, cu: np.ndarray) -> None:
+    """``runner.keep_rows_batch``; for a runner without it, ``keep_rows`` per stream."""
+    fn = getattr(runner, "keep_rows_batch", None)
+    if fn is not None:
+        fn(caches, starts, nodes, cu)
+        return
+    for b, cache in enumerate(caches):
+        runner.keep_rows(cache, committed_len=int(starts[b]), nodes=nodes[cu[b]: cu[b + 1]].tolist())
