@@ -9,9 +9,8 @@ weights built from its config on the GPU, so nothing is downloaded. Steps:
    ``--capacities``, for three verify runners measured **interleaved** (every repeat visits every (T,
    runner) pair once, the runner order rotating per repeat; one untimed round first), each synchronised by
    copying the argmax back: ``eager`` (the stock transformers forward, ``ModelRunner``), ``static`` (our
-   decoder over a static KV cache, trees padded to buckets; ``StaticRunner(compile=False)``) and
-   ``cuda-graph`` (the same with one CUDA graph per bucket, captured by ``warmup``; on the CPU with
-   ``--compile-cpu`` it is the ``torch.compile``d step and is named ``compiled``). The static runners pad
+   decoder over a static KV cache; ``StaticRunner(compile=False)``) and ``cuda-graph`` (on CUDA: the same
+   with one CUDA graph per (streams, tree) bucket, captured by ``warmup``). The static runners pad
    to the buckets the engine's would have for these capacities (the defaults, plus the power of two
    ``add_bucket`` adds above them). The warm-up (weight packing, graph capture or compilation) is timed per
    runner.
@@ -32,14 +31,13 @@ weights built from its config on the GPU, so nothing is downloaded. Steps:
    like step 1, on the default runner. Reported: ms per forward, tokens per forward (B x N) and the
    throughput ratio to B=1 at the same N (``B x t(1, N) / t(B, N)``), and which path ran, as the runner's
    ``last_batch_path`` says (``segments``: our CPU kernels, one forward over all rows; ``padded`` /
-   ``padded-graph``: the ``[B_pad, N_pad]`` static step, on CUDA one graph per bucket; ``per-stream``: one
-   ``verify_tree`` per stream, which is also how a single stream goes).
+   ``padded-graph``: the ``[B_pad, N_pad]`` static step, on CUDA one graph per bucket; one stream goes the
+   same way as several; ``per-stream``: a runner that verifies one stream per forward).
 
 ``--tiny`` runs the same steps on a tiny Llama on the CPU (float32) in seconds, with the eager and static
-runners only (``--compile-cpu`` adds the compiled one: minutes of compilation): the smoke test the suite
-runs. A runner that fails (construction, warm-up, a timed forward, a decode) is dropped and its error
-recorded under ``errors`` (exit status 4 after the results are written), so one failure does not cost the
-other measurements. Results: ``<out>/gpu_bench-<tag>.json`` and ``.md`` (a few KB: fits any upload limit).
+runners only: the smoke test the suite runs. A runner that fails (construction, warm-up, a timed forward, a
+decode) is dropped and its error recorded under ``errors`` (exit status 4 after the results are written), so
+one failure does not cost the other measurements. Results: ``<out>/gpu_bench-<tag>.json`` and ``.md`` (a few KB: fits any upload limit).
 """
 
 from __future__ import annotations
@@ -153,13 +151,11 @@ def release_memory(device: str) -> None:
 
 
 # ---- the runners ----
-def runner_specs(device: str, *, compile_cpu: bool) -> dict[str, dict[str, str]]:
+def runner_specs(device: str) -> dict[str, dict[str, str]]:
     """{runner name: DecodingConfig runner/compile settings} measured on ``device``."""
     specs = {"eager": {"runner": "eager", "compile": "off"}, "static": {"runner": "static", "compile": "off"}}
     if device.startswith("cuda"):
         specs["cuda-graph"] = {"runner": "static", "compile": "on"}
-    elif compile_cpu:
-        specs["compiled"] = {"runner": "static", "compile": "on"}
     return specs
 
 
@@ -282,7 +278,7 @@ def measure_batch(runner: Any, *, bundle: ModelBundle, streams: list[int], nodes
     """Median ms of one ``runner.verify_batch`` over B streams' random trees of N nodes each (every stream on
     its own slot, stream i with ``context_tokens - 8 i`` cached tokens), up to every stream's argmax copied
     back, for every (B, N); (B, N) pairs interleaved over ``repeats`` rounds (one untimed round first, which
-    also captures any per-slot graphs). Rows: B, N, ms, tokens per forward, tokens/ms, ratio to B=1, path."""
+    also captures any CUDA graphs). Rows: B, N, ms, tokens per forward, tokens/ms, ratio to B=1, path."""
     device = str(bundle.device)
     vocab = bundle.vocab_size
     gen = torch.Generator().manual_seed(2)
@@ -442,7 +438,8 @@ def write_md(d: dict, path: Path) -> None:
                   f"`runner.verify_batch` over B streams' random trees of N nodes, each stream on its own KV-cache "
                   f"slot with ~{c['context_tokens']} cached tokens; median of {c['repeats']} interleaved repeats. "
                   "x B=1: tokens per ms over B=1's at the same N (B x t(1, N) / t(B, N)); path: how the runner "
-                  "verified the batch (`runner.last_batch_path`; `per-stream`: one forward per stream).", "",
+                  "verified the batch (`runner.last_batch_path`: `segments` our CPU kernels, `padded` / "
+                  "`padded-graph` the static [B_pad, N_pad] step; `per-stream`: one forward per stream).", "",
                   "| B | N | ms per forward | tokens per forward | tokens per ms | throughput x B=1 | ms x B=1 "
                   "| path |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -460,8 +457,6 @@ def write_md(d: dict, path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny Llama on the CPU in float32 (smoke test)")
-    p.add_argument("--compile-cpu", action="store_true",
-                   help="on the CPU also time the torch.compile'd static step (slow: minutes of compilation)")
     p.add_argument("--device", default=None, help="default: cuda when available (required without --tiny)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on CUDA, float32 with --tiny")
@@ -509,7 +504,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     log.info("built %s model on %s in %.1f s", "tiny" if args.tiny else "8B-shaped", device, build_s)
 
     # 1. t(T) per runner, interleaved.
-    specs = runner_specs(device, compile_cpu=args.compile_cpu)
+    specs = runner_specs(device)
     preferred = default_runner_name(bundle)
     buckets = bench_buckets([1, *caps])
     max_len = context + max(caps) + buckets[-1]  # new_cache(context + max T) reserves one largest bucket more

@@ -8,7 +8,6 @@
 #   bash scripts/gpu_bench.sh                 # 8B-shaped random bf16 Llama on cuda:0 (~17 GB GPU memory, ~3-5 min)
 #   bash scripts/gpu_bench.sh --tiny          # tiny Llama on the CPU, eager + static runners: checks the script
 #                                             # anywhere, in seconds
-#   bash scripts/gpu_bench.sh --tiny --compile-cpu   # ... plus the torch.compile'd static step (minutes)
 #   bash scripts/gpu_bench.sh --mat 2.4       # project with this MAT instead of the newest benchmarks/bench-*.json
 #   bash scripts/gpu_bench.sh --repeats 5     # fewer timed rounds per (T, runner) (default 10)
 #

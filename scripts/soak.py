@@ -78,8 +78,8 @@ def _probe_state(actor_self, job_id: str) -> dict:
     """Runs inside the actor (via __ray_call__): the size of the job's draft state."""
     got = actor_self.runner._states.get(job_id)
     state = got[1] if got else None
-    automaton = getattr(state, "automaton", None)
-    return {"automaton_nodes": automaton.num_nodes if automaton is not None else None,
+    has_automaton = state is not None and (state.automaton is not None or state.native is not None)
+    return {"automaton_nodes": state.automaton_nodes if has_automaton else None,
             "draft_state_mb": state.memory_bytes / 2**20 if state is not None else None}
 
 

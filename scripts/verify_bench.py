@@ -1,5 +1,5 @@
-"""Verify-forward cost curve: the eager runner, the static runner (per matmul path, optionally compiled and
-in bfloat16) and a weight-streaming probe, in one interleaved run (issue 12, "Cost curve").
+"""Verify-forward cost curve: the eager runner, the static runner (per matmul path, optionally in bfloat16)
+and a weight-streaming probe, in one interleaved run (issue 12, "Cost curve").
 
 For each T in ``--sizes``, one verify forward over a chain of T tree tokens after ``--context`` cached
 tokens, up to the argmax copied back (``engine/capacity.py::measure_cost_curve`` does the same). Rounds go
@@ -8,7 +8,7 @@ the figure is the median per pair. The probe is the time to read every weight on
 parameter), the floor of a memory-bound forward. Writes ``<out>/verify-<stamp>.json`` and ``.md``.
 
     python scripts/verify_bench.py                       # eager vs static matmul paths, float32
-    python scripts/verify_bench.py --compile --bf16      # also the compiled step and a bfloat16 copy
+    python scripts/verify_bench.py --bf16                # also a bfloat16 copy
     python scripts/verify_bench.py --paths small_gemm --isas avx512,avx2 --prefill 300 --no-eager  # AVX-512 vs AVX2
 """
 
@@ -144,8 +144,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--context", type=int, default=300, help="cached tokens before the tree")
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--paths", default="small_gemm,onednn_packed,mkl_packed,torch", help="static-runner matmul paths")
-    ap.add_argument("--compile", action="store_true", help="also the compiled static step (torch.compile on CPU)")
+    ap.add_argument("--paths", default="small_gemm,onednn_packed,torch", help="static-runner matmul paths")
     ap.add_argument("--bf16", action="store_true", help="also the static runner on a bfloat16 copy of the model")
     ap.add_argument("--hf-static", action="store_true", help="also transformers' own StaticCache path (uncompiled)")
     ap.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
@@ -194,8 +193,6 @@ def main() -> int:
     if args.hf_static:
         contenders.append(HFStaticContender("hf-staticcache", bundle, context=args.context, sizes=sizes, vocab=vocab))
         setup_s["hf-staticcache"] = 0.0
-    if args.compile:
-        add("static-compiled", lambda: StaticRunner(bundle, compile=True))
     if args.bf16:
         b16 = load_model(args.model, dtype="bfloat16")
         add("static-bf16", lambda: StaticRunner(b16))

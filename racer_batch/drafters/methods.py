@@ -81,10 +81,17 @@ class TreeDrafter:
         self.name = "racer" if use_retrieval and use_logits else ("retrieval" if use_retrieval else "logits")
         self.cursor = None  # this row's automaton cursor (its windows and matching state), opened at start
         self.own: CopyLogitStore | None = None  # this row's layer over a shared store, made at start
+        # (NativeDraftState, row handle) where the state runs on the native draft core: the engine's batched
+        # step proposes and updates every such row in one call each (engine/step.py)
+        self.native: tuple | None = None
 
     def close(self) -> None:
         """The row ended: close its automaton cursor and drop its store layer (the engine calls this once per
         row)."""
+        if self.native is not None:
+            if not self.native[0].freed:
+                self.native[0].close_row(self.native[1])
+            self.native = None
         if self.cursor is not None and self.state.automaton is not None:
             self.state.automaton.close_cursor(self.cursor)
         self.cursor = None
@@ -94,6 +101,11 @@ class TreeDrafter:
         st = self.state
         st.check_alive()
         st.rows += 1
+        if st.native is not None:
+            row = st.native.open_row()
+            self.native = (st.native, row)
+            st.native.start(row, np.asarray(prompt_ids, dtype=np.int64), prompt_topk)
+            return
         if st.store is not None and self.use_logits and st.scope != "request":
             self.own = CopyLogitStore(vocab_size=st.store.table.shape[0], k=st.store.k)
         if st.store is not None and prompt_topk is not None and len(prompt_ids):
@@ -106,6 +118,8 @@ class TreeDrafter:
             prefill_automaton(st.automaton, list(prompt_ids), self.cursor)
 
     def propose(self, root: int, *, capacity: int, max_depth: int) -> Draft:
+        if self.native is not None:
+            return _native_draft(self.native, root, capacity=capacity, max_depth=max_depth)
         st = self.state
         builder = TrieBuilder(root=root, capacity=capacity)
         if self.use_retrieval and st.automaton is not None:
@@ -124,6 +138,15 @@ class TreeDrafter:
         return builder.build()
 
     def update(self, verified: Verified) -> None:
+        if self.native is not None:
+            from .native import update_batch
+
+            n, c = len(verified.node_tokens), len(verified.committed)
+            update_batch([self.native[0]], np.array([self.native[1]]), np.array([0, n]),
+                         np.asarray(verified.node_tokens, dtype=np.int64),
+                         np.asarray(verified.node_topk, dtype=np.int64),
+                         np.asarray(verified.committed, dtype=np.int64), np.array([0, c]))
+            return
         st = self.state
         if st.store is not None and len(verified.node_tokens):
             st.store.update(verified.node_tokens, verified.node_topk)
@@ -135,6 +158,31 @@ class TreeDrafter:
                 st.automaton.advance(tok, self.cursor)
 
 
+def _native_draft(native: tuple, root: int, *, capacity: int, max_depth: int) -> Draft:
+    """One row's tree from the native draft core, back in creation order (``Draft``)."""
+    from .native import propose_batch
+
+    one = np.ones(1, dtype=np.int64)
+    got = propose_batch([native[0]], one * native[1], one * root, one * capacity, one * max_depth)
+    n = got.rows
+    tokens = np.empty(n, dtype=np.int64)
+    parents = np.empty(n, dtype=np.int64)
+    sources = np.empty(n, dtype=np.int64)
+    tokens[got.order] = got.tokens
+    sources[got.order] = got.sources
+    parents[got.order] = np.where(got.parents >= 0, got.order[np.maximum(got.parents, 0)], -1)
+    return Draft(tokens.tolist(), parents.tolist(), sources.tolist())
+
+
+def native_enabled() -> bool:
+    """Whether RACER's drafters run on the native draft core (``drafters.native``): wherever it builds, unless
+    ``RACER_NATIVE_DRAFT=off``. A failed build is logged as an error there and the Python drafters (the same
+    trees, node for node: tests/unit/test_native_draft.py) serve instead."""
+    from . import native
+
+    return native.available()
+
+
 AUTOMATON_SETTINGS = ("max_nodes", "ngram", "min_border_depth")  # the automaton's DecodingConfig fields
 
 
@@ -142,6 +190,12 @@ def _tree_state(config: DecodingConfig, *, scope: str, vocab_size: int, tokenize
                 logits: bool) -> DraftState:
     """The DraftState of racer (both parts), retrieval (the automaton) or logits (the copy-logit store)."""
     st = DraftState(scope=scope)
+    if native_enabled():
+        from .native import NativeDraftState
+
+        st.native = NativeDraftState.from_config(config, vocab_size=vocab_size, scope=scope, retrieval=retrieval,
+                                                 logits=logits)
+        return st
     if logits:
         st.store = CopyLogitStore(vocab_size=vocab_size, k=config.max_breadth)
     if retrieval:

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from .automaton import Automaton
 from .copy_logits import CopyLogitStore
@@ -29,12 +32,16 @@ class DraftState:
         scope: ``job``, ``request`` or ``global``.
         store: the copy-logit store (None for drafters that do not use it).
         automaton: the retrieval automaton (None for drafters that do not use it).
+        native: RACER's automaton and copy-logit store on the native draft core (``drafters.native``), which
+            the engine proposes from and updates for all rows of a step at once; None where the Python
+            ``automaton`` / ``store`` serve (other drafters, or ``RACER_NATIVE_DRAFT=off``).
         state_id: process-unique id, for telemetry and tests of isolation.
     """
 
     scope: str
     store: CopyLogitStore | None = None
     automaton: Automaton | None = None
+    native: Any = None  # drafters.native.NativeDraftState: RACER's automaton and store in C++ (instead of the two)
     state_id: int = field(default_factory=lambda: next(_ids))
     freed: bool = False
     rows: int = 0
@@ -47,6 +54,9 @@ class DraftState:
         """Drop the automaton and the store; the state cannot be used afterwards."""
         self.store = None
         self.automaton = None
+        if self.native is not None:
+            self.native.free()
+        self.native = None
         self.freed = True
 
     @property
@@ -55,4 +65,28 @@ class DraftState:
         n = self.store.nbytes if self.store is not None else 0
         if self.automaton is not None:
             n += 200 * self.automaton.num_nodes
+        if self.native is not None:
+            n += self.native.memory_bytes
         return n
+
+    def store_row(self, token: int) -> np.ndarray:
+        """``[k]`` the shared copy-logit store's row of ``token`` (Python or native; -1: nothing known)."""
+        if self.native is not None:
+            return self.native.store_row(token)
+        if self.store is None:
+            raise ValueError("this draft state has no copy-logit store")
+        return self.store.row(token)
+
+    @property
+    def store_known(self) -> int:
+        """Tokens whose shared store row holds a prediction (0 without a store)."""
+        if self.native is not None:
+            return self.native.store_known if self.native.use_logits else 0
+        return int((self.store.table[:, 0] >= 0).sum()) if self.store is not None else 0
+
+    @property
+    def automaton_nodes(self) -> int:
+        """Live automaton nodes (Python or native); 0 without an automaton."""
+        if self.native is not None:
+            return self.native.num_nodes if self.native.use_retrieval else 0
+        return self.automaton.num_nodes if self.automaton is not None else 0

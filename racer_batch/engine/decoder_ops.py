@@ -1,9 +1,8 @@
-"""The pieces the lean decoder of ``static_runner`` is built from, over the HF model's own weights: the matmul
-paths (``FastLinear``: our small-row GEMM, MKL or oneDNN packed weights, or plain ``F.linear``), one decoder
-layer's weights (``LayerWeights``), q/k/v and gate/up fused into one matmul each without a copy
-(``fuse_params``), and the plain-tensor ops of the eager-shape and static-shape steps (RMSNorm, the rotary
-embedding, grouped-query tree attention). The CPU-kernel forward calls ``engine/kernels`` for the latter
-instead.
+"""The pieces the decoder (engine/decoder.py) is built from, over the HF model's own weights: the matmul paths
+(``FastLinear``: our small-row GEMM, oneDNN packed weights, or plain ``F.linear``), one decoder layer's weights
+(``LayerWeights``), q/k/v and gate/up fused into one matmul each without a copy (``fuse_params``), and the
+plain-tensor ops of its torch-ops path (RMSNorm, the rotary embedding, grouped-query tree attention). On our
+CPU kernels the decoder calls ``engine/kernels`` for the latter instead.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from .kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 
-MATMUL_PATHS = ("auto", "torch", "small_gemm", "mkl_packed", "onednn_packed")
+MATMUL_PATHS = ("auto", "torch", "small_gemm", "onednn_packed")
 SMALL_ROWS = 2  # row counts up to this use plain sgemm: prepacking does not pay for one or two rows
 
 
@@ -29,8 +28,7 @@ def default_matmul_path(device: torch.device, dtype: torch.dtype = torch.float32
     small-row GEMM (``small_gemm``, engine/kernels) where it builds: 1.3-2x faster than oneDNN prepacked and
     1.6-3x faster than MKL at the 1-32 rows of a verify forward on the CPUs measured (benchmarks/README.md).
     Otherwise oneDNN prepacked weights when this torch has oneDNN (one extra copy of the weights, any row
-    count and dtype), else plain sgemm. MKL packed sgemm (``mkl_packed``) holds ~3x the weight bytes *per
-    bucket*, so it is only taken when asked for. ``RACER_MATMUL`` overrides the choice (benchmarks)."""
+    count and dtype), else plain sgemm. ``RACER_MATMUL`` overrides the choice (benchmarks)."""
     env = os.environ.get("RACER_MATMUL")
     if env:
         if env not in MATMUL_PATHS[1:]:
@@ -52,12 +50,10 @@ class FastLinear:
         weight: ``[N, K]`` (N output features); kept as given for small row counts and as the oracle.
         bias: ``[N]`` or None.
         path: ``torch`` (F.linear: MKL sgemm on the CPU, cuBLAS on CUDA), ``small_gemm`` (our kernel over
-            one copy packed in 16-column panels, every row count; float32 on a CPU with AVX2/FMA),
-            ``mkl_packed`` (MKL ``cblas_sgemm_pack`` weights, one packed copy per row bucket, made on first
-            use, ~3x the weight bytes each; float32 only) or ``onednn_packed`` (one oneDNN prepacked copy,
-            any row count). On the MKL and oneDNN paths up to ``SMALL_ROWS`` rows in float32 take plain sgemm
-            (a GEMV, where their packing does not pay). A path that cannot run the weight (dtype, no kernel)
-            falls back to ``onednn_packed`` or ``torch``.
+            one copy packed in 16-column panels, every row count; float32 on a CPU with AVX2/FMA) or
+            ``onednn_packed`` (one oneDNN prepacked copy, any row count; up to ``SMALL_ROWS`` rows in float32
+            take plain sgemm, a GEMV, where its packing does not pay). A path that cannot run the weight
+            (dtype, no kernel) falls back to ``onednn_packed`` or ``torch``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, path: str) -> None:
@@ -66,10 +62,9 @@ class FastLinear:
         self._ops = None
         if path == "small_gemm":
             self._ops = cpu_ops() if self.weight.dtype == torch.float32 and self.weight.is_cpu else None
-        if (path == "mkl_packed" and self.weight.dtype != torch.float32) or (path == "small_gemm" and self._ops is None):
+        if path == "small_gemm" and self._ops is None:
             path = "onednn_packed" if torch.backends.mkldnn.is_available() else "torch"
         self.path = path
-        self._packed: dict[int, torch.Tensor] = {}
         self._onednn: Optional[torch.Tensor] = None
         self._panels: Optional[torch.Tensor] = None  # small_gemm: [ceil(N/16), K, 16]
         if path == "small_gemm":
@@ -87,33 +82,18 @@ class FastLinear:
     @property
     def extra_bytes(self) -> int:
         """Bytes held in packed copies beside the plain weight."""
-        n = sum(p.numel() * p.element_size() for p in self._packed.values())
+        n = 0
         if self._onednn is not None:
             n += self.weight.numel() * self.weight.element_size()
         if self._panels is not None:
             n += self._panels.numel() * self._panels.element_size()
         return n
 
-    def prepare(self, rows: int) -> None:
-        """Pack the weight for ``rows`` rows now (warm-up), not at the first call."""
-        if self.path == "mkl_packed" and rows > SMALL_ROWS and rows not in self._packed:
-            self._packed[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-
-    def __call__(self, x: torch.Tensor, plain: bool = False) -> torch.Tensor:  # x: [M, K] -> [M, N]
-        """``plain``: F.linear on the plain weight (inside a compiled graph, which lowers matmuls itself)."""
-        m = x.shape[0]
-        if self._panels is not None and not plain:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
+        if self._panels is not None:
             return self._ops.linear(x, self._panels, self.bias, self.weight.shape[0])
-        if plain or self.path == "torch" or (m <= SMALL_ROWS and self._small_plain):
+        if self.path == "torch" or (x.shape[0] <= SMALL_ROWS and self._small_plain):
             return F.linear(x, self.weight, self.bias)
-        if self.path == "mkl_packed":
-            packed = self._packed.get(m)
-            if packed is None:
-                if len(self._packed) >= 8:  # odd row counts (prefill tails) are not worth a packed copy
-                    return F.linear(x, self.weight, self.bias)
-                self.prepare(m)
-                packed = self._packed[m]
-            return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, m)
         return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
 
 
@@ -154,23 +134,24 @@ def fuse_params(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: Optional[torch.Tensor],
-                    scale: float) -> torch.Tensor:
-    """Grouped-query attention of a few query rows: ``q [T, nq, d]`` over ``keys, vals [nkv, S, d]`` with the
-    additive ``mask [T, S]`` (None: all visible); returns ``[T, nq, d]``.
+                   scale: float) -> torch.Tensor:
+    """Grouped-query attention of a few query rows per stream: ``q [B, T, nq, d]`` over ``keys, vals
+    [B, nkv, S, d]`` with the additive ``mask`` (broadcast to ``[B, 1, T, S]``; None: all visible); returns
+    ``[B, T, nq, d]``.
 
     The ``nq / nkv`` query heads that share a KV head are folded into the row dimension (query head
     ``j * rep + r`` reads KV head ``j``, as transformers' ``repeat_kv`` lays them out), so no KV is repeated;
     written out as two batched matmuls and a softmax because the fused CPU kernels are slow for few rows.
     """
-    t, nq, d = q.shape
-    nkv, s = keys.shape[0], keys.shape[1]
+    b, t, nq, d = q.shape
+    nkv, s = keys.shape[1], keys.shape[2]
     rep = nq // nkv
-    qf = q.transpose(0, 1).reshape(nkv, rep * t, d)  # [nkv, rep*T, d]
-    scores = torch.matmul(qf, keys.transpose(1, 2)).mul_(scale).view(nkv, rep, t, s)  # [nkv, rep, T, S]
+    qf = q.transpose(1, 2).reshape(b, nkv, rep * t, d)  # [B, nkv, rep*T, d]
+    scores = torch.matmul(qf, keys.transpose(2, 3)).mul_(scale).view(b, nkv, rep, t, s)  # [B, nkv, rep, T, S]
     if mask is not None:
-        scores.add_(mask)
-    probs = torch.softmax(scores, dim=-1).view(nkv, rep * t, s)
-    return torch.matmul(probs, vals).view(nq, t, d).transpose(0, 1)  # [T, nq, d]
+        scores.add_(mask.reshape(mask.shape[0], 1, 1, t, s))
+    probs = torch.softmax(scores, dim=-1).view(b, nkv, rep * t, s)
+    return torch.matmul(probs, vals).view(b, nq, t, d).transpose(1, 2)  # [B, T, nq, d]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,9 @@ import torch
 from transformers import DynamicCache
 
 from ..models import ModelBundle
+from .decoder import tree_mask_filler
 from .static_runner import StaticRunner, describe_unsupported
+from .tree import FlatTrees
 
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 log = logging.getLogger(__name__)
@@ -87,15 +89,36 @@ class ModelRunner:
         """Tree sizes up to ``largest`` after which this runner's verify cost steps up (none known here)."""
         return ()
 
+    @torch.inference_mode()
+    def verify_flat(self, flat: FlatTrees) -> torch.Tensor:
+        """Several streams' draft trees (``tree.FlatTrees``), one transformers forward per stream (no batched
+        forward on the eager path): stream ``b``'s rows at positions ``starts[b] + depths`` over its
+        ``DynamicCache`` of ``starts[b]`` rows, with the additive mask of its prefix and tree ancestors
+        (``decoder.fill_tree_mask``). Returns logits ``[R, V]`` (model dtype) in ``flat``'s row order."""
+        neg = float(torch.finfo(self.dtype).min)
+        out = []
+        for b in range(flat.num_streams):
+            lo, hi, start = int(flat.cu[b]), int(flat.cu[b + 1]), int(flat.starts[b])
+            t = hi - lo
+            mask = torch.empty((t, start + t), dtype=self.dtype)
+            tree_mask_filler()(mask, np.array([0, t], dtype=np.int64), flat.parents[lo:hi],
+                               np.array([start], dtype=np.int64), neg)
+            ids = torch.from_numpy(np.ascontiguousarray(flat.tokens[lo:hi], dtype=np.int64)).view(1, t)
+            pos = torch.from_numpy(np.asarray(flat.depths[lo:hi], dtype=np.int64) + start).view(1, t)
+            out.append(self.verify(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+                                   attention_mask=mask.view(1, 1, t, start + t).to(self.device),
+                                   cache=flat.caches[b]))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
     def verify_tree(self, tree, *, cache: DynamicCache) -> torch.Tensor:
         """One forward over a flattened draft tree (``tree.TreeInputs``); returns logits ``[T, V]``."""
-        return self.verify(input_ids=tree.input_ids, position_ids=tree.position_ids,
-                           attention_mask=tree.attention_mask, cache=cache)
+        return self.verify_flat(FlatTrees.of([(tree, cache)]))
 
     def verify_batch(self, items) -> list[torch.Tensor]:
-        """Several streams' trees ``[(tree, cache), ...]``, one forward each on the eager path (no batched
-        forward here); logits ``[T_b, V]`` per item."""
-        return [self.verify_tree(tree, cache=cache) for tree, cache in items]
+        """Several streams' trees ``[(tree, cache), ...]`` (``verify_flat``); logits ``[T_b, V]`` per item."""
+        flat = FlatTrees.of(list(items))
+        logits = self.verify_flat(flat)
+        return [logits[int(flat.cu[b]) : int(flat.cu[b + 1])] for b in range(flat.num_streams)]
 
     @staticmethod
     def keep_rows(cache: DynamicCache, *, committed_len: int, nodes: list[int]) -> None:
@@ -118,15 +141,22 @@ class ModelRunner:
             layer.keys = layer.keys.index_select(2, idx)
             layer.values = layer.values.index_select(2, idx)
 
+    def keep_rows_batch(self, caches: list, starts: np.ndarray, paths: np.ndarray, cu_paths: np.ndarray) -> None:
+        """``keep_rows`` per stream: stream ``b`` keeps ``paths[cu_paths[b] : cu_paths[b + 1]]`` (local node
+        indices, root first) after its ``starts[b]`` committed rows."""
+        for b, cache in enumerate(caches):
+            nodes = [int(n) for n in paths[int(cu_paths[b]) : int(cu_paths[b + 1])]]
+            self.keep_rows(cache, committed_len=int(starts[b]), nodes=nodes)
+
 
 def make_runner(bundle: ModelBundle, *, kind: str = "auto", compile: str = "auto"):
     """The verify runner for ``decoding.runner`` (``auto`` | ``eager`` | ``static``).
 
     ``auto`` takes the static runner (engine/static_runner.py) when ``describe_unsupported`` finds nothing
-    against the model, else the eager ``ModelRunner``, and logs why. ``compile``: ``on`` compiles the static
-    verify step per tree size (CUDA graphs on CUDA, ``torch.compile`` on the CPU), ``off`` never, ``auto``
-    only on CUDA (on the CPU inductor copies the whole KV cache per layer for the in-place KV write, which made the
-    compiled step ~30x slower: benchmarks/README.md).
+    against the model, else the eager ``ModelRunner``, and logs why. ``compile``: CUDA graphs of the static
+    runner's verify step per (streams, tree) bucket on CUDA: ``auto`` and ``on`` there, ``off`` never; on the CPU
+    there is nothing to compile (``on`` logs a warning and runs uncompiled: the torch.compile'd CPU step was
+    ~30x slower, benchmarks/verify-compile-20261201-105108.md, and was removed).
 
     Raises:
         ValueError: ``static`` for a model the static runner cannot run, or an unknown kind.

@@ -295,7 +295,7 @@ def test_state_scopes(tiny):
     s1, s2 = job.new_state(), job.new_state()
     assert s1 is not s2
     job.generate("abcabc", GenerationParams(max_new_tokens=10), state=s1)
-    assert s1.automaton.num_nodes > 0 and s2.automaton.num_nodes == 0  # one job's text never reaches another
+    assert s1.automaton_nodes > 0 and s2.automaton_nodes == 0  # one job's text never reaches another
     job.free_state(s1)
     with pytest.raises(ValueError, match="freed"):
         job.generate("abcabc", GenerationParams(max_new_tokens=10), state=s1)
@@ -304,14 +304,21 @@ def test_state_scopes(tiny):
     req = Engine(tiny, DecodingConfig(method="racer", scope="request"))
     s = req.new_state()
     req.generate("abcabc", GenerationParams(max_new_tokens=10), state=s)
-    assert s.automaton.num_nodes == 0  # request scope used a fresh private state
+    assert s.automaton_nodes == 0  # request scope used a fresh private state
 
 
-def test_automaton_memory_bounded_across_rows(tiny):
+@pytest.mark.parametrize("core", ["native", "python"])
+def test_automaton_memory_bounded_across_rows(tiny, core, monkeypatch):
+    if core == "python":
+        monkeypatch.setenv("RACER_NATIVE_DRAFT", "off")
     engine = Engine(tiny, DecodingConfig(method="racer", max_nodes=200, ngram=6))
     state = engine.new_state()
+    assert (state.native is not None) == (core == "native")
     for i in range(12):
         engine.generate(PROMPTS[i % len(PROMPTS)] + str(i), GenerationParams(max_new_tokens=40), state=state)
-        assert state.automaton.num_nodes <= 200
-    state.automaton.check_invariants()
+        assert 0 < state.automaton_nodes <= 200
+    if core == "python":
+        state.automaton.check_invariants()
+    else:
+        assert state.native.num_evicted > 0  # the pool was full: eviction kept it within max_nodes
     assert state.rows == 12

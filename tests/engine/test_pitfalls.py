@@ -7,6 +7,7 @@ failure links (tests/unit/test_automaton.py), 9.6 shared state (test_engine_tiny
 9.12 emitted-only counters (asserted in the greedy tests)."""
 
 import numpy as np
+import pytest
 import torch
 
 from helpers import tiny_bundle
@@ -80,10 +81,13 @@ def test_9_8_special_tokens_are_expanded_and_every_eos_id_stops():
     bundle = tiny_bundle(seed=3)
     eng = Engine(bundle, DecodingConfig(method="racer"))
     state = eng.new_state()
-    assert state.store.table.shape[0] == bundle.vocab_size  # sized by the full output vocabulary
+    vocab = state.native.vocab_size if state.native is not None else state.store.table.shape[0]
+    assert vocab == bundle.vocab_size  # sized by the full output vocabulary
+    with pytest.raises(ValueError):
+        state.store_row(bundle.vocab_size)
     # after a prompt containing the special EOS id (2), its store row holds real predictions
     eng.generate([5, 2, 6, 7], GenerationParams(max_new_tokens=5), state=state)
-    assert (state.store.row(2) >= 0).all()
+    assert (state.store_row(2) >= 0).all()
     # any EOS id stops, not only the first one
     base = generate_reference(tiny_bundle(seed=3, eos=False), "abcabc", GenerationParams(max_new_tokens=30))
     second = next(t for i, t in enumerate(base.token_ids) if i >= 3 and t not in base.token_ids[:i])

@@ -288,12 +288,12 @@ def test_engine_job_states_are_isolated():
     first = engine.generate(prompt, params, state=job_a)
     repeat = engine.generate(prompt, params, state=job_a)
     assert repeat.text == first.text and repeat.stats.steps < first.stats.steps  # control: the state helps
-    assert job_a.automaton.num_nodes > 0 and (job_a.store.table >= 0).any()
+    assert job_a.automaton_nodes > 0 and job_a.store_known > 0
     job_b = engine.new_state()
     assert job_b is not job_a and job_b.state_id != job_a.state_id
-    assert job_b.automaton.num_nodes == 0 and not (job_b.store.table >= 0).any()  # starts empty
+    assert job_b.automaton_nodes == 0 and job_b.store_known == 0  # starts empty
     engine.free_state(job_a)
-    assert job_a.freed and job_a.automaton is None and job_a.store is None
+    assert job_a.freed and job_a.automaton is None and job_a.store is None and job_a.native is None
     with pytest.raises(ValueError, match="freed"):
         engine.generate(prompt, params, state=job_a)
     in_b = engine.generate(prompt, params, state=job_b)

@@ -82,7 +82,7 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
     assert rc == 0
     d = json.loads((tmp_path / "out" / "gpu_bench-tiny-cpu.json").read_text())
     assert set(d["cost_curve_ms"]) == {"1", "4", "16"}
-    # eager and static on the CPU (no compile without --compile-cpu), timed over the same sizes; the default
+    # eager and static on the CPU (CUDA graphs only on CUDA), timed over the same sizes; the default
     # runner's curve is the one the projection uses
     assert d["default_runner"] == "static" and not d["errors"]
     assert set(d["cost_curves_ms"]) == {"eager", "static"}
@@ -111,9 +111,9 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
     for r in bv["rows"]:
         assert r["ms"] > 0 and r["tokens_per_forward"] == r["streams"] * r["nodes"]
         assert r["throughput_vs_b1"] == pytest.approx(r["streams"] / r["ms_vs_b1"], rel=0.01)
-        # the runner's own word: one stream goes alone, several in one forward (our CPU kernels' segments, else
-        # the padded [B, N] step)
-        assert r["path"] == ("per-stream" if r["streams"] == 1 else "segments" if cpu_ops() is not None else "padded")
+        # the runner's own word: every B (one stream too) in one forward: our CPU kernels' segments, else the
+        # padded [B, N] step
+        assert r["path"] == ("segments" if cpu_ops() is not None else "padded")
     md = (tmp_path / "out" / "gpu_bench-tiny-cpu.md").read_text()
     assert "## Batched verify: B streams x N tree nodes in one call (static)" in md
     assert "say nothing about a GPU" in md

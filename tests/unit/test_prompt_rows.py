@@ -4,6 +4,7 @@ copy-logit store must come out exactly as if every position had been computed.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -67,29 +68,35 @@ def _shared(scope: str = "job"):
     return make_state(DecodingConfig(method="logits", max_breadth=2, scope=scope), vocab_size=20, scope=scope)
 
 
-def test_rows_decoded_together_draft_from_their_own_predictions_first():
+@pytest.mark.parametrize("core", ["native", "python"])
+def test_rows_decoded_together_draft_from_their_own_predictions_first(core, monkeypatch):
+    if core == "python":
+        monkeypatch.setenv("RACER_NATIVE_DRAFT", "off")
     from racer_batch.drafters.base import Verified
 
     state = _shared()
+    assert (state.native is not None) == (core == "native")
     a, b = _logits_drafter(state), _logits_drafter(state)
     a.start([1, 2], np.array([[3, 4], [5, 6]]))
     b.start([1, 9], np.array([[7, 8], [10, 11]]))  # b's prompt overwrites the shared rows of token 1
-    assert state.store.row(1).tolist() == [7, 8]
+    assert state.store_row(1).tolist() == [7, 8]
     assert a.propose(1, capacity=3, max_depth=1).token_ids == [1, 3, 4]  # a's own prediction after 1
     assert b.propose(1, capacity=3, max_depth=1).token_ids == [1, 7, 8]
     assert a.propose(9, capacity=3, max_depth=1).token_ids == [9, 10, 11]  # unseen by a: the shared row
     b.update(Verified(np.array([2]), np.array([[12, 13]]), [12]))
     assert a.propose(2, capacity=3, max_depth=1).token_ids == [2, 5, 6]  # a keeps its own row of token 2
     a.close()
-    assert a.own is None
+    assert a.own is None and a.native is None
     # the shared store still learns from every row, for the rows that come later
     c = _logits_drafter(state)
     c.start([5], np.array([[1, 1]]))
     assert c.propose(2, capacity=3, max_depth=1).token_ids == [2, 12, 13]
 
 
-def test_one_row_at_a_time_drafts_as_from_the_shared_store_alone():
-    """Sequential rows: the own layer changes no draft (each token's shared row is then the row's own)."""
+def test_one_row_at_a_time_drafts_as_from_the_shared_store_alone(monkeypatch):
+    """Sequential rows: the own layer changes no draft (each token's shared row is then the row's own). The
+    Python drafter's own layer; the native core is held to it node for node (test_native_draft.py)."""
+    monkeypatch.setenv("RACER_NATIVE_DRAFT", "off")
     from racer_batch.drafters.base import Verified
 
     rng = np.random.default_rng(5)
@@ -110,8 +117,9 @@ def test_one_row_at_a_time_drafts_as_from_the_shared_store_alone():
         d.close()
 
 
-def test_a_private_state_has_no_second_layer():
+def test_a_private_state_has_no_second_layer(monkeypatch):
+    monkeypatch.setenv("RACER_NATIVE_DRAFT", "off")
     state = _shared("request")
     d = _logits_drafter(state)
     d.start([1, 2], np.array([[3, 4], [5, 6]]))
-    assert d.own is None
+    assert d.own is None and d.native is None

@@ -1,0 +1,417 @@
+"""The native (C++) draft core of RACER and its ablations: every stream of a decoding step drafted in one call.
+
+``draft_core.cpp`` reproduces, node for node, what ``TreeDrafter`` (drafters/methods.py) proposes for the racer,
+retrieval and logits methods: the retrieval automaton (drafters/automaton.py: its cursors, pins, recency list,
+LRU leaf eviction, node id reuse and the tie order of ``candidates``), the copy-logit store with each row's own
+layer and the logits tree (drafters/copy_logits.py), and the trie builder (drafters/base.py). One
+:func:`propose_batch` call drafts every stream of a step, one :func:`update_batch` call teaches them all;
+:func:`accept_greedy_batch` and :func:`fill_tree_mask` are engine/tree.py's greedy acceptance and
+engine/decoder.py's flat-batch mask over the same flat arrays.
+
+Build: compiled on first use with the machine's C++ compiler (pybind11 headers from torch; no libtorch link;
+``-O3``, no ``-march``) into the kernels' cache (``racer_batch.engine.kernels.cache_dir()``), the file named by a
+hash of the source, the flags and the Python and torch versions, replaced atomically; later processes load it in
+milliseconds. A failed build or load is loud: :func:`native_core` raises RuntimeError with the compiler's output,
+and :func:`available` logs it as an ERROR and returns False. ``RACER_NATIVE_DRAFT=off`` turns the core off
+(:func:`available` False, :func:`unavailable_reason` says so); nothing here falls back silently.
+
+Example (one job's two rows sharing a state, as scope ``job``)::
+
+    st = NativeDraftState(vocab_size=V, max_nodes=10_000, ngram=10, min_border_depth=2, use_retrieval=True,
+                          use_logits=True, max_breadth=8, own_layers=True)
+    a, b = st.open_row(), st.open_row()
+    st.start(a, prompt_a, topk_a); st.start(b, prompt_b, topk_b)
+    flat = propose_batch([st, st], np.array([a, b]), roots, np.array([16, 16]), np.array([8, 8]))
+    ...  # verify flat.tokens; accept; commit
+    update_batch([st, st], np.array([a, b]), flat.cu, flat.tokens, topk, committed, cu_committed)
+    st.close_row(a); st.close_row(b); st.free()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FlatDraft",
+    "NativeDraftState",
+    "accept_greedy_batch",
+    "available",
+    "fill_tree_mask",
+    "native_core",
+    "propose_batch",
+    "unavailable_reason",
+    "update_batch",
+]
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("draft_core.cpp")
+_MODULE = "racer_draft_core"  # the name in PYBIND11_MODULE
+_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-DNDEBUG"]
+_ENV = "RACER_NATIVE_DRAFT"
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "module": the loaded module, or "error": why building or loading failed
+
+
+# ---------------------------------------------------------------------------------------------- build and load
+
+
+def _turned_off() -> bool:
+    return os.environ.get(_ENV, "on").strip().lower() in ("0", "off", "false", "no")
+
+
+def _library_path() -> Path:
+    """The cached library's path: the kernels' cache dir, named by a hash of source, flags and versions."""
+    from ...engine.kernels import cache_dir
+
+    key = hashlib.sha256()
+    key.update(_SRC.read_bytes())
+    key.update(" ".join(_FLAGS).encode())
+    key.update(sys.version.encode())
+    key.update(torch.__version__.encode())  # the pybind11 headers come with torch
+    return cache_dir() / f"draft_core-{key.hexdigest()[:16]}.so"
+
+
+def _compile(out: Path) -> None:
+    """Build ``_SRC`` into ``out`` (atomic replace). Raises RuntimeError with the compiler's stderr tail."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *_FLAGS, *includes, str(_SRC), "-o", tmp], check=False, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building {_SRC.name} with {cxx} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent builder sees either no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(_MODULE, str(path), loader=loader)
+    if spec is None:
+        raise RuntimeError(f"cannot make an import spec for {path}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def native_core() -> ModuleType:
+    """The compiled module (``DraftCore`` and the batch functions), built on the first call and cached.
+
+    Raises:
+        RuntimeError: ``RACER_NATIVE_DRAFT=off``, or building or loading failed (the message carries the
+            compiler's stderr tail; the failure is remembered, later calls raise the same without rebuilding).
+    """
+    if _turned_off():
+        raise RuntimeError(f"the native draft core is turned off ({_ENV}=off)")
+    mod = _state.get("module")
+    if mod is not None:
+        return mod  # type: ignore[return-value]
+    with _lock:
+        if "module" in _state:
+            return _state["module"]  # type: ignore[return-value]
+        if "error" in _state:
+            raise RuntimeError(_state["error"])
+        try:
+            path = _library_path()
+            if not path.exists():
+                log.warning("building racer's native draft core into %s (once per machine, ~30 s)", path)
+                _compile(path)
+            _state["module"] = _load(path)
+        except Exception as exc:  # any build/load failure: remembered and re-raised as RuntimeError
+            _state["error"] = f"racer's native draft core is unavailable: {type(exc).__name__}: {exc}"
+            raise RuntimeError(_state["error"]) from exc
+        return _state["module"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the native draft core can be used: builds it on the first call (see :func:`native_core`).
+
+    False when ``RACER_NATIVE_DRAFT=off`` or when building or loading failed (then logged as an ERROR with the
+    reason, once); the caller decides what to do instead.
+    """
+    if _turned_off():
+        return False
+    try:
+        native_core()
+    except RuntimeError as exc:
+        if not _state.get("logged"):
+            _state["logged"] = True
+            log.error("%s", exc)
+        return False
+    return True
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True or the build was not tried yet)."""
+    if _turned_off():
+        return f"turned off ({_ENV}=off)"
+    return _state.get("error")  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------- the API
+
+
+@dataclass(frozen=True)
+class FlatDraft:
+    """Every stream's draft tree, concatenated; each tree breadth-first exactly as ``engine.tree.flatten_tree``.
+
+    Attributes (all int64 numpy arrays; stream ``b`` owns rows ``cu[b] : cu[b + 1]``, its root first):
+        cu: ``[B + 1]`` row offsets.
+        tokens: ``[R]`` token ids.
+        parents: ``[R]`` parent as an index local to the stream's tree (flattened order), -1 at the root.
+        depths: ``[R]`` depth (root 0).
+        sources: ``[R]`` ``SOURCE_*`` bit flags (values.py) of the drafters that proposed each node; 0 at the root.
+        order: ``[R]`` creation index of each node within its own tree (``TreeInputs.order``).
+    """
+
+    cu: np.ndarray
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    sources: np.ndarray
+    order: np.ndarray
+
+    @property
+    def num_streams(self) -> int:
+        return int(self.cu.shape[0]) - 1
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def sizes(self) -> np.ndarray:
+        """``[B]`` nodes per stream."""
+        return np.diff(self.cu)
+
+
+class NativeDraftState:
+    """One draft state (one job scope, or one request): the automaton and the ``[vocab, k]`` copy-logit store.
+
+    Rows (streams) open on it with :meth:`open_row`; each has its own automaton cursor and, with ``own_layers``,
+    its own store layer read before the shared table (``TreeDrafter.own``, used where scope != "request").
+
+    Args:
+        vocab_size: the model's full output vocabulary; every token id must be in ``[0, vocab_size)``.
+        k: store columns (default ``max_breadth``, as ``_tree_state`` makes it).
+        max_nodes, ngram, min_border_depth: the automaton's (``Automaton``), used when ``use_retrieval``.
+        use_retrieval / use_logits: racer (both), retrieval or logits.
+        max_breadth: breadth of the logits tree's root.
+        own_layers: give each row its own store layer (only with ``use_logits``).
+
+    Raises:
+        ValueError: a setting out of range (as ``Automaton`` / ``CopyLogitStore``).
+        RuntimeError: the native core is unavailable (:func:`native_core`).
+    """
+
+    __slots__ = ("_core", "k", "max_breadth", "own_layers", "use_logits", "use_retrieval", "vocab_size")
+
+    def __init__(self, *, vocab_size: int, k: int | None = None, max_nodes: int = 10_000, ngram: int = 10,
+                 min_border_depth: int = 2, use_retrieval: bool, use_logits: bool, max_breadth: int,
+                 own_layers: bool) -> None:
+        k = max_breadth if k is None else k
+        self._core = native_core().DraftCore(
+            vocab_size=int(vocab_size), k=int(k), max_nodes=int(max_nodes), ngram=int(ngram),
+            min_border_depth=int(min_border_depth), use_retrieval=bool(use_retrieval), use_logits=bool(use_logits),
+            max_breadth=int(max_breadth), own_layers=bool(own_layers),
+        )
+        self.vocab_size, self.k, self.max_breadth = int(vocab_size), int(k), int(max_breadth)
+        self.use_retrieval, self.use_logits, self.own_layers = bool(use_retrieval), bool(use_logits), bool(own_layers)
+
+    @classmethod
+    def from_config(cls, config, *, vocab_size: int, scope: str, retrieval: bool, logits: bool) -> NativeDraftState:
+        """The state ``methods._tree_state`` would make for a ``DecodingConfig`` (own layers unless scope request)."""
+        return cls(vocab_size=vocab_size, k=config.max_breadth, max_nodes=config.max_nodes, ngram=config.ngram,
+                   min_border_depth=config.min_border_depth, use_retrieval=retrieval, use_logits=logits,
+                   max_breadth=config.max_breadth, own_layers=scope != "request")
+
+    def open_row(self) -> int:
+        """A new row (its automaton cursor; its own layer is made at :meth:`start`); returns its handle.
+
+        Raises: ValueError: the state was freed."""
+        return self._core.open_row()
+
+    def close_row(self, row: int) -> None:
+        """The row ended (``TreeDrafter.close``): its windows are unpinned, its state and own layer dropped.
+        Idempotent; a no-op on a freed state or an unknown handle."""
+        self._core.close_row(int(row))
+
+    def start(self, row: int, prompt_ids, prompt_topk=None) -> None:
+        """``TreeDrafter.start``: feed the prompt to the store (and the row's own layer) and the automaton.
+
+        Args:
+            prompt_ids: ``[P]`` token ids (converted to int64).
+            prompt_topk: ``[P, k']`` top-k' ids per prompt position, k' >= k (extra columns ignored; rows whose
+                first entry is -1 are skipped), or None.
+
+        Raises:
+            ValueError: freed state, unknown/closed/already started row, bad shapes, token ids outside the vocab.
+        """
+        self._core.start(int(row), prompt_ids, prompt_topk)
+
+    def store_row(self, token: int) -> np.ndarray:
+        """``[k]`` int64: the shared copy-logit store's row of ``token`` (-1 where nothing is known), as
+        ``CopyLogitStore.row``.
+
+        Raises: ValueError: no store (retrieval only), or ``token`` outside the vocabulary."""
+        return self._core.store_row(int(token))
+
+    @property
+    def store_known(self) -> int:
+        """Tokens whose shared store row holds a prediction (0 without a store)."""
+        return self._core.store_known
+
+    def free(self) -> None:
+        """Drop the automaton, the store and every row; later use raises ValueError (close_row is a no-op)."""
+        self._core.free()
+
+    @property
+    def freed(self) -> bool:
+        return self._core.freed
+
+    @property
+    def num_nodes(self) -> int:
+        """Live automaton nodes (the trie root not counted); 0 without retrieval."""
+        return self._core.num_nodes
+
+    @property
+    def num_evicted(self) -> int:
+        """Automaton nodes evicted so far."""
+        return self._core.num_evicted
+
+    @property
+    def num_rows(self) -> int:
+        """Open rows."""
+        return self._core.num_rows
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held: store table, own layers, automaton nodes and index (capacity, not just use)."""
+        return self._core.memory_bytes
+
+
+def _cores(states: Sequence[NativeDraftState]) -> list:
+    try:
+        return [s._core for s in states]
+    except AttributeError:
+        raise ValueError("states must be NativeDraftState objects") from None
+
+
+def propose_batch(states: Sequence[NativeDraftState], rows, roots, capacities, max_depths) -> FlatDraft:
+    """``TreeDrafter.propose`` for every stream, in list order, in one native call; flattened breadth-first.
+
+    Args (1-D, length B = len(states), converted to int64):
+        states: each stream's state (a state may appear several times: its rows are drafted in list order).
+        rows: each stream's row handle (open and started on its state).
+        roots: the root tokens (the tokens committed last, not yet in the KV cache).
+        capacities: most nodes per tree, the root included (>= 1).
+        max_depths: deepest node depth (>= 0; 0 gives the root alone).
+
+    Returns: a :class:`FlatDraft`. Side effects as the Python drafter's: the automaton advances over each root
+    (also at capacity 1 or depth 0), touching its matches.
+
+    Raises:
+        ValueError: shapes, a closed/unknown/unstarted row, a freed state, a root outside the vocab, capacity < 1,
+            max_depth < 0 (checked before any state changes).
+    """
+    out = native_core().propose_batch(_cores(states), rows, roots, capacities, max_depths)
+    return FlatDraft(*out)
+
+
+def update_batch(states: Sequence[NativeDraftState], rows, cu, node_tokens, node_topk, committed, cu_committed) -> None:
+    """``TreeDrafter.update`` for every stream, in list order, in one native call.
+
+    Per stream ``b``: the store (shared table, then the row's own layer) learns ``node_topk`` at ``node_tokens``
+    rows ``cu[b] : cu[b + 1]`` (rows whose first entry is -1 skipped), then the automaton extends the row's text by
+    ``committed[cu_committed[b] : cu_committed[b + 1]]`` and advances over all of them but the last.
+
+    Args (int64): rows ``[B]``; cu ``[B + 1]``; node_tokens ``[R]``; node_topk ``[R, k']`` (k' >= k);
+        committed ``[M]``; cu_committed ``[B + 1]``.
+
+    Raises:
+        ValueError: shapes or offsets, token ids outside the vocab, too few top-k columns, a closed/unknown/
+            unstarted row, a freed state (checked before any state changes).
+    """
+    native_core().update_batch(_cores(states), rows, cu, node_tokens, node_topk, committed, cu_committed)
+
+
+def accept_greedy_batch(cu, parents, tokens, choices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``engine.tree.accept_greedy`` of every stream of a flat batch.
+
+    Args (int64): cu ``[B + 1]`` (every stream non-empty); parents ``[R]`` local (-1 at each root, else a node
+        before it); tokens ``[R]``; choices ``[R]`` the target's argmax at each node.
+
+    Returns:
+        ``(path_nodes [sum of path lengths], cu_path [B + 1], bonus [B])``: stream ``b``'s accepted path as local
+        flattened node indices starting with 0 (``path_nodes[cu_path[b] : cu_path[b + 1]]``) and its bonus token
+        (``choices`` at the path's last node).
+
+    Raises:
+        ValueError: shapes, offsets or parents not a forest of the streams' trees.
+    """
+    return native_core().accept_greedy_batch(cu, parents, tokens, choices)
+
+
+def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:
+    """``(numpy view of mask's memory, bit pattern of neg in mask's dtype)``; raises ValueError."""
+    if isinstance(mask, torch.Tensor):
+        if mask.device.type != "cpu" or not mask.is_contiguous():
+            raise ValueError(f"mask must be a contiguous CPU tensor, got {mask.device} (contiguous: {mask.is_contiguous()})")
+        if mask.dtype == torch.float32:
+            return mask.detach().numpy(), int(np.float32(neg).view(np.uint32))
+        if mask.dtype in (torch.float16, torch.bfloat16):
+            bits = int(torch.tensor(neg, dtype=mask.dtype).view(torch.int16).item()) & 0xFFFF
+            return mask.detach().view(torch.int16).numpy(), bits
+        raise ValueError(f"mask dtype must be float32, float16 or bfloat16, got {mask.dtype}")
+    if isinstance(mask, np.ndarray) and mask.dtype == np.float32:
+        return mask, int(np.float32(neg).view(np.uint32))
+    if isinstance(mask, np.ndarray) and mask.dtype == np.float16:
+        return mask, int(np.float16(neg).view(np.uint16))
+    raise ValueError(f"mask must be a torch tensor or a float32/float16 numpy array, got {type(mask).__name__}")
+
+
+def fill_tree_mask(mask, cu, parents, starts, neg: float):
+    """Write a flat batch's additive tree-attention mask into ``mask [R, S]`` (every element) and return it.
+
+    Row ``r`` of stream ``b`` (rows ``cu[b] : cu[b + 1]``, local index ``i``): columns ``[0, starts[b])`` (the
+    committed prefix) get 0, column ``starts[b] + j`` gets 0 where node ``j`` is an ancestor-or-self of ``i`` and
+    ``neg`` elsewhere, columns from ``starts[b] + T_b`` on get ``neg``. Same contract as
+    ``engine.decoder.fill_tree_mask``.
+
+    Args:
+        mask: ``[R, S]`` C-contiguous CPU torch tensor (float32, float16 or bfloat16) or numpy array (float32 or
+            float16), written in place.
+        cu: ``[B + 1]`` int64 row offsets (every stream non-empty); parents: ``[R]`` local parents;
+        starts: ``[B]`` committed length of each stream; neg: the hidden value (e.g. the dtype's min).
+
+    Raises:
+        ValueError: mask type/layout/shape, offsets, parents not a forest, or a stream not fitting in S columns.
+    """
+    view, neg_bits = _mask_bits(mask, neg)
+    native_core().fill_tree_mask(view, cu, parents, starts, 0, neg_bits)
+    return mask

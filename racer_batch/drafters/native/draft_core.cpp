@@ -1,0 +1,1192 @@
+// The native draft core of RACER and its two ablations (racer_batch/drafters/native/__init__.py): the retrieval
+// automaton (drafters/automaton.py), the copy-logit store and logits tree (drafters/copy_logits.py), the trie
+// builder (drafters/base.py) and TreeDrafter's propose/update (drafters/methods.py), batched over streams, plus
+// the flattening, greedy acceptance and tree mask of engine/tree.py and engine/decoder.py.
+//
+// Exactness: every draft equals the Python drafters' node for node. Python dicts iterate in insertion order and
+// candidates() breaks heap ties by discovery order, so each trie node keeps its children on an intrusive doubly
+// linked list in insertion order (a child evicted and re-created goes to the end, as a deleted and re-inserted
+// dict key does); the (parent, token) -> child lookup is a separate open-addressing hash table. Node ids, the
+// recency list, pins, failure links and eviction follow automaton.py step by step.
+//
+// Threads: every batch call locks the states it touches (in address order, so two calls never deadlock) and
+// runs without the GIL. Bad inputs throw std::invalid_argument (ValueError in Python) before anything changes.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+using i32 = std::int32_t;
+using i64 = std::int64_t;
+using u16 = std::uint16_t;
+using u32 = std::uint32_t;
+using u64 = std::uint64_t;
+using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
+
+constexpr i32 kRoot = 0;             // node id of the trie root; also the sentinel of the recency list
+constexpr i64 kSourceRetrieval = 1;  // values.SOURCE_RETRIEVAL
+constexpr i64 kSourceLogits = 2;     // values.SOURCE_LOGITS
+
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument(msg); }
+
+inline u64 mix64(u64 h) {
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdULL;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ULL;
+  h ^= h >> 33;
+  return h;
+}
+
+inline u64 key_hash(i32 parent, i32 token) { return mix64((u64(u32(parent)) << 32) | u64(u32(token))); }
+
+// ------------------------------------------------------------------------------------------------ child index
+
+// (parent, token) -> child id. Linear probing over slots holding node ids only: a slot's key is read from the
+// owner's arrays through `keys` (keys.parent(x), keys.token(x)), so an entry must be erased while its node still
+// carries its key. Backward-shift deletion, no tombstones; load factor <= 1/2.
+class ChildIndex {
+ public:
+  void clear() {
+    std::fill(slots_.begin(), slots_.end(), -1);
+    count_ = 0;
+  }
+
+  template <class Keys>
+  i32 find(i32 parent, i32 token, const Keys& keys) const {
+    if (slots_.empty()) return -1;
+    for (u64 i = key_hash(parent, token) & mask_;; i = (i + 1) & mask_) {
+      const i32 x = slots_[i];
+      if (x < 0) return -1;
+      if (keys.parent(x) == parent && keys.token(x) == token) return x;
+    }
+  }
+
+  template <class Keys>
+  void insert(i32 node, const Keys& keys) {
+    if ((count_ + 1) * 2 > slots_.size()) rehash(slots_.empty() ? 16 : slots_.size() * 2, keys);
+    place(node, keys);
+    ++count_;
+  }
+
+  template <class Keys>
+  void erase(i32 node, const Keys& keys) {
+    u64 i = key_hash(keys.parent(node), keys.token(node)) & mask_;
+    while (slots_[i] != node) i = (i + 1) & mask_;
+    slots_[i] = -1;
+    --count_;
+    for (u64 j = (i + 1) & mask_; slots_[j] >= 0; j = (j + 1) & mask_) {
+      const i32 y = slots_[j];
+      const u64 home = key_hash(keys.parent(y), keys.token(y)) & mask_;
+      // y may move into the hole at i unless its home lies cyclically in (i, j]
+      const bool stays = (i < j) ? (home > i && home <= j) : (home > i || home <= j);
+      if (!stays) {
+        slots_[i] = y;
+        slots_[j] = -1;
+        i = j;
+      }
+    }
+  }
+
+  size_t bytes() const { return slots_.capacity() * sizeof(i32); }
+
+ private:
+  template <class Keys>
+  void place(i32 node, const Keys& keys) {
+    u64 i = key_hash(keys.parent(node), keys.token(node)) & mask_;
+    while (slots_[i] >= 0) i = (i + 1) & mask_;
+    slots_[i] = node;
+  }
+
+  template <class Keys>
+  void rehash(size_t n, const Keys& keys) {
+    std::vector<i32> old;
+    old.swap(slots_);
+    slots_.assign(n, -1);
+    mask_ = n - 1;
+    for (i32 x : old)
+      if (x >= 0) place(x, keys);
+  }
+
+  std::vector<i32> slots_;
+  u64 mask_ = 0;
+  size_t count_ = 0;
+};
+
+// ------------------------------------------------------------------------------------------------ automaton
+
+struct Node {
+  i64 freq;         // windows that passed through the node
+  i32 token;        // token on the edge from the parent
+  i32 parent;
+  i32 depth;
+  i32 fail;         // failure link: node of the longest proper suffix present
+  i32 nref;         // nodes whose failure link points here
+  i32 pinned;       // open cursors holding the node among their growing windows
+  i32 states;       // open cursors whose matching state is the node
+  i32 prv, nxt;     // recency list (toward the front / toward the tail)
+  i32 first_child, last_child, prev_sib, next_sib;  // children in insertion order
+};
+
+struct Cursor {
+  std::vector<i32> active{kRoot};  // active[j]: node of the text's last j tokens (the growing windows)
+  i32 state = kRoot;
+};
+
+// Per thread, per token: the generation of the grouping that last saw the token and its group there (a
+// grouping of children by token in O(children), shared by every state a thread drafts for).
+struct TokenStamps {
+  std::vector<u32> stamp, group_of;
+  u32 gen = 0;
+  u32 next() {
+    if (++gen == 0) {  // wrapped: forget every old stamp
+      std::fill(stamp.begin(), stamp.end(), 0);
+      gen = 1;
+    }
+    return gen;
+  }
+};
+
+TokenStamps& token_stamps(i32 vocab) {
+  thread_local TokenStamps t;
+  if (t.stamp.size() < size_t(vocab)) {
+    t.stamp.assign(size_t(vocab), 0);
+    t.group_of.assign(size_t(vocab), 0);
+    t.gen = 0;
+  }
+  return t;
+}
+
+struct HeapItem {
+  i64 score;
+  i32 depth, seq, token, parent, off, cnt;  // off/cnt: the pooled trie nodes in the automaton's pool
+};
+
+// a pops after b (std heap functions keep the "largest" on top: the best score, then shallowest, then oldest)
+inline bool pops_after(const HeapItem& a, const HeapItem& b) {
+  if (a.score != b.score) return a.score < b.score;
+  if (a.depth != b.depth) return a.depth > b.depth;
+  return a.seq > b.seq;
+}
+
+class Automaton {
+ public:
+  Automaton(i32 vocab, i32 max_nodes, i32 ngram, i32 min_border_depth)
+      : vocab_(vocab), max_nodes_(max_nodes), ngram_(ngram), min_depth_(std::max(2, min_border_depth)) {
+    nodes_.push_back(blank_node());
+    nodes_[kRoot].states = 1;  // the automaton's own cursor (automaton.py), always at the trie root
+  }
+
+  i64 num_nodes() const { return i64(nodes_.size()) - 1; }
+  i64 num_evicted() const { return num_evicted_; }
+  size_t bytes() const {
+    return nodes_.capacity() * sizeof(Node) + index_.bytes();
+  }
+
+  void open(Cursor& c) { nodes_[c.state].states += 1; }
+
+  void close(Cursor& c) {  // close_cursor
+    start_text(c);
+    nodes_[c.state].states -= 1;
+    c.state = kRoot;
+  }
+
+  void start_text(Cursor& c) {
+    for (size_t j = 1; j < c.active.size(); ++j) nodes_[c.active[j]].pinned -= 1;
+    c.active.assign(1, kRoot);
+  }
+
+  void reset_state(Cursor& c) { set_state(c, kRoot); }
+
+  void extend(Cursor& c, const i64* tokens, i64 n) {
+    for (i64 i = 0; i < n; ++i) extend_one(c, i32(tokens[i]));
+  }
+
+  // Moves the cursor's state by one token; the borders (deepest first) go to `borders` when given.
+  void advance(Cursor& c, i32 t, std::vector<i32>* borders);
+
+  // Best-first pooled continuations below `borders`, at most `budget` (> 0) of them.
+  void candidates(const std::vector<i32>& borders, i64 budget, std::vector<i32>& out_tokens,
+                  std::vector<i32>& out_parents);
+
+  struct Keys {
+    const Node* n;
+    i32 parent(i32 x) const { return n[x].parent; }
+    i32 token(i32 x) const { return n[x].token; }
+  };
+
+ private:
+  static Node blank_node() {
+    Node n{};
+    n.token = -1;
+    n.parent = -1;
+    n.first_child = n.last_child = n.prev_sib = n.next_sib = -1;
+    return n;
+  }
+  Keys keys() const { return Keys{nodes_.data()}; }
+  i32 child(i32 parent, i32 token) const { return index_.find(parent, token, keys()); }
+
+  void set_state(Cursor& c, i32 v) {
+    nodes_[c.state].states -= 1;
+    nodes_[v].states += 1;
+    c.state = v;
+  }
+
+  void unlink_recency(i32 x) {
+    Node& nx = nodes_[x];
+    nodes_[nx.prv].nxt = nx.nxt;
+    nodes_[nx.nxt].prv = nx.prv;
+  }
+
+  void link_behind(i32 x, i32 a) {  // put x just behind a on the recency list
+    const i32 n = nodes_[a].nxt;
+    nodes_[x].prv = a;
+    nodes_[x].nxt = n;
+    nodes_[a].nxt = x;
+    nodes_[n].prv = x;
+  }
+
+  void touch(i32 x, i32 a) {  // move x just behind its parent a (a move toward the front)
+    if (nodes_[x].prv != a) {
+      unlink_recency(x);
+      link_behind(x, a);
+    }
+  }
+
+  void append_child(i32 a, i32 x) {
+    Node& na = nodes_[a];
+    Node& nx = nodes_[x];
+    nx.prev_sib = na.last_child;
+    nx.next_sib = -1;
+    if (na.last_child >= 0)
+      nodes_[na.last_child].next_sib = x;
+    else
+      na.first_child = x;
+    na.last_child = x;
+  }
+
+  void remove_child(i32 x) {
+    Node& nx = nodes_[x];
+    Node& na = nodes_[nx.parent];
+    if (nx.prev_sib >= 0)
+      nodes_[nx.prev_sib].next_sib = nx.next_sib;
+    else
+      na.first_child = nx.next_sib;
+    if (nx.next_sib >= 0)
+      nodes_[nx.next_sib].prev_sib = nx.prev_sib;
+    else
+      na.last_child = nx.prev_sib;
+  }
+
+  i32 grow() {
+    if (nodes_.size() == nodes_.capacity())
+      nodes_.reserve(std::min<size_t>(size_t(max_nodes_) + 1, std::max<size_t>(64, nodes_.size() * 2)));
+    nodes_.push_back(blank_node());
+    return i32(nodes_.size() - 1);
+  }
+
+  i32 evict_lru_leaf();
+  void extend_one(Cursor& c, i32 t);
+  void new_node(i32 x, i32 t, i32 a, i32 depth, i32 shorter);
+  void push_groups(i32 off, i32 cnt, i32 depth, i32 parent_idx);
+  void push_children_of_one(i32 m, i32 depth, i32 parent_idx);
+
+  i32 vocab_, max_nodes_, ngram_, min_depth_;
+  std::vector<Node> nodes_;
+  ChildIndex index_;
+  i64 num_evicted_ = 0;
+  // scratch
+  std::vector<i32> fresh_, chain_;
+  std::vector<HeapItem> heap_;
+  std::vector<i32> pool_;
+  struct Group {
+    i32 token, count, off, fill;
+  };
+  std::vector<Group> groups_;
+  i32 seq_ = 0;
+};
+
+i32 Automaton::evict_lru_leaf() {
+  i32 x = nodes_[kRoot].prv;
+  while (x != kRoot) {
+    const Node& n = nodes_[x];
+    if (n.first_child < 0 && n.nref == 0 && n.pinned == 0 && n.states == 0) break;
+    x = n.prv;
+  }
+  if (x == kRoot) return -1;
+  unlink_recency(x);
+  index_.erase(x, keys());
+  remove_child(x);
+  nodes_[nodes_[x].fail].nref -= 1;
+  ++num_evicted_;
+  return x;
+}
+
+void Automaton::new_node(i32 x, i32 t, i32 a, i32 depth, i32 shorter) {
+  Node& n = nodes_[x];
+  n.token = t;
+  n.parent = a;
+  n.depth = depth;
+  n.fail = shorter;
+  n.freq = 1;
+  n.first_child = n.last_child = -1;
+  nodes_[shorter].nref += 1;
+  append_child(a, x);
+  index_.insert(x, keys());
+  link_behind(x, a);
+}
+
+void Automaton::extend_one(Cursor& c, i32 t) {
+  const std::vector<i32>& old = c.active;
+  fresh_.assign(1, kRoot);
+  i32 shorter = kRoot;  // node of the window one token shorter: the failure target of a new node
+  const size_t len = old.size();
+  for (size_t k = 1; k <= len; ++k) {  // k: length of the window after adding t
+    const i32 a = old[k - 1];
+    i32 x = child(a, t);
+    if (x < 0) {
+      x = (nodes_.size() <= size_t(max_nodes_)) ? grow() : evict_lru_leaf();
+      if (x < 0) break;  // every leaf is in use: drop this window and the longer ones
+      new_node(x, t, a, i32(k), shorter);
+    } else {
+      nodes_[x].freq += 1;
+      touch(x, a);
+    }
+    nodes_[x].pinned += 1;
+    fresh_.push_back(x);
+    shorter = x;
+  }
+  for (size_t j = 1; j < len; ++j) nodes_[old[j]].pinned -= 1;
+  if (fresh_.size() > size_t(ngram_)) {  // the window of length ngram is complete
+    nodes_[fresh_.back()].pinned -= 1;
+    fresh_.pop_back();
+  }
+  c.active.swap(fresh_);
+}
+
+void Automaton::advance(Cursor& c, i32 t, std::vector<i32>* borders) {
+  i32 v = kRoot;
+  bool found = false;
+  for (i32 s = c.state; s != kRoot; s = nodes_[s].fail) {
+    const i32 x = child(s, t);
+    if (x >= 0) {
+      v = x;
+      found = true;
+      break;
+    }
+  }
+  if (!found) {
+    const i32 x = child(kRoot, t);
+    if (x >= 0) v = x;
+  }
+  chain_.clear();  // the matches, deepest first
+  for (i32 x = v; x != kRoot; x = nodes_[x].fail) chain_.push_back(x);
+  for (auto it = chain_.rbegin(); it != chain_.rend(); ++it) touch(*it, nodes_[*it].parent);
+  set_state(c, v);
+  if (borders != nullptr) {
+    borders->clear();
+    for (i32 x : chain_)
+      if (nodes_[x].depth >= min_depth_) borders->push_back(x);
+  }
+}
+
+// One heap item per token among the children of the nodes pool_[off, off + cnt), in order of first appearance
+// (the dict `groups` of automaton.candidates); each item's nodes are laid out contiguously at the pool's end.
+void Automaton::push_groups(i32 off, i32 cnt, i32 depth, i32 parent_idx) {
+  TokenStamps& st = token_stamps(vocab_);
+  const u32 gen = st.next();
+  groups_.clear();
+  for (i32 i = 0; i < cnt; ++i)
+    for (i32 x = nodes_[pool_[size_t(off + i)]].first_child; x >= 0; x = nodes_[x].next_sib) {
+      const i32 tok = nodes_[x].token;
+      if (st.stamp[size_t(tok)] != gen) {
+        st.stamp[size_t(tok)] = gen;
+        st.group_of[size_t(tok)] = u32(groups_.size());
+        groups_.push_back(Group{tok, 0, 0, 0});
+      }
+      groups_[st.group_of[size_t(tok)]].count += 1;
+    }
+  i32 end = i32(pool_.size());
+  for (Group& g : groups_) {
+    g.off = end;
+    end += g.count;
+  }
+  pool_.resize(size_t(end));
+  for (i32 i = 0; i < cnt; ++i)
+    for (i32 x = nodes_[pool_[size_t(off + i)]].first_child; x >= 0; x = nodes_[x].next_sib) {
+      Group& g = groups_[st.group_of[size_t(nodes_[x].token)]];
+      pool_[size_t(g.off + g.fill++)] = x;
+    }
+  for (const Group& g : groups_) {
+    i64 score = 0;
+    for (i32 i = 0; i < g.count; ++i) score += nodes_[pool_[size_t(g.off + i)]].freq;
+    heap_.push_back(HeapItem{score, depth, seq_++, g.token, parent_idx, g.off, g.count});
+    std::push_heap(heap_.begin(), heap_.end(), pops_after);
+  }
+}
+
+// The children of one node have distinct tokens: one item each (the single-node branch of candidates).
+void Automaton::push_children_of_one(i32 m, i32 depth, i32 parent_idx) {
+  for (i32 x = nodes_[m].first_child; x >= 0; x = nodes_[x].next_sib) {
+    pool_.push_back(x);
+    heap_.push_back(HeapItem{nodes_[x].freq, depth, seq_++, nodes_[x].token, parent_idx, i32(pool_.size() - 1), 1});
+    std::push_heap(heap_.begin(), heap_.end(), pops_after);
+  }
+}
+
+void Automaton::candidates(const std::vector<i32>& borders, i64 budget, std::vector<i32>& out_tokens,
+                           std::vector<i32>& out_parents) {
+  out_tokens.clear();
+  out_parents.clear();
+  if (budget <= 0 || borders.empty()) return;
+  heap_.clear();
+  pool_.assign(borders.begin(), borders.end());
+  seq_ = 0;
+  push_groups(0, i32(borders.size()), 1, -1);
+  while (!heap_.empty()) {
+    std::pop_heap(heap_.begin(), heap_.end(), pops_after);
+    const HeapItem it = heap_.back();
+    heap_.pop_back();
+    const i32 idx = i32(out_tokens.size());
+    out_tokens.push_back(it.token);
+    out_parents.push_back(it.parent);
+    if (idx + 1 >= budget) break;
+    if (it.cnt == 1)
+      push_children_of_one(pool_[size_t(it.off)], it.depth + 1, idx);
+    else
+      push_groups(it.off, it.cnt, it.depth + 1, idx);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ stores
+
+// [vocab, k] table of the target's last top-k predictions after each token (-1: unknown).
+struct Store {
+  Store(i32 vocab, i32 k) : k(k), table(size_t(vocab) * size_t(k), -1) {}
+  const i32* row(i32 tok) const { return &table[size_t(tok) * size_t(k)]; }
+  void write(i32 tok, const i64* src) {
+    i32* dst = &table[size_t(tok) * size_t(k)];
+    for (i32 j = 0; j < k; ++j) dst[j] = src[j] < 0 ? -1 : i32(src[j]);
+  }
+  i32 k;
+  std::vector<i32> table;
+};
+
+// A row's own layer over the shared store: the rows of the tokens this row wrote, found through a small
+// open-addressing table keyed by token (equal to a full [vocab, k] table whose unwritten rows are -1, since only
+// rows with a known first entry are ever written; a few KB per row instead of vocab * k entries).
+struct OwnLayer {
+  explicit OwnLayer(i32 k) : k(k) {}
+  i32 find(i32 tok) const {  // index of the token's row, -1 none
+    if (slots.empty()) return -1;
+    for (u64 i = mix64(u64(u32(tok))) & mask;; i = (i + 1) & mask) {
+      const std::pair<i32, i32>& e = slots[i];
+      if (e.first == tok) return e.second;
+      if (e.first < 0) return -1;
+    }
+  }
+  const i32* row(i32 tok) const {
+    const i32 r = find(tok);
+    return r < 0 ? nullptr : &rows[size_t(r) * size_t(k)];
+  }
+  void write(i32 tok, const i64* src) {
+    i32 r = find(tok);
+    if (r < 0) {
+      if ((count + 1) * 2 > slots.size()) rehash(slots.empty() ? 64 : slots.size() * 2);
+      r = i32(count++);
+      place(tok, r);
+      rows.resize(rows.size() + size_t(k));
+    }
+    i32* dst = &rows[size_t(r) * size_t(k)];
+    for (i32 j = 0; j < k; ++j) dst[j] = src[j] < 0 ? -1 : i32(src[j]);
+  }
+  size_t bytes() const { return slots.capacity() * sizeof(slots[0]) + rows.capacity() * sizeof(i32); }
+
+  i32 k;
+  size_t count = 0;
+  u64 mask = 0;
+  std::vector<std::pair<i32, i32>> slots;  // (token or -1, index of its row in `rows`)
+  std::vector<i32> rows;                   // [count, k]
+
+ private:
+  void place(i32 tok, i32 idx) {
+    u64 i = mix64(u64(u32(tok))) & mask;
+    while (slots[i].first >= 0) i = (i + 1) & mask;
+    slots[i] = {tok, idx};
+  }
+  void rehash(size_t n) {
+    std::vector<std::pair<i32, i32>> old;
+    old.swap(slots);
+    slots.assign(n, {-1, -1});
+    mask = n - 1;
+    for (const auto& e : old)
+      if (e.first >= 0) place(e.first, e.second);
+  }
+};
+
+// CopyLogitStore.update over rows [0, n) of tokens / topk [n, kp] (rows whose first entry is < 0 skipped).
+template <class Target>
+void store_update(Target& target, const i64* tokens, const i64* topk, i64 n, i64 kp) {
+  for (i64 i = 0; i < n; ++i) {
+    const i64* src = topk + i * kp;
+    if (src[0] >= 0) target.write(i32(tokens[i]), src);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ builder
+
+// TrieBuilder: one draft tree in creation order, (parent, token) duplicates merged (sources OR-ed).
+struct Builder {
+  std::vector<i32> token, parent, depth;
+  std::vector<i64> source;
+  i64 capacity = 1;
+  ChildIndex index;
+
+  struct Keys {
+    const i32* p;
+    const i32* t;
+    i32 parent(i32 x) const { return p[x]; }
+    i32 token(i32 x) const { return t[x]; }
+  };
+  Keys keys() const { return Keys{parent.data(), token.data()}; }
+
+  void reset(i32 root, i64 cap) {
+    token.assign(1, root);
+    parent.assign(1, -1);
+    depth.assign(1, 0);
+    source.assign(1, 0);
+    capacity = std::max<i64>(1, cap);
+    index.clear();
+  }
+  i64 size() const { return i64(token.size()); }
+  bool full() const { return size() >= capacity; }
+
+  i32 add(i32 p, i32 t, i64 src) {
+    const i32 found = index.find(p, t, keys());
+    if (found >= 0) {
+      source[size_t(found)] |= src;
+      return found;
+    }
+    if (full()) return -1;
+    const i32 node = i32(token.size());
+    token.push_back(t);
+    parent.push_back(p);
+    depth.push_back(depth[size_t(p)] + 1);
+    source.push_back(src);
+    index.insert(node, keys());
+    return node;
+  }
+};
+
+inline i64 child_breadth(i64 parent_breadth, i32 rank, i32 parent_depth) {
+  const i64 shift = i64(rank) + (parent_depth != 0 ? 1 : 0);
+  return shift >= 62 ? 1 : std::max<i64>(1, parent_breadth >> shift);
+}
+
+// grow_logits_tree: breadth-first from the root until the builder is full.
+void grow_logits(Builder& b, const Store& store, const OwnLayer* own, i64 max_breadth, i64 max_depth,
+                 std::vector<std::pair<i32, i64>>& queue) {
+  queue.clear();
+  queue.emplace_back(0, max_breadth);
+  for (size_t head = 0; head < queue.size(); ++head) {
+    const i32 node = queue[head].first;
+    const i64 breadth = queue[head].second;
+    const i32 depth = b.depth[size_t(node)];
+    if (depth >= max_depth) continue;
+    const i32 tok = b.token[size_t(node)];
+    const i32* row = own != nullptr ? own->row(tok) : nullptr;
+    if (row == nullptr) row = store.row(tok);
+    const i64 lim = std::min<i64>(breadth, store.k);
+    for (i32 rank = 0; rank < lim; ++rank) {
+      const i32 t = row[rank];
+      if (t < 0) break;
+      const i32 c = b.add(node, t, kSourceLogits);
+      if (c < 0) return;
+      queue.emplace_back(c, child_breadth(breadth, rank, depth));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ state
+
+struct Row {
+  Cursor cursor;
+  std::unique_ptr<OwnLayer> own;
+  bool started = false;
+};
+
+struct Params {
+  i64 vocab, k, max_nodes, ngram, min_border_depth, max_breadth;
+  bool use_retrieval, use_logits, own_layers;
+};
+
+void check_params(const Params& p) {
+  if (p.vocab < 1 || p.vocab > (i64(1) << 30)) bad("vocab_size must be in [1, 2**30], got " + std::to_string(p.vocab));
+  if (p.k < 1 || p.k > 4096) bad("k must be in [1, 4096], got " + std::to_string(p.k));
+  if (p.max_breadth < 1) bad("max_breadth must be >= 1, got " + std::to_string(p.max_breadth));
+  if (!p.use_retrieval) return;
+  if (p.max_nodes < 1 || p.max_nodes > (i64(1) << 30))
+    bad("max_nodes must be in [1, 2**30], got " + std::to_string(p.max_nodes));
+  if (p.ngram < 2 || p.ngram > 4096) bad("ngram must be in [2, 4096], got " + std::to_string(p.ngram));
+  if (p.min_border_depth < 1 || p.min_border_depth > p.ngram)
+    bad("min_border_depth must be in [1, ngram=" + std::to_string(p.ngram) + "], got " +
+        std::to_string(p.min_border_depth));
+}
+
+class DraftCore {
+ public:
+  explicit DraftCore(const Params& p) : p_(p) {
+    check_params(p);
+    if (p.use_retrieval)
+      automaton_ = std::make_unique<Automaton>(i32(p.vocab), i32(p.max_nodes), i32(p.ngram), i32(p.min_border_depth));
+    if (p.use_logits) store_ = std::make_unique<Store>(i32(p.vocab), i32(p.k));
+  }
+
+  std::mutex mu;
+
+  const Params& params() const { return p_; }
+  bool freed() const { return freed_; }
+  Automaton* automaton() { return automaton_.get(); }
+  Store* store() { return store_.get(); }
+
+  void check_alive() const {
+    if (freed_) bad("native draft state was freed and cannot be reused");
+  }
+
+  i64 open_row() {
+    check_alive();
+    const i64 h = next_row_++;
+    Row& r = rows_[h];
+    if (automaton_) automaton_->open(r.cursor);
+    return h;
+  }
+
+  void close_row(i64 h) {
+    if (freed_) return;
+    auto it = rows_.find(h);
+    if (it == rows_.end()) return;
+    if (automaton_) automaton_->close(it->second.cursor);
+    rows_.erase(it);
+  }
+
+  Row& row(i64 h) {
+    check_alive();
+    auto it = rows_.find(h);
+    if (it == rows_.end())
+      bad("row " + std::to_string(h) + (h >= 0 && h < next_row_ ? " was closed" : " was never opened"));
+    return it->second;
+  }
+
+  // TreeDrafter.start (arrays validated by the caller).
+  void start(Row& r, const i64* ids, i64 n, const i64* topk, i64 kp) {
+    if (store_ && p_.own_layers) r.own = std::make_unique<OwnLayer>(i32(p_.k));
+    if (store_ && topk != nullptr && n > 0) {
+      store_update(*store_, ids, topk, n, kp);
+      if (r.own) store_update(*r.own, ids, topk, n, kp);
+    }
+    if (automaton_) {  // prefill_automaton
+      automaton_->start_text(r.cursor);
+      automaton_->extend(r.cursor, ids, n);
+      automaton_->reset_state(r.cursor);
+      for (i64 i = std::max<i64>(0, n - p_.ngram); i < n; ++i) automaton_->advance(r.cursor, i32(ids[i]), nullptr);
+    }
+    r.started = true;
+  }
+
+  void free_all() {
+    rows_.clear();
+    automaton_.reset();
+    store_.reset();
+    freed_ = true;
+  }
+
+  i64 num_nodes() const { return automaton_ ? automaton_->num_nodes() : 0; }
+  i64 num_evicted() const { return automaton_ ? automaton_->num_evicted() : 0; }
+  i64 num_rows() const { return i64(rows_.size()); }
+  i64 memory_bytes() const {
+    size_t n = automaton_ ? automaton_->bytes() : 0;
+    if (store_) n += store_->table.capacity() * sizeof(i32);
+    for (const auto& kv : rows_)
+      if (kv.second.own) n += kv.second.own->bytes();
+    return i64(n);
+  }
+
+ private:
+  Params p_;
+  bool freed_ = false;
+  std::unique_ptr<Automaton> automaton_;
+  std::unique_ptr<Store> store_;
+  std::unordered_map<i64, Row> rows_;
+  i64 next_row_ = 0;
+};
+
+// Locks the distinct states of a batch in address order (two batch calls never deadlock).
+class MultiLock {
+ public:
+  explicit MultiLock(std::vector<DraftCore*> states) {
+    std::sort(states.begin(), states.end());
+    states.erase(std::unique(states.begin(), states.end()), states.end());
+    locks_.reserve(states.size());
+    for (DraftCore* s : states) locks_.emplace_back(s->mu);
+  }
+
+ private:
+  std::vector<std::unique_lock<std::mutex>> locks_;
+};
+
+// ------------------------------------------------------------------------------------------------ validation
+
+std::vector<DraftCore*> cores_of(const py::sequence& states) {
+  const size_t n = size_t(py::len(states));
+  std::vector<DraftCore*> out;
+  out.reserve(n);
+  PyObject* last = nullptr;  // rows of one job repeat their state: cast each distinct run once
+  for (size_t i = 0; i < n; ++i) {
+    py::object s = states[i];
+    if (s.ptr() != last) {
+      if (!py::isinstance<DraftCore>(s)) bad("states[" + std::to_string(i) + "] is not a native draft state");
+      out.push_back(s.cast<DraftCore*>());
+      last = s.ptr();
+    } else {
+      out.push_back(out.back());
+    }
+  }
+  return out;
+}
+
+void check_1d(const I64Array& a, i64 n, const char* name) {
+  if (a.ndim() != 1 || (n >= 0 && a.shape(0) != n))
+    bad(std::string(name) + " must be a 1-D array" + (n >= 0 ? " of length " + std::to_string(n) : std::string()) +
+        ", got shape " + (a.ndim() == 1 ? "(" + std::to_string(a.shape(0)) + ",)" : std::to_string(a.ndim()) + "-D"));
+}
+
+// t[0, n) must be token ids; `base`: the index of t[0] in the named array (for the message).
+void check_tokens(const i64* t, i64 n, i64 vocab, const char* name, i64 base = 0) {
+  for (i64 i = 0; i < n; ++i)
+    if (t[i] < 0 || t[i] >= vocab)
+      bad(std::string(name) + "[" + std::to_string(base + i) + "] = " + std::to_string(t[i]) +
+          " is not a token id in [0, " + std::to_string(vocab) + ")");
+}
+
+// rows [lo, hi) of topk [*, kp] whose first entry is >= 0: their first k entries must be < vocab.
+void check_topk(const i64* topk, i64 lo, i64 hi, i64 kp, i64 k, i64 vocab, const char* name) {
+  if (kp < k) bad(std::string(name) + " has " + std::to_string(kp) + " columns, the store needs k=" + std::to_string(k));
+  for (i64 i = lo; i < hi; ++i) {
+    const i64* r = topk + i * kp;
+    if (r[0] < 0) continue;
+    for (i64 j = 0; j < k; ++j)
+      if (r[j] >= vocab)
+        bad(std::string(name) + "[" + std::to_string(i) + ", " + std::to_string(j) + "] = " + std::to_string(r[j]) +
+            " is not a token id below vocab_size=" + std::to_string(vocab));
+  }
+}
+
+void check_cu(const i64* cu, i64 b, i64 total, const char* name, bool nonempty) {
+  if (cu[0] != 0 || cu[b] != total)
+    bad(std::string(name) + " must start at 0 and end at " + std::to_string(total) + ", got " + std::to_string(cu[0]) +
+        " .. " + std::to_string(cu[b]));
+  for (i64 i = 0; i < b; ++i)
+    if (cu[i + 1] < cu[i] + (nonempty ? 1 : 0))
+      bad(std::string(name) + " must be " + (nonempty ? "strictly increasing" : "non-decreasing") + ", broken at " +
+          std::to_string(i));
+}
+
+// cu [B + 1] over R rows, each stream non-empty, local parents: -1 at the stream's first row, else in [0, j)
+// (``forest``: -1 allowed at any row, a node that sees only itself, as a padded tree's padding rows).
+void check_trees(const I64Array& cu, const I64Array& parents, i64 b, bool forest = false) {
+  check_1d(cu, b + 1, "cu");
+  const i64 r = parents.ndim() == 1 ? parents.shape(0) : -1;
+  check_1d(parents, r, "parents");
+  check_cu(cu.data(), b, r, "cu", true);
+  const i64* c = cu.data();
+  const i64* p = parents.data();
+  for (i64 s = 0; s < b; ++s)
+    for (i64 j = 0; j < c[s + 1] - c[s]; ++j) {
+      const i64 v = p[c[s] + j];
+      if (j == 0 ? v != -1 : ((v < 0 && !(forest && v == -1)) || v >= j))
+        bad("parents[" + std::to_string(c[s] + j) + "] = " + std::to_string(v) + ": node " + std::to_string(j) +
+            " of stream " + std::to_string(s) + " needs " + (j == 0 ? "-1 (a root)" : "a local parent in [0, node)"));
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ propose
+
+struct Scratch {
+  Builder builder;
+  std::vector<i32> borders, cand_tokens, cand_parents, where, by_depth;
+  std::vector<i64> new_of_old;
+  std::vector<std::pair<i32, i64>> queue;
+};
+
+struct FlatOut {
+  std::vector<i64> cu, tokens, parents, depths, sources, order;
+};
+
+// TreeDrafter.propose of one stream into s.builder.
+void propose_one(DraftCore& st, Row& row, i32 root, i64 cap, i64 max_depth, Scratch& s) {
+  Builder& b = s.builder;
+  b.reset(root, cap);
+  Automaton* a = st.automaton();
+  if (a != nullptr) {
+    a->advance(row.cursor, root, &s.borders);
+    if (!s.borders.empty() && cap > 1 && max_depth > 0) {
+      a->candidates(s.borders, cap - 1, s.cand_tokens, s.cand_parents);
+      const size_t n = s.cand_tokens.size();
+      s.where.assign(n, -1);  // candidate index -> builder node (-1: dropped)
+      for (size_t i = 0; i < n; ++i) {
+        const i32 par = s.cand_parents[i];
+        const i32 pnode = par < 0 ? 0 : s.where[size_t(par)];
+        if (pnode < 0 || b.depth[size_t(pnode)] >= max_depth) continue;
+        s.where[i] = b.add(pnode, s.cand_tokens[i], kSourceRetrieval);
+      }
+    }
+  }
+  if (st.store() != nullptr && !b.full())
+    grow_logits(b, *st.store(), row.own.get(), st.params().max_breadth, max_depth, s.queue);
+}
+
+// flatten_tree's breadth-first order (a stable sort of creation order by depth), appended to `out`.
+void flatten_into(const Builder& b, Scratch& s, FlatOut& out) {
+  const size_t n = b.token.size();
+  i32 max_d = 0;
+  for (i32 d : b.depth) max_d = std::max(max_d, d);
+  s.by_depth.assign(size_t(max_d) + 2, 0);
+  for (i32 d : b.depth) s.by_depth[size_t(d) + 1] += 1;
+  for (size_t d = 1; d < s.by_depth.size(); ++d) s.by_depth[d] += s.by_depth[d - 1];
+  s.new_of_old.resize(n);
+  const size_t base = out.tokens.size();
+  out.tokens.resize(base + n);
+  out.parents.resize(base + n);
+  out.depths.resize(base + n);
+  out.sources.resize(base + n);
+  out.order.resize(base + n);
+  for (size_t old = 0; old < n; ++old) {
+    const i64 pos = s.by_depth[size_t(b.depth[old])]++;
+    s.new_of_old[old] = pos;
+    out.order[base + size_t(pos)] = i64(old);
+  }
+  for (size_t j = 0; j < n; ++j) {
+    const size_t old = size_t(out.order[base + j]);
+    out.tokens[base + j] = b.token[old];
+    out.depths[base + j] = b.depth[old];
+    out.sources[base + j] = b.source[old];
+    out.parents[base + j] = b.parent[old] < 0 ? -1 : s.new_of_old[size_t(b.parent[old])];
+  }
+  out.cu.push_back(i64(out.tokens.size()));
+}
+
+struct Streams {
+  std::vector<DraftCore*> states;
+  std::vector<Row*> rows;
+};
+
+// Resolves every stream's (state, row) under the locks; the rows must be open and started.
+Streams resolve(const std::vector<DraftCore*>& states, const i64* rows) {
+  Streams s{states, {}};
+  s.rows.reserve(states.size());
+  for (size_t i = 0; i < states.size(); ++i) {
+    try {
+      Row& r = states[i]->row(rows[i]);
+      if (!r.started) bad("row " + std::to_string(rows[i]) + " was not started (call start first)");
+      s.rows.push_back(&r);
+    } catch (const std::invalid_argument& e) {
+      bad("stream " + std::to_string(i) + ": " + e.what());
+    }
+  }
+  return s;
+}
+
+void check_stream(i64 root, i64 cap, i64 max_depth, const DraftCore& st, i64 i) {
+  if (root >= 0 && root < st.params().vocab && cap >= 1 && max_depth >= 0) return;
+  const std::string tag = "stream " + std::to_string(i) + ": ";
+  if (root < 0 || root >= st.params().vocab)
+    bad(tag + "root " + std::to_string(root) + " is not a token id in [0, " + std::to_string(st.params().vocab) + ")");
+  if (cap < 1) bad(tag + "capacity must be >= 1, got " + std::to_string(cap));
+  bad(tag + "max_depth must be >= 0, got " + std::to_string(max_depth));
+}
+
+py::array_t<i64> to_array(const std::vector<i64>& v) {
+  py::array_t<i64> a(py::ssize_t(v.size()));
+  if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(i64));
+  return a;
+}
+
+py::tuple propose_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& roots,
+                        const I64Array& caps, const I64Array& depths) {
+  const std::vector<DraftCore*> states = cores_of(states_in);
+  const i64 b = i64(states.size());
+  check_1d(rows, b, "rows");
+  check_1d(roots, b, "roots");
+  check_1d(caps, b, "capacities");
+  check_1d(depths, b, "max_depths");
+  FlatOut out;
+  {
+    py::gil_scoped_release nogil;
+    MultiLock lock(states);
+    const Streams s = resolve(states, rows.data());
+    for (i64 i = 0; i < b; ++i) check_stream(roots.data()[i], caps.data()[i], depths.data()[i], *states[size_t(i)], i);
+    thread_local Scratch scratch;
+    out.cu.assign(1, 0);
+    for (i64 i = 0; i < b; ++i) {
+      propose_one(*states[size_t(i)], *s.rows[size_t(i)], i32(roots.data()[i]), caps.data()[i], depths.data()[i],
+                  scratch);
+      flatten_into(scratch.builder, scratch, out);
+    }
+  }
+  return py::make_tuple(to_array(out.cu), to_array(out.tokens), to_array(out.parents), to_array(out.depths),
+                        to_array(out.sources), to_array(out.order));
+}
+
+// ------------------------------------------------------------------------------------------------ update
+
+struct UpdateArgs {
+  const i64 *cu, *tokens, *topk, *committed, *cu_c;
+  i64 kp;
+};
+
+void check_update(const Streams& s, const UpdateArgs& u) {
+  for (size_t i = 0; i < s.states.size(); ++i) {
+    const Params& p = s.states[i]->params();
+    check_tokens(u.tokens + u.cu[i], u.cu[i + 1] - u.cu[i], p.vocab, "node_tokens", u.cu[i]);
+    check_tokens(u.committed + u.cu_c[i], u.cu_c[i + 1] - u.cu_c[i], p.vocab, "committed", u.cu_c[i]);
+    if (p.use_logits && u.cu[i + 1] > u.cu[i])
+      check_topk(u.topk, u.cu[i], u.cu[i + 1], u.kp, p.k, p.vocab, "node_topk");
+  }
+}
+
+void update_one(DraftCore& st, Row& row, const UpdateArgs& u, size_t i) {
+  const i64 lo = u.cu[i], n = u.cu[i + 1] - u.cu[i];
+  if (st.store() != nullptr && n > 0) {
+    store_update(*st.store(), u.tokens + lo, u.topk + lo * u.kp, n, u.kp);
+    if (row.own) store_update(*row.own, u.tokens + lo, u.topk + lo * u.kp, n, u.kp);
+  }
+  Automaton* a = st.automaton();
+  const i64 c0 = u.cu_c[i], m = u.cu_c[i + 1] - u.cu_c[i];
+  if (a != nullptr && m > 0) {
+    a->extend(row.cursor, u.committed + c0, m);
+    for (i64 j = 0; j + 1 < m; ++j) a->advance(row.cursor, i32(u.committed[c0 + j]), nullptr);
+  }
+}
+
+void update_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu, const I64Array& tokens,
+                  const I64Array& topk, const I64Array& committed, const I64Array& cu_c) {
+  const std::vector<DraftCore*> states = cores_of(states_in);
+  const i64 b = i64(states.size());
+  check_1d(rows, b, "rows");
+  check_1d(cu, b + 1, "cu");
+  check_1d(tokens, -1, "node_tokens");
+  check_1d(committed, -1, "committed");
+  check_1d(cu_c, b + 1, "cu_committed");
+  if (topk.ndim() != 2 || topk.shape(0) != tokens.shape(0))
+    bad("node_topk must be 2-D [R=" + std::to_string(tokens.shape(0)) + ", k'], got " + std::to_string(topk.ndim()) +
+        "-D with " + std::to_string(topk.ndim() ? topk.shape(0) : 0) + " rows");
+  check_cu(cu.data(), b, tokens.shape(0), "cu", false);
+  check_cu(cu_c.data(), b, committed.shape(0), "cu_committed", false);
+  const UpdateArgs u{cu.data(), tokens.data(), topk.data(), committed.data(), cu_c.data(), i64(topk.shape(1))};
+  py::gil_scoped_release nogil;
+  MultiLock lock(states);
+  const Streams s = resolve(states, rows.data());
+  check_update(s, u);
+  for (size_t i = 0; i < states.size(); ++i) update_one(*states[i], *s.rows[i], u, i);
+}
+
+// ------------------------------------------------------------------------------------------------ start
+
+void start_row(DraftCore& st, i64 h, const I64Array& ids, const py::object& topk_obj) {
+  check_1d(ids, -1, "prompt_ids");
+  const i64 n = ids.shape(0);
+  I64Array topk;
+  const bool has_topk = !topk_obj.is_none();
+  if (has_topk) {
+    topk = topk_obj.cast<I64Array>();
+    if (topk.ndim() != 2 || topk.shape(0) != n)
+      bad("prompt_topk must be 2-D [P=" + std::to_string(n) + ", k'], got " + std::to_string(topk.ndim()) + "-D");
+  }
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lock(st.mu);
+  Row& r = st.row(h);
+  if (r.started) bad("row " + std::to_string(h) + " was already started");
+  const Params& p = st.params();
+  check_tokens(ids.data(), n, p.vocab, "prompt_ids");
+  if (has_topk && p.use_logits && n > 0) check_topk(topk.data(), 0, n, topk.shape(1), p.k, p.vocab, "prompt_topk");
+  st.start(r, ids.data(), n, has_topk ? topk.data() : nullptr, has_topk ? i64(topk.shape(1)) : 0);
+}
+
+// ------------------------------------------------------------------------------------------------ acceptance
+
+py::tuple accept_greedy_batch(const I64Array& cu, const I64Array& parents, const I64Array& tokens,
+                              const I64Array& choices) {
+  const i64 b = cu.ndim() == 1 ? cu.shape(0) - 1 : -1;
+  if (b < 0) bad("cu must be a 1-D array of length B + 1");
+  check_trees(cu, parents, b);
+  const i64 r = parents.shape(0);
+  check_1d(tokens, r, "tokens");
+  check_1d(choices, r, "choices");
+  std::vector<i64> path, cu_path(size_t(b) + 1, 0), bonus(static_cast<size_t>(b), 0);
+  {
+    py::gil_scoped_release nogil;
+    const i64 *c = cu.data(), *par = parents.data(), *tok = tokens.data(), *ch = choices.data();
+    std::vector<i64> depth, deepest, up;
+    std::vector<char> leaf;
+    for (i64 s = 0; s < b; ++s) {
+      const i64 lo = c[s], n = c[s + 1] - c[s];
+      depth.assign(size_t(n), 0);
+      deepest.assign(size_t(n), 0);  // deepest node on the path to j whose whole path matches the choices
+      leaf.assign(size_t(n), 1);
+      for (i64 j = 1; j < n; ++j) {
+        const i64 p = par[lo + j];
+        depth[size_t(j)] = depth[size_t(p)] + 1;
+        leaf[size_t(p)] = 0;
+        const bool ok = deepest[size_t(p)] == p && tok[lo + j] == ch[lo + p];
+        deepest[size_t(j)] = ok ? j : deepest[size_t(p)];
+      }
+      i64 best = 0, run = -1;  // the first leaf (flattened order) with the longest accepted run
+      for (i64 j = 0; j < n; ++j)
+        if (leaf[size_t(j)] && depth[size_t(deepest[size_t(j)])] > run) {
+          run = depth[size_t(deepest[size_t(j)])];
+          best = deepest[size_t(j)];
+        }
+      up.clear();
+      for (i64 x = best; x >= 0; x = par[lo + x]) up.push_back(x);
+      path.insert(path.end(), up.rbegin(), up.rend());
+      cu_path[size_t(s) + 1] = i64(path.size());
+      bonus[size_t(s)] = ch[lo + best];
+    }
+  }
+  return py::make_tuple(to_array(path), to_array(cu_path), to_array(bonus));
+}
+
+// ------------------------------------------------------------------------------------------------ mask
+
+template <class T>
+void fill_mask(T* m, i64 s, const i64* cu, const i64* par, const i64* starts, i64 b, T zero, T neg) {
+  for (i64 q = 0; q < b; ++q) {
+    const i64 lo = cu[q], n = cu[q + 1] - cu[q], st = starts[q];
+    for (i64 j = 0; j < n; ++j) {
+      T* row = m + (lo + j) * s;
+      std::fill(row, row + st, zero);
+      std::fill(row + st, row + s, neg);
+      for (i64 x = j; x >= 0; x = par[lo + x]) row[st + x] = zero;
+    }
+  }
+}
+
+// mask [R, S] with 2- or 4-byte elements (float32, or float16/bfloat16 as raw bits), written in place.
+void fill_tree_mask(py::array mask, const I64Array& cu, const I64Array& parents, const I64Array& starts, u32 zero_bits,
+                    u32 neg_bits) {
+  const i64 b = cu.ndim() == 1 ? cu.shape(0) - 1 : -1;
+  if (b < 0) bad("cu must be a 1-D array of length B + 1");
+  check_trees(cu, parents, b, true);
+  check_1d(starts, b, "starts");
+  const i64 r = parents.shape(0);
+  const py::ssize_t item = mask.itemsize();
+  if (mask.ndim() != 2 || mask.shape(0) != r || (item != 2 && item != 4))
+    bad("mask must be 2-D [R=" + std::to_string(r) + ", S] of 2- or 4-byte floats");
+  if (!(mask.flags() & py::array::c_style) || !mask.writeable()) bad("mask must be C-contiguous and writable");
+  const i64 s = mask.shape(1);
+  for (i64 q = 0; q < b; ++q)
+    if (starts.data()[q] < 0 || starts.data()[q] + cu.data()[q + 1] - cu.data()[q] > s)
+      bad("starts[" + std::to_string(q) + "] = " + std::to_string(starts.data()[q]) + " plus its tree of " +
+          std::to_string(cu.data()[q + 1] - cu.data()[q]) + " rows does not fit in the mask's " + std::to_string(s) +
+          " columns");
+  void* data = mask.mutable_data();
+  py::gil_scoped_release nogil;
+  if (item == 4) {
+    float zero, neg;
+    std::memcpy(&zero, &zero_bits, 4);
+    std::memcpy(&neg, &neg_bits, 4);
+    fill_mask<float>(static_cast<float*>(data), s, cu.data(), parents.data(), starts.data(), b, zero, neg);
+  } else {
+    fill_mask<u16>(static_cast<u16*>(data), s, cu.data(), parents.data(), starts.data(), b, u16(zero_bits), u16(neg_bits));
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(racer_draft_core, m) {
+  m.doc() = "RACER's native draft core (racer_batch/drafters/native)";
+  py::class_<DraftCore>(m, "DraftCore")
+      .def(py::init([](i64 vocab, i64 k, i64 max_nodes, i64 ngram, i64 min_border_depth, bool use_retrieval,
+                       bool use_logits, i64 max_breadth, bool own_layers) {
+             return new DraftCore(Params{vocab, k, max_nodes, ngram, min_border_depth, max_breadth, use_retrieval,
+                                         use_logits, own_layers && use_logits});
+           }),
+           py::kw_only(), py::arg("vocab_size"), py::arg("k"), py::arg("max_nodes"), py::arg("ngram"),
+           py::arg("min_border_depth"), py::arg("use_retrieval"), py::arg("use_logits"), py::arg("max_breadth"),
+           py::arg("own_layers"))
+      .def("open_row",
+           [](DraftCore& s) {
+             std::lock_guard<std::mutex> lock(s.mu);
+             return s.open_row();
+           })
+      .def("close_row",
+           [](DraftCore& s, i64 h) {
+             std::lock_guard<std::mutex> lock(s.mu);
+             s.close_row(h);
+           })
+      .def("start", &start_row, py::arg("row"), py::arg("prompt_ids"), py::arg("prompt_topk") = py::none())
+      .def("free",
+           [](DraftCore& s) {
+             std::lock_guard<std::mutex> lock(s.mu);
+             s.free_all();
+           })
+      .def_property_readonly("freed", [](DraftCore& s) { return s.freed(); })
+      .def_property_readonly("num_nodes",
+                             [](DraftCore& s) {
+                               std::lock_guard<std::mutex> lock(s.mu);
+                               return s.num_nodes();
+                             })
+      .def_property_readonly("num_evicted",
+                             [](DraftCore& s) {
+                               std::lock_guard<std::mutex> lock(s.mu);
+                               return s.num_evicted();
+                             })
+      .def_property_readonly("num_rows",
+                             [](DraftCore& s) {
+                               std::lock_guard<std::mutex> lock(s.mu);
+                               return s.num_rows();
+                             })
+      .def("store_row",
+           [](DraftCore& s, i64 tok) {
+             std::lock_guard<std::mutex> lock(s.mu);
+             const Store* st = s.store();
+             if (st == nullptr) throw py::value_error("this draft state has no copy-logit store");
+             i64 vocab = i64(st->table.size() / size_t(st->k));
+             if (tok < 0 || tok >= vocab) throw py::value_error("token id out of the vocabulary");
+             py::array_t<i64> out(st->k);
+             const i32* row = st->row(i32(tok));
+             for (i32 j = 0; j < st->k; ++j) out.mutable_at(j) = row[j];
+             return out;
+           },
+           py::arg("token"))
+      .def_property_readonly("store_known",
+                             [](DraftCore& s) {
+                               std::lock_guard<std::mutex> lock(s.mu);
+                               const Store* st = s.store();
+                               i64 n = 0;
+                               if (st == nullptr) return n;
+                               for (size_t i = 0; i < st->table.size(); i += size_t(st->k)) n += st->table[i] >= 0;
+                               return n;
+                             })
+      .def_property_readonly("memory_bytes", [](DraftCore& s) {
+        std::lock_guard<std::mutex> lock(s.mu);
+        return s.memory_bytes();
+      });
+  m.def("propose_batch", &propose_batch);
+  m.def("update_batch", &update_batch);
+  m.def("accept_greedy_batch", &accept_greedy_batch);
+  m.def("fill_tree_mask", &fill_tree_mask);
+}

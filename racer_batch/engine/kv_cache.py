@@ -1,0 +1,243 @@
+"""The static runner's KV cache: one preallocated tensor with a slot per stream, its growth, keeping the
+accepted rows after a verify, and the check that it fits in the device's memory.
+
+Layout: ``kv [layers, 2, slots, kv_heads, max_len, head_dim]`` (2 = keys, values). A row owns one slot
+(``SlotCache``); its committed prefix lives in positions ``[0, length)``; a verify writes the tree's keys and
+values after it and ``keep_rows`` / ``keep_rows_batch`` move the accepted path's rows down in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS = 256  # KV-cache slots one runner holds at most (streams in flight)
+
+
+def available_bytes(device: torch.device) -> Optional[int]:
+    """Memory the KV cache may still take on ``device``: CUDA ``torch.cuda.mem_get_info``'s free bytes; on
+    the CPU ``MemAvailable`` of /proc/meminfo; None where neither can be read (no check then)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class SlotCache:
+    """A row's handle on one slot of the static KV cache: ``length`` committed rows in ``[0, length)``."""
+
+    def __init__(self, pool: "KVCache", slot: int) -> None:
+        self.pool = pool
+        self.slot = slot
+        self.length = 0
+        self.released = False
+
+    def release(self) -> None:
+        """Give the slot back (idempotent: a second call does nothing)."""
+        if not self.released:
+            self.released = True
+            self.pool.free_slots.append(self.slot)
+            self.pool.live.pop(self.slot, None)
+
+
+class KVCache:
+    """The slots of the static KV cache, sized on demand.
+
+    Args:
+        shape: ``(layers, kv_heads, head_dim)``.
+        dtype, device: of the cache.
+        context_length: the model's context; a slot never grows past it plus ``pad``.
+        pad: tree rows a verify may write past a committed prefix (the runner's largest tree bucket; the runner
+            raises it with its buckets).
+        slots, max_slots: slots at start; the most ``take`` grows to.
+        start_len: positions per slot at start.
+
+    Raises:
+        ValueError: the start allocation does not fit in the device's memory (``check_fits``).
+    """
+
+    def __init__(self, shape: tuple[int, int, int], *, dtype: torch.dtype, device: torch.device,
+                 context_length: int, pad: int, slots: int, max_slots: int, start_len: int) -> None:
+        self.n_layers, self.n_kv, self.head_dim = shape
+        self.dtype, self.device = dtype, device
+        self.context_length = int(context_length)
+        self.pad = int(pad)
+        self.slots = int(slots)
+        self.max_slots = int(max_slots)
+        self.free_slots = list(range(self.slots))[::-1]
+        self.live: dict[int, SlotCache] = {}  # slot -> the row's handle, while taken
+        self.max_len = 0
+        self.kv = torch.empty(0, dtype=dtype, device=device)
+        self.grow(start_len)
+
+    # ---- size and memory
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position of one slot takes: layers x 2 x kv_heads x head_dim x dtype bytes."""
+        return self.n_layers * 2 * self.n_kv * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.bytes_per_token * self.max_len
+
+    @property
+    def bound(self) -> int:
+        """The most positions a slot grows to: the context plus one largest tree of padding."""
+        return self.context_length + self.pad
+
+    def check_fits(self, slots: int, positions: int) -> None:
+        """Raise ``ValueError`` when a cache of ``slots`` x ``positions`` does not fit in the memory the device
+        has free now (``available_bytes``; the old buffer is still held while a larger one is filled, so
+        the new one must fit beside it).
+
+        Raises:
+            ValueError: naming the bytes needed and available and the settings that lower them.
+        """
+        need = slots * positions * self.bytes_per_token
+        have = available_bytes(self.device)
+        if have is None or need <= have:
+            return
+        raise ValueError(
+            f"the static KV cache needs {need:,} bytes ({need / 2**30:.2f} GiB: {slots} streams x {positions:,} "
+            f"positions x {self.bytes_per_token:,} bytes) but {self.device.type} memory has {have:,} bytes "
+            f"({have / 2**30:.2f} GiB) available; lower resources.streams_per_actor (rows decoded at once) or the "
+            f"context a row needs (prompt + max_new_tokens)")
+
+    def warn_if_bound_does_not_fit(self) -> None:
+        """Log how far the slots can grow when their growth bound (context + largest tree) does not fit."""
+        have = available_bytes(self.device)
+        need = self.slots * self.bound * self.bytes_per_token
+        if have is not None and need > have:
+            fit = have // (self.slots * self.bytes_per_token)
+            log.warning("static KV cache: %d streams at the full context (%d positions each) would need %.2f GiB, "
+                        "%.2f GiB available: rows that need more than ~%d positions each will be refused",
+                        self.slots, self.bound, need / 2**30, have / 2**30, fit)
+
+    # ---- slots
+    @torch.inference_mode()
+    def grow(self, need: int) -> bool:
+        """Make every slot hold at least ``need`` positions (at least doubling, never past ``bound``), copying
+        what is cached; True when the buffer was reallocated.
+
+        Raises:
+            ValueError: the larger buffer does not fit in memory (``check_fits``).
+        """
+        need = min(int(need), self.bound)
+        if need <= self.max_len:
+            return False
+        new_len = max(need, min(2 * self.max_len, self.bound))
+        self.check_fits(self.slots, new_len)
+        kv = torch.zeros((self.n_layers, 2, self.slots, self.n_kv, new_len, self.head_dim), dtype=self.dtype,
+                         device=self.device)
+        if self.max_len:
+            kv[:, :, :, :, : self.max_len].copy_(self.kv)
+        self.kv, self.max_len = kv, new_len
+        log.debug("static KV cache: %d slots x %d positions (%.1f MB per slot)", self.slots, new_len,
+                  self.bytes_per_slot / 1e6)
+        return True
+
+    @torch.inference_mode()
+    def reserve(self, n: int) -> bool:
+        """Hold at least ``n`` slots, copying what is cached; True when the buffer was reallocated.
+
+        Raises:
+            ValueError: more than ``max_slots``, or the cache does not fit in memory (``check_fits``).
+        """
+        n = int(n)
+        if n <= self.slots:
+            return False
+        if n > self.max_slots:
+            raise ValueError(f"{n} KV-cache slots asked for, this runner holds at most {self.max_slots}")
+        self.check_fits(n, self.max_len)
+        kv = torch.zeros((self.n_layers, 2, n, self.n_kv, self.max_len, self.head_dim), dtype=self.dtype,
+                         device=self.device)
+        kv[:, :, : self.slots].copy_(self.kv)
+        self.kv = kv
+        self.free_slots = list(range(n - 1, self.slots - 1, -1)) + self.free_slots
+        self.slots = n
+        log.debug("static KV cache: %d slots x %d positions", n, self.max_len)
+        self.warn_if_bound_does_not_fit()
+        return True
+
+    def take(self) -> SlotCache:
+        """The lowest free slot (streams stay in ``[0, B)``, the range the captured batch steps cover), one
+        more slot added when every slot is taken.
+
+        Raises:
+            RuntimeError: ``max_slots`` slots are taken (rows that never released theirs).
+        """
+        if not self.free_slots:
+            if self.slots >= self.max_slots:
+                raise RuntimeError(f"all {self.slots} KV-cache slots are in use")
+            self.reserve(self.slots + 1)
+        slot = min(self.free_slots)
+        self.free_slots.remove(slot)
+        cache = SlotCache(self, slot)
+        self.live[slot] = cache
+        return cache
+
+    def length_of(self, slot: int) -> int:
+        """Committed rows of ``slot`` (0 when free)."""
+        cache = self.live.get(slot)
+        return cache.length if cache is not None else 0
+
+    @torch.inference_mode()
+    def save_rows(self, slots: Sequence[int], starts: Sequence[int], n: int) -> Optional[tuple[torch.Tensor, ...]]:
+        """A copy of positions ``[starts[i], starts[i] + n)`` of each of ``slots`` (all layers, keys and values),
+        for ``restore_rows``; None for no slots."""
+        if not len(slots):
+            return None
+        slot = torch.tensor(np.repeat(np.asarray(slots, dtype=np.int64), n), device=self.device)
+        pos = torch.tensor((np.asarray(starts, dtype=np.int64)[:, None] + np.arange(n)).reshape(-1), device=self.device)
+        return slot, pos, self.kv[:, :, slot, :, pos]
+
+    @torch.inference_mode()
+    def restore_rows(self, saved: Optional[tuple[torch.Tensor, ...]]) -> None:
+        """Write back what ``save_rows`` copied."""
+        if saved is not None:
+            slot, pos, values = saved
+            self.kv[:, :, slot, :, pos] = values
+
+    # ---- keeping the accepted rows
+    @torch.inference_mode()
+    def keep_rows(self, cache: SlotCache, *, committed_len: int, nodes: Sequence[int]) -> None:
+        """Keep the accepted tree ``nodes`` (local indices, root first, ascending): row ``committed_len +
+        nodes[i]`` moves to ``committed_len + i`` in place; the cache then holds ``committed_len + len(nodes)``."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        self.keep_rows_batch([cache], np.array([committed_len]), nodes, np.array([0, nodes.shape[0]]))
+
+    @torch.inference_mode()
+    def keep_rows_batch(self, caches: Sequence[SlotCache], starts: np.ndarray, paths: np.ndarray,
+                        cu_paths: np.ndarray) -> None:
+        """``keep_rows`` of every stream in one call: stream ``b`` keeps ``paths[cu_paths[b] : cu_paths[b + 1]]``
+        after its ``starts[b]`` committed rows. Every moved row of every stream (node ``!= i``) goes in one gather
+        and one scatter over all layers, keys and values; the gather reads every source before any row is
+        written, as ascending copies one by one would (a source ``node >= i`` is never an earlier destination)."""
+        starts = np.asarray(starts, dtype=np.int64)
+        paths = np.asarray(paths, dtype=np.int64)
+        cu = np.asarray(cu_paths, dtype=np.int64)
+        lengths = np.diff(cu)
+        idx = np.arange(paths.shape[0], dtype=np.int64) - np.repeat(cu[:-1], lengths)  # i along each path
+        moved = paths != idx
+        if moved.any():
+            stream = np.repeat(np.arange(len(caches)), lengths)[moved]
+            slot_of = np.fromiter((c.slot for c in caches), np.int64, len(caches))
+            base = starts[stream]
+            slot = torch.from_numpy(slot_of[stream]).to(self.device)
+            src = torch.from_numpy(base + paths[moved]).to(self.device)
+            dst = torch.from_numpy(base + idx[moved]).to(self.device)
+            self.kv[:, :, slot, :, dst] = self.kv[:, :, slot, :, src]
+        for cache, start, n in zip(caches, starts.tolist(), lengths.tolist()):
+            cache.length = start + n
