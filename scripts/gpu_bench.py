@@ -1,9 +1,11 @@
 """GPU cost model for RACER (RACER.md section 8): t(T)/t(1) per verify runner, the engine's per-step CPU
-overhead, and the speedup projected from the MAT measured on CPU with the real model.
+overhead, and the speedup projected from the MAT measured on CPU with the real model; then the batched
+engine at GPU batch sizes: the B x N verify grid and host µs per stream-step beside device ms per forward.
 
 Prepared for a CUDA machine with no network: the target is a Llama with the shape of an 8B model (Llama 3
 8B: hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocabulary 128256) and random bfloat16
-weights built from its config on the GPU, so nothing is downloaded. Steps:
+weights built from its config on the GPU, so nothing is downloaded. Steps, run in the order 1, 5, 2, 6, 3
+(4 is arithmetic on their results):
 
 1. t(T): median ms of one verify forward over T tree tokens after ``--context`` cached tokens, for T in
    ``--capacities``, for three verify runners measured **interleaved** (every repeat visits every (T,
@@ -25,19 +27,35 @@ weights built from its config on the GPU, so nothing is downloaded. Steps:
    ``--mat``; and, per T, the MAT needed to break even. MAT depends on the capacity: only the row at the
    benchmark's capacity is a projection, the others show the cost side.
 
-5. Batched verify (issue 14): one ``runner.verify_batch`` call over B streams' draft trees of N nodes each,
-   every stream on its own KV-cache slot holding its own cached context (``--context`` minus 8 tokens per
-   stream index, so the slots differ), for B in ``--batch-streams`` and N in ``--batch-nodes``, interleaved
-   like step 1, on the default runner. Reported: ms per forward, tokens per forward (B x N) and the
-   throughput ratio to B=1 at the same N (``B x t(1, N) / t(B, N)``), and which path ran, as the runner's
-   ``last_batch_path`` says (``segments``: our CPU kernels, one forward over all rows; ``padded`` /
-   ``padded-graph``: the ``[B_pad, N_pad]`` static step, on CUDA one graph per bucket; one stream goes the
-   same way as several; ``per-stream``: a runner that verifies one stream per forward).
+5. Batched verify grid (issues 14, 27): one ``runner.verify_flat`` call (the engine's one forward: a
+   ``tree.FlatTrees`` of every stream's tree) over B streams' random draft trees of N nodes each, every stream
+   on its own KV-cache slot holding its own cached context (stream i: ``--context`` minus 8 (i mod 8) tokens,
+   so neighbouring slots differ), for B in ``--batch-streams`` (default 1, 8, 32, 64; tiny 1, 2, 4) and N in
+   ``--batch-nodes`` (default 1, 4, 16; tiny 1, 4), the (B, N) pairs interleaved like step 1 (one untimed
+   round first), on the default runner with its slots reserved for the largest B before the warm-up (so the
+   CUDA graphs of every (B_pad, N_pad) bucket are captured once). Reported: device ms per forward (wall time
+   up to every row's argmax copied to the host), tokens per forward (B x N), the throughput ratio to B=1 at
+   the same N (``B x t(1, N) / t(B, N)``), and which path ran, as the runner's ``last_batch_path`` says
+   (``segments``: our CPU kernels, one forward over all rows; ``padded`` / ``padded-graph``: the ``[B_pad,
+   N_pad]`` static step, on CUDA one graph per bucket; one stream goes the same way as several).
+6. Engine decode at B streams (issue 27): for B in ``--engine-streams`` (default: step 5's B) and the methods
+   ``ar`` and ``racer`` at each of ``--engine-capacities`` (default 4, 16), a fresh ``Engine(bundle,
+   DecodingConfig(method, capacity), streams=B)`` on the default runner greedy-decodes ``2 B + 4`` synthetic
+   prompts (token-id lists of about ``--context`` tokens, each a random 24-token motif repeated, so the
+   retrieval drafter has material; the id tokenizer gives them no meaning) for ``--engine-tokens`` new tokens
+   each (default 32; tiny 16) through one ``StreamBatch`` with continuous batching: B streams in flight, a
+   finished one replaced by the next prompt. One untimed warm-up first (B short streams). From
+   ``BatchStats``: **host µs per stream-step** = (wall - verify_ms - prefill_ms) / stream-steps (``streams``;
+   on CUDA the prefill is synchronised, so its device time is not counted as host time), **device ms per
+   forward** = verify_ms / steps (the batched ``verify_flat`` including the argmax / top-k), host ms per
+   batched step, MAT, tokens/s, and the host split per part (``step.HOST_PARTS`` from ``stats.host_ms``, plus
+   ``other``: stream set-up, prefill-side host work and the ``StreamBatch`` plumbing) in µs per stream-step.
 
 ``--tiny`` runs the same steps on a tiny Llama on the CPU (float32) in seconds, with the eager and static
 runners only: the smoke test the suite runs. A runner that fails (construction, warm-up, a timed forward, a
 decode) is dropped and its error recorded under ``errors`` (exit status 4 after the results are written), so
-one failure does not cost the other measurements. Results: ``<out>/gpu_bench-<tag>.json`` and ``.md`` (a few KB: fits any upload limit).
+one failure does not cost the other measurements; a failing step-6 configuration likewise. Results:
+``<out>/gpu_bench-<tag>.json`` and ``.md`` (a few KB: fits any upload limit).
 """
 
 from __future__ import annotations
@@ -53,6 +71,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,12 +82,14 @@ import torch  # noqa: E402
 
 from racer_batch.drafters.base import Draft  # noqa: E402
 from racer_batch.engine import Engine  # noqa: E402
+from racer_batch.engine.batch import BatchStats, StreamBatch  # noqa: E402
 from racer_batch.engine.numerics import compare_greedy  # noqa: E402
 from racer_batch.engine.reference import generate_reference  # noqa: E402
 from racer_batch.engine.runner import ModelRunner  # noqa: E402
 from racer_batch.engine.static_runner import (  # noqa: E402
     DEFAULT_BUCKETS, StaticRunner, describe_unsupported, pick_bucket)
-from racer_batch.engine.tree import flatten_tree  # noqa: E402
+from racer_batch.engine.step import HOST_PARTS  # noqa: E402
+from racer_batch.engine.tree import FlatTrees, flatten_tree  # noqa: E402
 from racer_batch.models import ModelBundle  # noqa: E402
 from racer_batch.values import DecodingConfig, GenerationParams  # noqa: E402
 
@@ -80,6 +101,11 @@ LLAMA_8B_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=143
 TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
 DEFAULT_CAPACITIES = "1,2,4,8,16,24,32,48,64,96,128"
+# the batched grid (step 5) and the engine's B (step 6): the GPU batch sizes, and a small CPU one for --tiny
+GPU_BATCH_STREAMS, GPU_BATCH_NODES = "1,8,32,64", "1,4,16"
+TINY_BATCH_STREAMS, TINY_BATCH_NODES = "1,2,4", "1,4"
+ENGINE_CAPACITIES = "4,16"
+WARM_TOKENS, WARM_PROMPT = 4, 64  # new tokens and prompt tokens per stream of step 6's untimed warm-up
 
 
 class IdTokenizer:
@@ -251,7 +277,7 @@ def measure_interleaved(runners: dict[str, Any], capacities: list[int], *, bundl
     return {name: {t: statistics.median(times[name][t]) for t in sizes} for name in live}
 
 
-# ---- batched verify: B streams x N tree nodes in one verify_batch call ----
+# ---- batched verify: B streams x N tree nodes in one verify_flat call ----
 def random_tree(gen: torch.Generator, size: int, vocab: int) -> Draft:
     """A draft tree of ``size`` nodes with random tokens and random parents (node 0 the root)."""
     toks = torch.randint(0, vocab, (size,), generator=gen).tolist()
@@ -260,11 +286,11 @@ def random_tree(gen: torch.Generator, size: int, vocab: int) -> Draft:
 
 
 def batch_path(runner: Any, streams: int) -> str:
-    """Which way ``verify_batch`` verified ``streams`` trees: the runner's own ``last_batch_path`` when it
+    """Which way ``verify_flat`` verified ``streams`` trees: the runner's own ``last_batch_path`` when it
     keeps one, else a guess for a runner that does not say: ``single`` (one stream), ``segments`` (our CPU
-    kernels: one forward over every stream's rows) or ``per-stream`` (one ``verify_tree`` per stream)."""
+    kernels: one forward over every stream's rows) or ``per-stream`` (one forward per stream)."""
     path = getattr(runner, "last_batch_path", None)
-    if path is not None:
+    if path:
         return str(path)
     if streams == 1:
         return "single"
@@ -272,51 +298,72 @@ def batch_path(runner: Any, streams: int) -> str:
     return "segments" if on_kernels else "per-stream"
 
 
+def fill_slots(runner: Any, gen: torch.Generator, *, streams: int, context_tokens: int, extra: int,
+               vocab: int) -> tuple[list, list[int]]:
+    """``streams`` KV-cache slots, slot i prefilled with ``context_tokens - 8 (i mod 8)`` random tokens (room
+    for ``extra`` tree rows more); returns (caches, committed lengths)."""
+    caches, lens = [], []
+    try:
+        for i in range(streams):
+            n = max(1, context_tokens - 8 * (i % 8))
+            cache = runner.new_cache(n + extra)
+            caches.append(cache)
+            runner.prefill(torch.randint(0, vocab, (n,), generator=gen).tolist(), cache=cache, topk=0)
+            lens.append(n)
+    except BaseException:
+        for cache in caches:
+            runner.release(cache)
+        raise
+    return caches, lens
+
+
+def time_flat(runner: Any, flats: dict[tuple[int, int], FlatTrees], *, lens: list[int], repeats: int,
+              device: str) -> tuple[dict[tuple[int, int], list[float]], dict[tuple[int, int], str]]:
+    """ms of ``runner.verify_flat`` per (B, N), up to every row's argmax copied back: ``repeats`` timed rounds
+    after one untimed one, the pairs' order rotating per round. Each stream's slot is cut back to its
+    committed length after every forward (outside the timing). Returns (times, path per pair)."""
+    pairs = list(flats)
+    times: dict[tuple[int, int], list[float]] = {p: [] for p in pairs}
+    paths: dict[tuple[int, int], str] = {}
+    for rnd in range(repeats + 1):
+        k = rnd % len(pairs)
+        for pair in pairs[k:] + pairs[:k]:
+            flat = flats[pair]
+            sync(device)
+            t0 = time.perf_counter()
+            runner.verify_flat(flat).argmax(-1).cpu()
+            ms = (time.perf_counter() - t0) * 1000.0
+            paths[pair] = batch_path(runner, pair[0])
+            for i, cache in enumerate(flat.caches):
+                runner.keep_rows(cache, committed_len=lens[i], nodes=[])
+            if rnd:
+                times[pair].append(ms)
+    return times, paths
+
+
 @torch.inference_mode()
 def measure_batch(runner: Any, *, bundle: ModelBundle, streams: list[int], nodes: list[int], context_tokens: int,
                   repeats: int) -> list[dict]:
-    """Median ms of one ``runner.verify_batch`` over B streams' random trees of N nodes each (every stream on
-    its own slot, stream i with ``context_tokens - 8 i`` cached tokens), up to every stream's argmax copied
-    back, for every (B, N); (B, N) pairs interleaved over ``repeats`` rounds (one untimed round first, which
-    also captures any CUDA graphs). Rows: B, N, ms, tokens per forward, tokens/ms, ratio to B=1, path."""
-    device = str(bundle.device)
+    """Median ms of one ``runner.verify_flat`` over B streams' random trees of N nodes each (every stream on
+    its own slot: ``fill_slots``), up to every row's argmax copied back, for every (B, N); pairs interleaved
+    over ``repeats`` rounds (``time_flat``). Rows: B, N, ms, tokens per forward, tokens/ms, ratio to B=1,
+    path."""
     vocab = bundle.vocab_size
     gen = torch.Generator().manual_seed(2)
-    top = max(streams)
-    caches, lens = [], []
-    for i in range(top):
-        n = max(1, context_tokens - 8 * i)
-        cache = runner.new_cache(n + max(nodes))
-        runner.prefill(torch.randint(0, vocab, (n,), generator=gen).tolist(), cache=cache, topk=0)
-        caches.append(cache)
-        lens.append(n)
-    trees = {(i, t): flatten_tree(random_tree(gen, t, vocab), committed_len=lens[i], device=runner.device,
-                                  dtype=runner.dtype) for i in range(top) for t in nodes}
-    pairs = [(b, t) for b in streams for t in nodes]
-    times: dict[tuple[int, int], list[float]] = {p: [] for p in pairs}
-    paths: dict[tuple[int, int], str] = {}
+    caches, lens = fill_slots(runner, gen, streams=max(streams), context_tokens=context_tokens, extra=max(nodes),
+                              vocab=vocab)
     try:
-        for rnd in range(repeats + 1):
-            k = rnd % len(pairs)
-            for b, t in pairs[k:] + pairs[:k]:
-                items = [(trees[(i, t)], caches[i]) for i in range(b)]
-                sync(device)
-                t0 = time.perf_counter()
-                outs = runner.verify_batch(items)
-                for out in outs:
-                    out.argmax(-1).cpu()
-                ms = (time.perf_counter() - t0) * 1000.0
-                paths[(b, t)] = batch_path(runner, b)
-                for i in range(b):
-                    runner.keep_rows(caches[i], committed_len=lens[i], nodes=[])
-                if rnd:
-                    times[(b, t)].append(ms)
+        trees = {(i, t): flatten_tree(random_tree(gen, t, vocab), committed_len=lens[i], device=runner.device,
+                                      dtype=runner.dtype) for i in range(max(streams)) for t in nodes}
+        flats = {(b, t): FlatTrees.of([(trees[(i, t)], caches[i]) for i in range(b)], starts=lens[:b])
+                 for b in streams for t in nodes}
+        times, paths = time_flat(runner, flats, lens=lens, repeats=repeats, device=str(bundle.device))
     finally:
         for cache in caches:
             runner.release(cache)
     med = {p: statistics.median(v) for p, v in times.items()}
     rows = []
-    for b, t in pairs:
+    for b, t in flats:
         ms = med[(b, t)]
         base = med.get((1, t))
         rows.append({"streams": b, "nodes": t, "ms": round(ms, 3), "tokens_per_forward": b * t,
@@ -387,7 +434,143 @@ def project(curve: dict[int, float], *, mat: Optional[float], o_ar: float, o_rac
     return rows
 
 
-def write_md(d: dict, path: Path) -> None:
+# ---- the engine at B streams in flight: host µs per stream-step beside device ms per forward ----
+def engine_prompts(count: int, length: int, vocab: int, *, seed: int = 3) -> list[list[int]]:
+    """``count`` synthetic prompts as token-id lists (no tokenizer semantics): prompt i a random 24-token motif
+    repeated to ``length - 8 (i mod 8)`` tokens, so the retrieval drafter has material and the rows differ."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        motif = torch.randint(3, vocab, (24,), generator=gen).tolist()
+        n = max(8, length - 8 * (i % 8))
+        out.append((motif * (n // len(motif) + 1))[:n])
+    return out
+
+
+def sync_prefill(runner: Any, device: str) -> None:
+    """On CUDA ``prefill`` returns before its device work ends, and the first token's argmax would then wait
+    for it in the stream, as host time: wrap it (on the instance) to synchronise, so the prefill's device time
+    lands in ``BatchStats.prefill_ms``."""
+    if not device.startswith("cuda"):
+        return
+    inner = runner.prefill
+
+    def prefill(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        torch.cuda.synchronize()
+        return out
+
+    runner.prefill = prefill
+
+
+def run_stream_batch(engine: Engine, prompts: list[list[int]], params: GenerationParams, *, streams: int,
+                     device: str) -> tuple[float, BatchStats, list]:
+    """Decode every prompt through one ``StreamBatch`` with continuous batching: ``streams`` in flight, a
+    finished stream replaced by the next prompt. Returns (wall ms, the batch's stats, the results); a stream
+    that fails raises."""
+    batch = StreamBatch()
+    results: list = []
+    sync(device)
+    t0 = time.perf_counter()
+    nxt = min(streams, len(prompts))
+    for i in range(nxt):
+        batch.add(i, engine.stream(prompts[i], params))
+    try:
+        while len(results) < len(prompts):
+            for fin in batch.step():
+                if fin.error is not None:
+                    raise fin.error
+                results.append(fin.result)
+                if nxt < len(prompts):
+                    batch.add(nxt, engine.stream(prompts[nxt], params))
+                    nxt += 1
+    finally:
+        batch.close()
+    sync(device)
+    return (time.perf_counter() - t0) * 1000.0, batch.stats, results
+
+
+def engine_row(st: BatchStats, wall_ms: float, results: list, *, streams: int, method: str, capacity: int,
+               tokens: int) -> dict:
+    """Step 6's figures of one run from its ``BatchStats``: host µs per stream-step, device ms per forward and
+    the host split per part (µs per stream-step)."""
+    steps, ss = max(st.steps, 1), max(st.streams, 1)
+    host_ms = wall_ms - st.verify_ms - st.prefill_ms
+    named = sum(st.host_ms.get(p, 0.0) for p in HOST_PARTS)
+    split = {p: round(st.host_ms.get(p, 0.0) * 1000.0 / ss, 2) for p in HOST_PARTS}
+    split["other"] = round((host_ms - named) * 1000.0 / ss, 2)
+    out_tokens = sum(r.output_tokens for r in results)
+    return {
+        "streams": streams, "method": method, "capacity": capacity, "prompts": len(results),
+        "max_new_tokens": tokens, "output_tokens": out_tokens, "steps": st.steps, "stream_steps": st.streams,
+        "prefills": st.prefills, "streams_per_step": round(st.streams / steps, 2),
+        "rows_per_forward": round(st.rows / steps, 2),
+        "mat": round(out_tokens / max(st.streams + st.prefills, 1), 3),
+        "wall_ms": round(wall_ms, 2), "verify_ms": round(st.verify_ms, 2), "prefill_ms": round(st.prefill_ms, 2),
+        "host_ms": round(host_ms, 2),
+        "host_us_per_stream_step": round(host_ms * 1000.0 / ss, 2),
+        "host_ms_per_step": round(host_ms / steps, 3),
+        "device_ms_per_forward": round(st.verify_ms / steps, 3),
+        "prefill_ms_per_prefill": round(st.prefill_ms / max(st.prefills, 1), 3),
+        "host_share": round(host_ms / wall_ms, 3) if wall_ms > 0 else None,
+        "tokens_per_s": round(out_tokens / (wall_ms / 1000.0), 1) if wall_ms > 0 else None,
+        "host_us_split": split, "fallbacks": st.fallbacks,
+    }
+
+
+def engine_methods(capacities: list[int]) -> list[tuple[str, str, int]]:
+    """(label, method, capacity) of step 6: ar, then racer at each capacity."""
+    return [("ar", "ar", 1)] + [(f"racer-c{c}", "racer", c) for c in capacities]
+
+
+def engine_run(bundle: ModelBundle, spec: dict[str, str], *, method: str, capacity: int, streams: int,
+               prompts: list[list[int]], tokens: int) -> dict:
+    """One step-6 configuration: a fresh engine for ``streams`` streams on the runner ``spec``, an untimed
+    warm-up (``streams`` streams: the first ``WARM_PROMPT`` tokens of a prompt, ``WARM_TOKENS`` new tokens),
+    then every prompt through a ``StreamBatch``."""
+    device = str(bundle.device)
+    kw = dict(runner=spec["runner"], compile=spec["compile"])
+    cfg = DecodingConfig(method="ar", **kw) if method == "ar" else DecodingConfig(method=method, capacity=capacity, **kw)
+    engine = Engine(bundle, cfg, streams=streams)
+    try:
+        sync_prefill(engine.runner, device)
+        warm = [p[:WARM_PROMPT] for p in prompts[:streams]]  # short prompts: the decode paths warm, cheaply
+        run_stream_batch(engine, warm, GenerationParams(max_new_tokens=WARM_TOKENS), streams=streams, device=device)
+        wall_ms, st, results = run_stream_batch(engine, prompts, GenerationParams(max_new_tokens=tokens),
+                                                streams=streams, device=device)
+        row = engine_row(st, wall_ms, results, streams=streams, method=method, capacity=capacity, tokens=tokens)
+        row["engine_warmup_s"] = round(engine.warmup_s, 3)
+        return row
+    finally:
+        del engine
+        release_memory(device)
+
+
+def engine_batches(bundle: ModelBundle, spec: dict[str, str], *, runner_name: str, streams: list[int],
+                   capacities: list[int], tokens: int, context_tokens: int, errors: dict[str, str]) -> dict:
+    """Step 6 over every B in ``streams`` and every method (``engine_methods``); a configuration that fails is
+    recorded in ``errors`` and the others go on."""
+    rows = []
+    for b in streams:
+        prompts = engine_prompts(2 * b + 4, context_tokens, bundle.vocab_size)
+        for label, method, cap in engine_methods(capacities):
+            try:
+                row = engine_run(bundle, spec, method=method, capacity=cap, streams=b, prompts=prompts, tokens=tokens)
+            except Exception as exc:  # noqa: BLE001 - recorded, the other configurations go on
+                log.exception("engine batch B=%d %s failed", b, label)
+                errors[f"engine batch B={b} {label}"] = f"{type(exc).__name__}: {exc}"
+                continue
+            row["label"] = label
+            rows.append(row)
+            log.info("engine B=%d %s: host %.1f µs/stream-step, device %.2f ms/forward (%d steps, %.1f streams/step, "
+                     "MAT %.2f)", b, label, row["host_us_per_stream_step"], row["device_ms_per_forward"],
+                     row["steps"], row["streams_per_step"], row["mat"])
+    return {"runner": runner_name, "tokens": tokens, "prompts": "2 B + 4", "parts": [*HOST_PARTS, "other"],
+            "rows": rows}
+
+
+def md_curves(d: dict) -> list[str]:
+    """The header and the per-runner verify cost table."""
     m, c = d["machine"], d["config"]
     default = d["default_runner"]
     names = list(d["cost_curves_ms"])
@@ -410,12 +593,18 @@ def write_md(d: dict, path: Path) -> None:
     warm = ", ".join(f"{n} {d['warmup_s'][n]} s" for n in names)
     lines += ["", f"Warm-up per runner (weight packing; graph capture or compilation of every bucket up to "
                   f"{max(int(t) for t in d['cost_curve_ms'])}): {warm}.", ""]
+    return lines
+
+
+def md_projection(d: dict) -> list[str]:
+    """The overhead summary line and the projection table."""
+    default = d["default_runner"]
     per = [f"{n} {o['ar']['overhead_ms']} ms of a {o['ar']['step_ms']} ms step"
            for n, o in d["overhead_by_runner"].items() if "ar" in o]
-    lines += [f"Per-step overhead outside the forward (ar, one token per step): {'; '.join(per)}. "
-              f"RACER on {default}: {d['overhead']['racer']['overhead_ms']} ms of a "
-              f"{d['overhead']['racer']['step_ms']} ms step (mean tree {d['overhead']['racer']['mean_tree_tokens']} "
-              "tokens).", ""]
+    lines = [f"Per-step overhead outside the forward (ar, one token per step): {'; '.join(per)}. "
+             f"RACER on {default}: {d['overhead']['racer']['overhead_ms']} ms of a "
+             f"{d['overhead']['racer']['step_ms']} ms step (mean tree {d['overhead']['racer']['mean_tree_tokens']} "
+             "tokens).", ""]
     lines += [f"## Projection on the default runner ({default})", "",
               f"MAT: {d['mat']['value']} ({d['mat']['source']}). speedup ~= MAT * (t(1) + o_ar) / (t(T) + o_racer), "
               f"o_ar = {d['overhead']['ar']['overhead_ms']} ms, o_racer = {d['overhead']['racer']['overhead_ms']} ms "
@@ -425,36 +614,117 @@ def write_md(d: dict, path: Path) -> None:
         mark = " (bench capacity)" if r["at_bench_capacity"] else ""
         lines.append(f"| {r['T']}{mark} | {d['cost_curve_ms'][str(r['T'])]} | {r['t_ratio']} | {r['break_even_mat']} | "
                      f"{'' if r['projected_speedup'] is None else r['projected_speedup']} |")
-    lines += ["", "## Per-step CPU overhead of the engine", "",
-              "| runner | method | capacity | steps | mean tree tokens | step ms | forward ms (curve) | overhead ms | "
-              "draft ms | verify ms | update ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    return lines
+
+
+def md_overhead(d: dict) -> list[str]:
+    lines = ["", "## Per-step CPU overhead of the engine", "",
+             "| runner | method | capacity | steps | mean tree tokens | step ms | forward ms (curve) | overhead ms | "
+             "draft ms | verify ms | update ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in (o for per_runner in d["overhead_by_runner"].values() for o in per_runner.values()):
         lines.append(f"| {o['runner']} | {o['method']} | {o['capacity']} | {o['steps']} | {o['mean_tree_tokens']} | "
                      f"{o['step_ms']} | {o['forward_ms_from_curve']} | {o['overhead_ms']} | {o['draft_ms']} | "
                      f"{o['verify_ms']} | {o['update_ms']} |")
-    bv = d.get("batch_verify")
-    if bv and bv.get("rows"):
-        lines += ["", f"## Batched verify: B streams x N tree nodes in one call ({bv['runner']})", "",
-                  f"`runner.verify_batch` over B streams' random trees of N nodes, each stream on its own KV-cache "
-                  f"slot with ~{c['context_tokens']} cached tokens; median of {c['repeats']} interleaved repeats. "
-                  "x B=1: tokens per ms over B=1's at the same N (B x t(1, N) / t(B, N)); path: how the runner "
-                  "verified the batch (`runner.last_batch_path`: `segments` our CPU kernels, `padded` / "
-                  "`padded-graph` the static [B_pad, N_pad] step; `per-stream`: one forward per stream).", "",
-                  "| B | N | ms per forward | tokens per forward | tokens per ms | throughput x B=1 | ms x B=1 "
-                  "| path |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in bv["rows"]:
-            lines.append(f"| {r['streams']} | {r['nodes']} | {r['ms']} | {r['tokens_per_forward']} | "
-                         f"{r['tokens_per_ms']} | {r['throughput_vs_b1']} | {r['ms_vs_b1']} | {r['path']} |")
+    return lines
+
+
+def md_batch_verify(d: dict) -> list[str]:
+    bv, c = d.get("batch_verify"), d["config"]
+    if not bv or not bv.get("rows"):
+        return []
+    lines = ["", f"## Batched verify: B streams x N tree nodes in one call ({bv['runner']})", "",
+             f"`runner.verify_flat` over B streams' random trees of N nodes (one `FlatTrees`), each stream on its "
+             f"own KV-cache slot with ~{c['context_tokens']} cached tokens; device ms per forward: wall time up to "
+             f"every row's argmax on the host, median of {c['repeats']} interleaved repeats. x B=1: tokens per ms "
+             "over B=1's at the same N (B x t(1, N) / t(B, N)); path: how the runner verified the batch "
+             "(`runner.last_batch_path`: `segments` our CPU kernels, `padded` / `padded-graph` the static "
+             "[B_pad, N_pad] step; `per-stream`: one forward per stream).", "",
+             "| B | N | device ms per forward | tokens per forward | tokens per ms | throughput x B=1 | ms x B=1 "
+             "| path |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in bv["rows"]:
+        lines.append(f"| {r['streams']} | {r['nodes']} | {r['ms']} | {r['tokens_per_forward']} | "
+                     f"{r['tokens_per_ms']} | {r['throughput_vs_b1']} | {r['ms_vs_b1']} | {r['path']} |")
+    return lines
+
+
+def md_engine_batch(d: dict) -> list[str]:
+    eb, c = d.get("engine_batch"), d["config"]
+    if not eb or not eb.get("rows"):
+        return []
+    lines = ["", f"## Engine decode at B streams in flight ({eb['runner']})", "",
+             f"`Engine(..., streams=B)`, greedy, {eb['prompts']} synthetic token-id prompts of ~{c['context_tokens']} "
+             f"tokens, {eb['tokens']} new tokens each, through one `StreamBatch` with continuous batching (B in "
+             "flight). host µs/ss = (wall - verify_ms - prefill_ms) / stream-steps; device ms/fwd = verify_ms / steps "
+             "(the batched `verify_flat` incl. the argmax / top-k); host ms/step: host time per batched step, beside "
+             "it; MAT: output tokens per row forward (prefill counted).", "",
+             "| B | method | steps | streams/step | rows/fwd | MAT | tokens/s | host µs/ss | host ms/step "
+             "| device ms/fwd | prefill ms | host share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in eb["rows"]:
+        lines.append(f"| {r['streams']} | {r['label']} | {r['steps']} | {r['streams_per_step']} | "
+                     f"{r['rows_per_forward']} | {r['mat']} | {r['tokens_per_s']} | **{r['host_us_per_stream_step']}** | "
+                     f"{r['host_ms_per_step']} | **{r['device_ms_per_forward']}** | {r['prefill_ms_per_prefill']} | "
+                     f"{r['host_share']} |")
+    parts = eb["parts"]
+    lines += ["", "Host split, µs per stream-step (`BatchStats.host_ms`; other: stream set-up, prefill-side host "
+                  "work, StreamBatch plumbing):", "",
+              "| B | method | " + " | ".join(parts) + " |", "|---" * (len(parts) + 2) + "|"]
+    for r in eb["rows"]:
+        lines.append(f"| {r['streams']} | {r['label']} | " + " | ".join(str(r['host_us_split'][p]) for p in parts)
+                     + " |")
+    return lines
+
+
+def write_md(d: dict, path: Path) -> None:
     g = d["greedy_equality"]
-    lines += ["", f"## Greedy equality in the model's dtype ({default})", "",
+    lines = md_curves(d) + md_projection(d) + md_overhead(d) + md_batch_verify(d) + md_engine_batch(d)
+    lines += ["", f"## Greedy equality in the model's dtype ({d['default_runner']})", "",
               f"AR reference vs RACER: {g['describe']}", ""]
     if d["errors"]:
         lines += ["## Errors", ""] + [f"- {k}: {v}" for k, v in d["errors"].items()] + [""]
     path.write_text("\n".join(lines))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+# ---- the run: settings, the steps, the results ----
+@dataclass
+class Settings:
+    """What one run measures (``parse_args`` resolved for the device: ``settings``)."""
+
+    tiny: bool
+    device: str
+    dtype_name: str
+    shape: dict
+    context: int
+    repeats: int
+    max_new: int
+    caps: list[int]
+    racer_cap: int
+    mat: Optional[float]
+    bench_cap: Optional[int]
+    mat_source: str
+    batch_streams: list[int]
+    batch_nodes: list[int]
+    engine_streams: list[int]
+    engine_caps: list[int]
+    engine_tokens: int
+
+
+@dataclass
+class Curves:
+    """Step 1's outcome: the runners' specs and the curves of those that were timed."""
+
+    specs: dict[str, dict[str, str]]
+    preferred: str
+    buckets: tuple[int, ...]
+    max_len: int
+    curves: dict[str, dict[int, float]] = field(default_factory=dict)
+    warmup_s: dict[str, float] = field(default_factory=dict)
+    warmup_buckets: dict[str, dict[str, float]] = field(default_factory=dict)
+    described: dict[str, dict] = field(default_factory=dict)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny Llama on the CPU in float32 (smoke test)")
     p.add_argument("--device", default=None, help="default: cuda when available (required without --tiny)")
@@ -466,15 +736,207 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per overhead run (default 128; tiny 32)")
     p.add_argument("--racer-capacity", type=int, default=None,
                    help="capacity of the racer overhead run (default: the bench file's, else 64; tiny 16)")
-    p.add_argument("--batch-streams", default="1,2,4,8", help="B for the batched-verify part (streams per call)")
-    p.add_argument("--batch-nodes", default="1,4,8,16", help="N for the batched-verify part (tree nodes per stream)")
+    p.add_argument("--batch-streams", default=None,
+                   help=f"B of the batched-verify grid (default {GPU_BATCH_STREAMS}; tiny {TINY_BATCH_STREAMS})")
+    p.add_argument("--batch-nodes", default=None,
+                   help=f"N of the batched-verify grid (default {GPU_BATCH_NODES}; tiny {TINY_BATCH_NODES})")
+    p.add_argument("--engine-streams", default=None, help="B of the engine step (default: --batch-streams)")
+    p.add_argument("--engine-capacities", default=ENGINE_CAPACITIES, help="racer capacities of the engine step")
+    p.add_argument("--engine-tokens", type=int, default=None, help="new tokens per prompt in the engine step "
+                                                                   "(default 32; tiny 16)")
     p.add_argument("--mat", type=float, default=None, help="MAT to project with (default: newest bench-*.json)")
     p.add_argument("--bench-glob", default=str(ROOT / "benchmarks" / "bench-*.json"))
     p.add_argument("--out", default=str(ROOT / "benchmarks"))
     p.add_argument("--tag", default=None)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return p.parse_args(argv)
 
+
+def int_list(text: str) -> list[int]:
+    """'8,1,4' -> [1, 4, 8]."""
+    return sorted({int(x) for x in text.split(",") if x.strip()})
+
+
+def resolve_mat(args: argparse.Namespace) -> tuple[Optional[float], Optional[int], str]:
+    """(MAT to project with, the bench file's capacity, where the MAT came from)."""
+    mat, bench_cap, bench_file = find_mat(args.bench_glob)
+    if args.mat is not None:
+        return args.mat, bench_cap, "--mat"
+    if mat is not None:
+        return mat, bench_cap, f"{os.path.relpath(bench_file, ROOT)}, method racer, capacity {bench_cap}"
+    return None, bench_cap, "none: pass --mat or put a bench-*.json in benchmarks/"
+
+
+def grids(args: argparse.Namespace) -> dict[str, list[int]]:
+    """Steps 5 and 6: the B and N of the verify grid, the engine's B and racer capacities."""
+    tiny = args.tiny
+    streams = int_list(args.batch_streams or (TINY_BATCH_STREAMS if tiny else GPU_BATCH_STREAMS))
+    return {"batch_streams": streams,
+            "batch_nodes": int_list(args.batch_nodes or (TINY_BATCH_NODES if tiny else GPU_BATCH_NODES)),
+            "engine_streams": int_list(args.engine_streams) if args.engine_streams else streams,
+            "engine_caps": int_list(args.engine_capacities)}
+
+
+def settings(args: argparse.Namespace, device: str) -> Settings:
+    tiny = args.tiny
+    mat, bench_cap, source = resolve_mat(args)
+    return Settings(
+        tiny=tiny, device=device,
+        dtype_name=args.dtype or ("float32" if tiny and not device.startswith("cuda") else "bfloat16"),
+        shape=TINY_SHAPE if tiny else LLAMA_8B_SHAPE, context=args.context or (64 if tiny else 512),
+        repeats=args.repeats or (3 if tiny else 10), max_new=args.max_new_tokens or (32 if tiny else 128),
+        caps=[int(x) for x in args.capacities.split(",")],
+        racer_cap=args.racer_capacity or (16 if tiny else (bench_cap or 64)),
+        mat=mat, bench_cap=bench_cap, mat_source=source, engine_tokens=args.engine_tokens or (16 if tiny else 32),
+        **grids(args))
+
+
+def cost_curves(bundle: ModelBundle, s: Settings, errors: dict[str, str]) -> Curves:
+    """Step 1: build and warm every runner, then t(T) of all of them interleaved; the runners are freed."""
+    buckets = bench_buckets([1, *s.caps])
+    # new_cache(context + max T) reserves one largest bucket more
+    cv = Curves(specs=runner_specs(s.device), preferred=default_runner_name(bundle), buckets=buckets,
+                max_len=s.context + max(s.caps) + buckets[-1])
+    runners: dict[str, Any] = {}
+    for name, spec in cv.specs.items():
+        try:
+            runner = build_runner(bundle, spec, buckets=buckets, max_len=cv.max_len)
+            secs, per_bucket = warm_runner(runner, s.caps, s.device)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other runners go on
+            log.exception("runner %s failed to build or warm up; dropped", name)
+            errors[name] = f"build/warm-up: {type(exc).__name__}: {exc}"
+            continue
+        runners[name], cv.warmup_s[name], cv.warmup_buckets[name] = runner, round(secs, 3), per_bucket
+        cv.described[name] = {"class": type(runner).__name__, **spec, "matmul": getattr(runner, "matmul", None),
+                              "compiled": bool(getattr(runner, "compiled", False))}
+        log.info("runner %s ready (warm-up %.2f s)", name, secs)
+    runner = None  # only `runners` holds them now: freed after the curves
+    if runners:
+        cv.curves = measure_interleaved(runners, s.caps, bundle=bundle, context_tokens=s.context, repeats=s.repeats,
+                                        errors=errors)
+    for name, curve in cv.curves.items():
+        log.info("t(T) ms %s: %s", name, {t: round(ms, 2) for t, ms in curve.items()})
+    runners.clear()
+    release_memory(s.device)
+    return cv
+
+
+def batched_verify(bundle: ModelBundle, s: Settings, cv: Curves, errors: dict[str, str]) -> dict:
+    """Step 5 on the preferred runner (the next one where it fails): the B x N ``verify_flat`` grid."""
+    for name in dict.fromkeys([cv.preferred, "static", *cv.specs]):
+        if name not in cv.curves:
+            continue
+        runner = None
+        try:
+            runner = build_runner(bundle, cv.specs[name], buckets=cv.buckets,
+                                  max_len=s.context + max(s.batch_nodes) + cv.buckets[-1])
+            if hasattr(runner, "reserve_slots"):
+                runner.reserve_slots(max(s.batch_streams))  # before the warm-up: more slots drop captured graphs
+            warm_runner(runner, s.batch_nodes, s.device)
+            rows = measure_batch(runner, bundle=bundle, streams=s.batch_streams, nodes=s.batch_nodes,
+                                 context_tokens=s.context, repeats=s.repeats)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other parts go on
+            log.exception("batched verify on runner %s failed", name)
+            errors[f"{name} batch verify"] = f"{type(exc).__name__}: {exc}"
+            continue
+        finally:
+            runner = None
+            release_memory(s.device)
+        for r in rows:
+            log.info("verify_flat B=%d N=%d: %.2f ms (x%.2f throughput vs B=1, %s)", r["streams"], r["nodes"],
+                     r["ms"], r["throughput_vs_b1"] or 0.0, r["path"])
+        return {"runner": name, "rows": rows}
+    return {"runner": None, "rows": []}
+
+
+def overheads(bundle: ModelBundle, s: Settings, cv: Curves, prompt: list[int],
+              errors: dict[str, str]) -> tuple[Optional[str], dict[str, dict[str, dict]], Any]:
+    """Step 2: ar and racer on the default runner (falling back when it fails), ar on the others. Returns
+    (the runner that decoded, {runner: {method: overhead}}, the racer result for step 3)."""
+    by_runner: dict[str, dict[str, dict]] = {}
+    default, racer_res = None, None
+    run = dict(prompt=prompt, max_new_tokens=s.max_new)
+    for name in dict.fromkeys([cv.preferred, "static", "eager", *cv.curves]):
+        if name not in cv.curves:
+            continue
+        try:
+            o_ar, _ = step_overhead(bundle, cv.curves[name], method="ar", capacity=1, runner_name=name,
+                                    spec=cv.specs[name], **run)
+            o_racer, racer_res = step_overhead(bundle, cv.curves[name], method="racer", capacity=s.racer_cap,
+                                               runner_name=name, spec=cv.specs[name], **run)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("decoding on runner %s failed", name)
+            errors[f"{name} decode"] = f"{type(exc).__name__}: {exc}"
+            release_memory(s.device)
+            continue
+        default = name
+        by_runner[name] = {"ar": o_ar, "racer": o_racer}
+        break
+    if default is None:
+        return None, by_runner, None
+    for name in cv.curves:
+        if name in by_runner or f"{name} decode" in errors:
+            continue
+        try:
+            o, _ = step_overhead(bundle, cv.curves[name], method="ar", capacity=1, runner_name=name,
+                                 spec=cv.specs[name], **run)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("ar on runner %s failed", name)
+            errors[f"{name} decode"] = f"{type(exc).__name__}: {exc}"
+            release_memory(s.device)
+            continue
+        by_runner[name] = {"ar": o}
+    return default, {n: by_runner[n] for n in cv.curves if n in by_runner}, racer_res
+
+
+def machine(device: str) -> dict:
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        name, mem = props.name, round(torch.cuda.max_memory_allocated(torch.device(device)) / 2**30, 2)
+    else:
+        name, mem = platform.processor() or platform.machine(), None
+    return {"device": device, "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "peak_gpu_memory_gib": mem, "python": platform.python_version()}
+
+
+def results(s: Settings, cv: Curves, *, tag: str, command: str, mach: dict, build_s: float, default: str,
+            by_runner: dict, div: Any, batch_verify: dict, engine_batch: dict, errors: dict[str, str]) -> dict:
+    curve = cv.curves[default]
+    o_ar, o_racer = by_runner[default]["ar"], by_runner[default]["racer"]
+    return {
+        "tag": tag, "command": command, "written_at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": mach,
+        "config": {"shape_name": "tiny" if s.tiny else "llama-8b", "shape": s.shape, "dtype": s.dtype_name,
+                   "context_tokens": s.context, "repeats": s.repeats, "max_new_tokens": s.max_new,
+                   "racer_capacity": s.racer_cap, "build_s": round(build_s, 1), "static_buckets": list(cv.buckets),
+                   "static_max_len": cv.max_len, "engine_buckets": list(DEFAULT_BUCKETS),
+                   "batch_streams": s.batch_streams, "batch_nodes": s.batch_nodes,
+                   "engine_streams": s.engine_streams, "engine_capacities": s.engine_caps,
+                   "engine_tokens": s.engine_tokens},
+        "runners": cv.described,
+        "default_runner": default,
+        # the default runner's curve: what the projection uses
+        "cost_curve_ms": {str(t): round(ms, 3) for t, ms in sorted(curve.items())},
+        "cost_curves_ms": {n: {str(t): round(ms, 3) for t, ms in sorted(c.items())} for n, c in cv.curves.items()},
+        "t_ratio": {n: {str(t): round(ms / c[1], 3) for t, ms in sorted(c.items())} for n, c in cv.curves.items()},
+        "warmup_s": {n: cv.warmup_s[n] for n in cv.curves},
+        "warmup_s_per_bucket": {n: cv.warmup_buckets[n] for n in cv.curves},
+        # per-step overhead on the default runner (ar, racer); overhead_by_runner adds ar on every runner
+        "overhead": {"ar": o_ar, "racer": o_racer},
+        "overhead_by_runner": by_runner,
+        "greedy_equality": {"runner": default, "identical": div.identical, "common_prefix": div.common_prefix,
+                            "len_ref": div.len_a, "len_racer": div.len_b, "logit_gap": div.logit_gap,
+                            "is_tie": div.is_tie, "describe": div.describe()},
+        "mat": {"value": s.mat, "source": s.mat_source, "bench_capacity": s.bench_cap},
+        "projection": project(curve, mat=s.mat, o_ar=o_ar["overhead_ms"], o_racer=o_racer["overhead_ms"],
+                              bench_capacity=s.bench_cap),
+        "batch_verify": batch_verify,
+        "engine_batch": engine_batch,
+        "errors": errors,
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda"):
         torch.set_num_threads(1)  # spinning OpenMP threads collapse on a shared CPU (docs/service.md)
@@ -482,176 +944,40 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("no CUDA device: the 8B-shaped run needs a GPU (about 17 GB of memory); use --tiny for the CPU "
               "smoke run", file=sys.stderr)
         return 3
-    dtype_name = args.dtype or ("float32" if args.tiny and not device.startswith("cuda") else "bfloat16")
-    dtype = getattr(torch, dtype_name)
-    shape = TINY_SHAPE if args.tiny else LLAMA_8B_SHAPE
-    context = args.context or (64 if args.tiny else 512)
-    repeats = args.repeats or (3 if args.tiny else 10)
-    max_new = args.max_new_tokens or (32 if args.tiny else 128)
-    caps = [int(x) for x in args.capacities.split(",")]
-    mat, bench_cap, bench_file = find_mat(args.bench_glob)
-    if args.mat is not None:
-        mat, source = args.mat, "--mat"
-    elif mat is not None:
-        source = f"{os.path.relpath(bench_file, ROOT)}, method racer, capacity {bench_cap}"
-    else:
-        source = "none: pass --mat or put a bench-*.json in benchmarks/"
-    racer_cap = args.racer_capacity or (16 if args.tiny else (bench_cap or 64))
-
+    s = settings(args, device)
     t0 = time.perf_counter()
-    bundle = build_model(shape, device=device, dtype=dtype)
+    bundle = build_model(s.shape, device=device, dtype=getattr(torch, s.dtype_name))
     build_s = time.perf_counter() - t0
-    log.info("built %s model on %s in %.1f s", "tiny" if args.tiny else "8B-shaped", device, build_s)
-
-    # 1. t(T) per runner, interleaved.
-    specs = runner_specs(device)
-    preferred = default_runner_name(bundle)
-    buckets = bench_buckets([1, *caps])
-    max_len = context + max(caps) + buckets[-1]  # new_cache(context + max T) reserves one largest bucket more
+    log.info("built %s model on %s in %.1f s", "tiny" if s.tiny else "8B-shaped", device, build_s)
     errors: dict[str, str] = {}
-    runners: dict[str, Any] = {}
-    warmup_s: dict[str, float] = {}
-    warmup_buckets: dict[str, dict[str, float]] = {}
-    described: dict[str, dict] = {}
-    for name, spec in specs.items():
-        try:
-            runner = build_runner(bundle, spec, buckets=buckets, max_len=max_len)
-            s, per_bucket = warm_runner(runner, caps, device)
-        except Exception as exc:  # noqa: BLE001 - recorded, the other runners go on
-            log.exception("runner %s failed to build or warm up; dropped", name)
-            errors[name] = f"build/warm-up: {type(exc).__name__}: {exc}"
-            continue
-        runners[name], warmup_s[name], warmup_buckets[name] = runner, round(s, 3), per_bucket
-        described[name] = {"class": type(runner).__name__, **spec, "matmul": getattr(runner, "matmul", None),
-                           "compiled": bool(getattr(runner, "compiled", False))}
-        log.info("runner %s ready (warm-up %.2f s)", name, s)
-    runner = None  # only `runners` holds them now: freed after the curves
-    if not runners:
-        print(f"no runner could be built: {errors}", file=sys.stderr)
-        return 4
-    curves = measure_interleaved(runners, caps, bundle=bundle, context_tokens=context, repeats=repeats,
-                                 errors=errors)
-    for name, curve in curves.items():
-        log.info("t(T) ms %s: %s", name, {t: round(ms, 2) for t, ms in curve.items()})
-    runners.clear()
-    release_memory(device)
-    if not curves:
+
+    cv = cost_curves(bundle, s, errors)  # 1. t(T) per runner, interleaved
+    if not cv.curves:
         print(f"no runner could be timed: {errors}", file=sys.stderr)
         return 4
-
-    # 5 (run here, while nothing else holds memory). Batched verify on the preferred runner: B streams x N nodes.
-    batch_streams = sorted({int(x) for x in args.batch_streams.split(",")})
-    batch_nodes = sorted({int(x) for x in args.batch_nodes.split(",")})
-    batch_verify: dict[str, Any] = {"runner": None, "rows": []}
-    for name in dict.fromkeys([preferred, "static", *specs]):
-        if name not in curves:
-            continue
-        try:
-            runner = build_runner(bundle, specs[name], buckets=buckets,
-                                  max_len=context + max(batch_nodes) + buckets[-1])
-            if hasattr(runner, "reserve_slots"):
-                runner.reserve_slots(max(batch_streams))  # before the warm-up: more slots drop captured graphs
-            warm_runner(runner, batch_nodes, device)
-            batch_verify = {"runner": name, "rows": measure_batch(
-                runner, bundle=bundle, streams=batch_streams, nodes=batch_nodes, context_tokens=context,
-                repeats=repeats)}
-        except Exception as exc:  # noqa: BLE001 - recorded, the other parts go on
-            log.exception("batched verify on runner %s failed", name)
-            errors[f"{name} batch verify"] = f"{type(exc).__name__}: {exc}"
-            continue
-        finally:
-            runner = None
-            release_memory(device)
-        for r in batch_verify["rows"]:
-            log.info("verify_batch B=%d N=%d: %.2f ms (x%.2f throughput vs B=1, %s)", r["streams"], r["nodes"],
-                     r["ms"], r["throughput_vs_b1"] or 0.0, r["path"])
-        break
-
-    # 2. Per-step overhead: ar and racer on the default runner (falling back when it fails), ar on the others.
+    batch_verify = batched_verify(bundle, s, cv, errors)  # 5, while nothing else holds memory
     gen = torch.Generator().manual_seed(1)
-    motif = torch.randint(3, shape["vocab_size"], (24,), generator=gen).tolist()
-    prompt = (motif * (context // len(motif) + 1))[:context]  # repeats itself: the retrieval drafter has material
-    overhead_by_runner: dict[str, dict[str, dict]] = {}
-    default, racer_res = None, None
-    for name in dict.fromkeys([preferred, "static", "eager", *curves]):
-        if name not in curves:
-            continue
-        try:
-            o_ar, _ = step_overhead(bundle, curves[name], method="ar", capacity=1, prompt=prompt,
-                                    max_new_tokens=max_new, runner_name=name, spec=specs[name])
-            o_racer, racer_res = step_overhead(bundle, curves[name], method="racer", capacity=racer_cap, prompt=prompt,
-                                               max_new_tokens=max_new, runner_name=name, spec=specs[name])
-        except Exception as exc:  # noqa: BLE001
-            log.exception("decoding on runner %s failed", name)
-            errors[f"{name} decode"] = f"{type(exc).__name__}: {exc}"
-            release_memory(device)
-            continue
-        default = name
-        overhead_by_runner[name] = {"ar": o_ar, "racer": o_racer}
-        break
+    motif = torch.randint(3, s.shape["vocab_size"], (24,), generator=gen).tolist()
+    prompt = (motif * (s.context // len(motif) + 1))[:s.context]  # repeats itself: the retrieval drafter has material
+    default, by_runner, racer_res = overheads(bundle, s, cv, prompt, errors)  # 2.
     if default is None:
         print(f"no runner could decode: {errors}", file=sys.stderr)
         return 4
-    if default != preferred:
-        errors["default runner"] = f"{preferred} unavailable: projection and greedy check on {default}"
-    for name in curves:
-        if name in overhead_by_runner or f"{name} decode" in errors:
-            continue
-        try:
-            o, _ = step_overhead(bundle, curves[name], method="ar", capacity=1, prompt=prompt, max_new_tokens=max_new,
-                                 runner_name=name, spec=specs[name])
-        except Exception as exc:  # noqa: BLE001
-            log.exception("ar on runner %s failed", name)
-            errors[f"{name} decode"] = f"{type(exc).__name__}: {exc}"
-            release_memory(device)
-            continue
-        overhead_by_runner[name] = {"ar": o}
-    overhead_by_runner = {n: overhead_by_runner[n] for n in curves if n in overhead_by_runner}
-
+    if default != cv.preferred:
+        errors["default runner"] = f"{cv.preferred} unavailable: projection, greedy check and engine step on {default}"
+    engine_batch = engine_batches(bundle, cv.specs[default], runner_name=default, streams=s.engine_streams,  # 6.
+                                  capacities=s.engine_caps, tokens=s.engine_tokens, context_tokens=s.context,
+                                  errors=errors)
     # 3. Greedy equality: AR reference (the transformers forward) vs RACER on the default runner.
-    ref = generate_reference(bundle, prompt, GenerationParams(max_new_tokens=max_new))
+    ref = generate_reference(bundle, prompt, GenerationParams(max_new_tokens=s.max_new))
     div = compare_greedy(bundle, prompt, ref.token_ids, racer_res.token_ids)
 
-    if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(torch.device(device))
-        dev_name, mem = props.name, round(torch.cuda.max_memory_allocated(torch.device(device)) / 2**30, 2)
-    else:
-        dev_name, mem = platform.processor() or platform.machine(), None
-    tag = args.tag or ("tiny-" + device.split(":")[0] if args.tiny else dev_name.replace(" ", "-").lower())
-    curve = curves[default]
-    o_ar, o_racer = overhead_by_runner[default]["ar"], overhead_by_runner[default]["racer"]
-    d = {
-        "tag": tag,
-        "command": "python scripts/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"device": device, "device_name": dev_name, "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "peak_gpu_memory_gib": mem, "python": platform.python_version()},
-        "config": {"shape_name": "tiny" if args.tiny else "llama-8b", "shape": shape, "dtype": dtype_name,
-                   "context_tokens": context, "repeats": repeats, "max_new_tokens": max_new,
-                   "racer_capacity": racer_cap, "build_s": round(build_s, 1),
-                   "static_buckets": list(buckets),
-                   "static_max_len": max_len, "engine_buckets": list(DEFAULT_BUCKETS),
-                   "batch_streams": batch_streams, "batch_nodes": batch_nodes},
-        "runners": described,
-        "default_runner": default,
-        # the default runner's curve: what the projection uses
-        "cost_curve_ms": {str(t): round(ms, 3) for t, ms in sorted(curve.items())},
-        "cost_curves_ms": {n: {str(t): round(ms, 3) for t, ms in sorted(c.items())} for n, c in curves.items()},
-        "t_ratio": {n: {str(t): round(ms / c[1], 3) for t, ms in sorted(c.items())} for n, c in curves.items()},
-        "warmup_s": {n: warmup_s[n] for n in curves},
-        "warmup_s_per_bucket": {n: warmup_buckets[n] for n in curves},
-        # per-step overhead on the default runner (ar, racer); overhead_by_runner adds ar on every runner
-        "overhead": {"ar": o_ar, "racer": o_racer},
-        "overhead_by_runner": overhead_by_runner,
-        "greedy_equality": {"runner": default, "identical": div.identical, "common_prefix": div.common_prefix,
-                            "len_ref": div.len_a, "len_racer": div.len_b, "logit_gap": div.logit_gap,
-                            "is_tie": div.is_tie, "describe": div.describe()},
-        "mat": {"value": mat, "source": source, "bench_capacity": bench_cap},
-        "projection": project(curve, mat=mat, o_ar=o_ar["overhead_ms"], o_racer=o_racer["overhead_ms"],
-                              bench_capacity=bench_cap),
-        "batch_verify": batch_verify,
-        "errors": errors,
-    }
+    mach = machine(device)
+    tag = args.tag or ("tiny-" + device.split(":")[0] if s.tiny else mach["device_name"].replace(" ", "-").lower())
+    d = results(s, cv, tag=tag, command="python scripts/gpu_bench.py " + " ".join(argv if argv is not None else
+                                                                                  sys.argv[1:]),
+                mach=mach, build_s=build_s, default=default, by_runner=by_runner, div=div,
+                batch_verify=batch_verify, engine_batch=engine_batch, errors=errors)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out / f"gpu_bench-{tag}.json", out / f"gpu_bench-{tag}.md"

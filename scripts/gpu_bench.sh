@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
-# The GPU cost-model benchmark (scripts/gpu_bench.py) for a CUDA machine with no network: t(T) of the verify
-# forward for the eager, static and cuda-graph runners (interleaved), their warm-up (capture) seconds, the
-# engine's per-step overhead per runner, greedy equality, the projected speedup on the default runner, and
-# the batched verify cost (issue 14): one runner.verify_batch over B streams x N tree nodes, B in 1,2,4,8 and
-# N in 1,4,8,16 (--batch-streams / --batch-nodes), ms per forward, throughput vs B=1 and the path that ran.
+# The GPU cost-model benchmark (scripts/gpu_bench.py) for a CUDA machine with no network, on an 8B-shaped
+# random bf16 Llama: t(T) of the verify forward for the eager, static and cuda-graph runners (interleaved),
+# their warm-up (capture) seconds, the engine's per-step overhead per runner, greedy equality, the projected
+# speedup on the default runner, and the batched engine at GPU batch sizes (issue 27):
+#   - the B x N verify grid: one runner.verify_flat over B streams x N tree nodes, B in 1,8,32,64 and N in
+#     1,4,16 (--batch-streams / --batch-nodes), device ms per forward, throughput vs B=1 and the path that ran
+#     (padded-graph: one CUDA graph per (B_pad, N_pad) bucket);
+#   - the engine at B streams in flight: for each B of the grid (--engine-streams), ar and racer at capacity 4
+#     and 16 (--engine-capacities), Engine(..., streams=B) greedy-decodes 2B+4 synthetic token-id prompts of
+#     ~512 tokens for 32 new tokens each (--engine-tokens) through one StreamBatch with continuous batching;
+#     host µs per stream-step ((wall - verify - prefill ms) / stream-steps) beside device ms per forward
+#     (verify ms / steps), and the host split per part (µs per stream-step).
 #
-#   bash scripts/gpu_bench.sh                 # 8B-shaped random bf16 Llama on cuda:0 (~17 GB GPU memory, ~3-5 min)
-#   bash scripts/gpu_bench.sh --tiny          # tiny Llama on the CPU, eager + static runners: checks the script
-#                                             # anywhere, in seconds
+#   bash scripts/gpu_bench.sh                 # 8B-shaped random bf16 Llama on cuda:0 (~17 GB weights, ~35-40 GB
+#                                             # peak with 64 KV slots); expected ~4-6 min on an H200 (model
+#                                             # build + steps 1-4 ~3 min, the B x N grid ~0.5 min, the engine
+#                                             # at B = 1..64 ~1.5-2 min), well inside 8 min
+#   bash scripts/gpu_bench.sh --tiny          # tiny Llama on the CPU, eager + static runners, B in 1,2,4 and
+#                                             # N in 1,4: checks the script anywhere, in seconds
 #   bash scripts/gpu_bench.sh --mat 2.4       # project with this MAT instead of the newest benchmarks/bench-*.json
-#   bash scripts/gpu_bench.sh --repeats 5     # fewer timed rounds per (T, runner) (default 10)
+#   bash scripts/gpu_bench.sh --repeats 5     # fewer timed rounds per (T, runner) and (B, N) (default 10)
+#   bash scripts/gpu_bench.sh --engine-streams 1,8 --engine-tokens 16   # a shorter engine step
 #
-# Exit status: 0; 3 without CUDA and without --tiny; 4 when a runner failed (the others' results are still
-# written, the failure is under "errors" in the JSON).
+# Exit status: 0; 3 without CUDA and without --tiny; 4 when a runner or an engine-step configuration failed
+# (the others' results are still written, the failure is under "errors" in the JSON).
 #
 # Needs python with torch (a CUDA build for the real run), transformers, numpy and pydantic; nothing is
 # downloaded (weights are random, built from the config). Uses .venv/bin/python when present, else $PYTHON,

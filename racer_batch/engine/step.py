@@ -116,9 +116,10 @@ class Telemetry:
         self._free.append(tid)
 
     def add(self, tids: np.ndarray, values: np.ndarray, accepted: np.ndarray) -> None:
-        """Add ``values [B, len(TEL_FIELDS)]`` to the rows ``tids [B]`` and count ``accepted [B]`` lengths."""
-        np.add.at(self.table, tids, values)
-        np.add.at(self.hist, (tids, np.minimum(accepted, _HIST - 1)), 1)
+        """Add ``values [B, len(TEL_FIELDS)]`` to the rows ``tids [B]`` (distinct: one per stream of a step) and
+        count ``accepted [B]`` lengths."""
+        self.table[tids] += values
+        self.hist[tids, np.minimum(accepted, _HIST - 1)] += 1
 
 
 def greedy_paths(flat: FlatTrees, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -210,6 +211,7 @@ class Stepper:
         self._ops = getattr(self.runner, "_ops", None)
         self.committing = False  # the running step has begun committing tokens (no retry past this point)
         self.last_rows = 0  # tree rows of the last step's forward
+        self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
 
     # ---- row lifecycle
     def open(self, row: DecodeRow) -> None:
@@ -234,13 +236,13 @@ class Stepper:
         clock.lap("flatten")
         self.last_rows = flat.rows
         t0 = time.perf_counter()
-        logits = verify_flat(self.runner, flat)  # [R, V]
+        logits = self.runner.verify_flat(flat)  # [R, V]
         # the argmax / top-k over the vocabulary reads the logits where they are: device work on a GPU, and
         # counted with the forward here, not as host bookkeeping
         choices, topk, probs = self._scores(rows, logits)
         forward_ms = (time.perf_counter() - t0) * 1000.0
         clock.skip()
-        nodes, cu_paths, bonus, acc_rows = self._accept(rows, flat, logits, choices)
+        nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
         clock.lap("accept")
         self.committing = True
         blocks, emitted = self._stops(rows, flat, nodes, cu_paths, bonus)
@@ -298,10 +300,11 @@ class Stepper:
         return choices, top.indices.cpu().numpy(), probs
 
     def _accept(self, rows: list[DecodeRow], flat: FlatTrees, logits: torch.Tensor, choices: np.ndarray):
-        nodes, cu_paths, bonus, acc_rows = greedy_paths(flat, choices)
+        """Every row's accepted path (local nodes, concatenated, ``cu_paths``) and bonus token."""
+        nodes, cu_paths, bonus = self._greedy(flat, choices)
         lossless = self.config.acceptance == "lossless"
         if lossless and all(r.params.greedy for r in rows):
-            return nodes, cu_paths, bonus, acc_rows
+            return nodes, cu_paths, bonus
         paths = [nodes[cu_paths[i]: cu_paths[i + 1]] for i in range(len(rows))]
         bonus = bonus.copy()
         for i, r in enumerate(rows):
@@ -317,8 +320,21 @@ class Stepper:
             paths[i] = np.asarray(path, dtype=np.int64)
         cu_paths = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in paths], out=cu_paths[1:])
-        nodes = np.concatenate(paths)
-        return nodes, cu_paths, bonus, nodes + np.repeat(flat.cu[:-1], np.diff(cu_paths))
+        return np.concatenate(paths), cu_paths, bonus
+
+    def _greedy(self, flat: FlatTrees, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Greedy paths of every tree: AR's roots at once; trees on the native core's ``accept_greedy_batch``
+        where it built (one call), else ``greedy_paths``."""
+        b = flat.num_streams
+        if flat.rows == b:  # every tree is its root alone
+            return np.zeros(b, dtype=np.int64), np.arange(b + 1, dtype=np.int64), choices.astype(np.int64, copy=False)
+        if self._native_accept is None:
+            from ..drafters import native
+
+            self._native_accept = native.accept_greedy_batch if native.available() else False
+        if self._native_accept:
+            return self._native_accept(flat.cu, flat.parents, flat.tokens, np.asarray(choices, dtype=np.int64))
+        return greedy_paths(flat, choices)[:3]
 
     @staticmethod
     def _stops(rows, flat, nodes, cu_paths, bonus) -> tuple[list[list[int]], np.ndarray]:
@@ -352,7 +368,7 @@ class Stepper:
             keep_nodes = np.concatenate([nodes[cu_paths[i]: cu_paths[i + 1]] for i in live])
             keep_cu = np.zeros(len(live) + 1, dtype=np.int64)
             np.cumsum(lengths[live], out=keep_cu[1:])
-        keep_rows_batch(self.runner, [rows[i].cache for i in live], flat.starts[live], keep_nodes, keep_cu)
+        self.runner.keep_rows_batch([rows[i].cache for i in live], flat.starts[live], keep_nodes, keep_cu)
         for i in live:
             rows[i].committed_len += int(lengths[i])
 
@@ -380,37 +396,47 @@ class Stepper:
     def _observe(self, rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock) -> None:
         """Telemetry of the step for every row (one table update) and one capacity-tuner observation."""
         b = len(rows)
-        lengths = np.diff(cu_paths) - 1  # accepted draft nodes per row (root excluded)
-        accepted = np.minimum(lengths, emitted)  # a stop inside the block cuts the accepted count too
-        base = np.repeat(flat.cu[:-1], np.diff(cu_paths))
-        glob = nodes + base
-        nonroot = nodes > 0
-        # an accepted node counts when its place in the path is within the emitted tokens
-        place = np.arange(len(nodes)) - np.repeat(cu_paths[:-1], np.diff(cu_paths))
-        counted = nonroot & (place <= np.repeat(accepted, np.diff(cu_paths)))
-        src = sources[glob] if len(sources) else np.zeros(len(glob), np.int64)
-        owner = np.repeat(np.arange(b), np.diff(cu_paths))
-        both = SOURCE_RETRIEVAL | SOURCE_LOGITS
+        plen = np.diff(cu_paths)
+        accepted = np.minimum(plen - 1, emitted)  # accepted draft nodes (a stop inside the block cuts them too)
         vals = np.zeros((b, len(TEL_FIELDS)))
         vals[:, 0] = 1.0
         vals[:, 1] = emitted
         vals[:, 2] = accepted
-        for col, sel in ((3, src == SOURCE_RETRIEVAL), (4, src == SOURCE_LOGITS), (5, src == both),
-                         (6, (src & both) == 0)):
-            np.add.at(vals[:, col], owner[counted & sel], 1)
+        if len(nodes) > b:  # some tree had an accepted draft node: count them by source
+            vals[:, 3:7] = _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted)
         vals[:, 7] = np.diff(flat.cu)
         host = clock.since_start_ms()
-        vals[:, 8] = clock.part("propose") / b
+        propose = clock.part("propose")
+        vals[:, 8] = propose / b
         vals[:, 9] = forward_ms / b
-        vals[:, 10] = (host - clock.part("propose")) / b
-        tids = np.fromiter((r.tid for r in rows), np.int64, b)
-        self.telemetry.add(tids, vals, accepted)
+        vals[:, 10] = (host - propose) / b
+        self.telemetry.add(np.fromiter((r.tid for r in rows), np.int64, b), vals, accepted)
         if any(r.keep_steps for r in rows):
             _keep_records(rows, vals)
         tuner = self.engine.tuner
         if tuner is not None:
-            tuner.observe_batch(used_capacity=cap, accepted_creation_idx=order[glob[nonroot]], streams=b,
+            glob = nodes + np.repeat(flat.cu[:-1], plen)
+            tuner.observe_batch(used_capacity=cap, accepted_creation_idx=order[glob[nodes > 0]], streams=b,
                                 overhead_ms=host / b)
+
+
+# source flags of an accepted node -> its telemetry column: retrieval alone, logits alone, both, neither (other
+# drafters' nodes), or 4 (retrieval or logits together with another drafter's flag: counted in none, as before)
+_RL = SOURCE_RETRIEVAL | SOURCE_LOGITS
+_SOURCE_COLUMN = np.array([3 if v & _RL == 0 else {SOURCE_RETRIEVAL: 0, SOURCE_LOGITS: 1, _RL: 2}.get(v, 4)
+                           for v in range(256)], dtype=np.int64)
+
+
+def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.ndarray:
+    """``[B, 4]`` accepted draft nodes per row by source (retrieval, logits, both, other), counting only the
+    nodes within each row's emitted tokens."""
+    b = len(plen)
+    owner = np.repeat(np.arange(b), plen)
+    place = np.arange(len(nodes)) - np.repeat(cu_paths[:-1], plen)  # 0 at each root
+    counted = (place > 0) & (place <= accepted[owner])
+    src = sources[(nodes + flat.cu[:-1][owner])[counted]]
+    col = _SOURCE_COLUMN[np.minimum(src, 255)]
+    return np.bincount(owner[counted] * 5 + col, minlength=5 * b).reshape(b, 5)[:, :4]
 
 
 def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: list[list[int]]) -> None:
@@ -465,32 +491,3 @@ class _Clock:
 
 def _fused(logits: torch.Tensor, k: int, ops: Any):
     return argmax_and_topk(logits, k, ops)  # looked up at call time, so tests can count its calls
-
-
-def verify_flat(runner: Any, flat: FlatTrees) -> torch.Tensor:
-    """``runner.verify_flat(flat)``; for a runner without it, each tree through ``verify_batch``."""
-    fn = getattr(runner, "verify_flat", None)
-    if fn is not None:
-        return fn(flat)
-    from ..drafters.base import Draft
-    from .tree import flatten_tree
-
-    items = []
-    for b in range(flat.num_streams):
-        lo, hi = int(flat.cu[b]), int(flat.cu[b + 1])
-        draft = Draft(flat.tokens[lo:hi].tolist(), flat.parents[lo:hi].tolist(), [0] * (hi - lo))
-        tree = flatten_tree(draft, committed_len=int(flat.starts[b]), device=runner.device, dtype=runner.dtype)
-        items.append((tree, flat.caches[b]))
-    if len(items) == 1:
-        return runner.verify_tree(items[0][0], cache=items[0][1])
-    return torch.cat(runner.verify_batch(items))
-
-
-def keep_rows_batch(runner: Any, caches: list, starts: np.ndarray, nodes: np.ndarray, cu: np.ndarray) -> None:
-    """``runner.keep_rows_batch``; for a runner without it, ``keep_rows`` per stream."""
-    fn = getattr(runner, "keep_rows_batch", None)
-    if fn is not None:
-        fn(caches, starts, nodes, cu)
-        return
-    for b, cache in enumerate(caches):
-        runner.keep_rows(cache, committed_len=int(starts[b]), nodes=nodes[cu[b]: cu[b + 1]].tolist())

@@ -77,7 +77,8 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
     bench = tmp_path / "bench-20260101-000000.json"
     bench.write_text(json.dumps({"config": {"capacity": 16}, "overall": {"racer": {"mat": 2.5}}}))
     rc = gpu_bench.main(["--tiny", "--capacities", "1,4,16", "--max-new-tokens", "16", "--repeats", "2",
-                         "--batch-streams", "1,2,4", "--batch-nodes", "1,8",
+                         "--batch-streams", "1,2,4", "--batch-nodes", "1,8", "--engine-streams", "1,2",
+                         "--engine-tokens", "8",
                          "--bench-glob", str(tmp_path / "bench-*.json"), "--out", str(tmp_path / "out")])
     assert rc == 0
     d = json.loads((tmp_path / "out" / "gpu_bench-tiny-cpu.json").read_text())
@@ -114,8 +115,30 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
         # the runner's own word: every B (one stream too) in one forward: our CPU kernels' segments, else the
         # padded [B, N] step
         assert r["path"] == ("segments" if cpu_ops() is not None else "padded")
+    # the engine at B streams in flight: ar and racer at capacity 4 and 16 for each B, host µs per stream-step
+    # beside device ms per forward, and the host split per part
+    eb = d["engine_batch"]
+    assert eb["runner"] == "static" and d["config"]["engine_streams"] == [1, 2]
+    assert [(r["streams"], r["label"]) for r in eb["rows"]] == [
+        (b, m) for b in (1, 2) for m in ("ar", "racer-c4", "racer-c16")]
+    for r in eb["rows"]:
+        for key in ("host_us_per_stream_step", "device_ms_per_forward", "host_ms_per_step", "wall_ms", "verify_ms",
+                    "prefill_ms", "tokens_per_s", "mat"):
+            assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r)
+        assert r["prompts"] == 2 * r["streams"] + 4 and r["output_tokens"] == 8 * r["prompts"]
+        assert r["stream_steps"] >= r["steps"] > 0 and r["prefills"] == r["prompts"]
+        assert r["streams_per_step"] <= r["streams"] and not r["fallbacks"]
+        assert set(r["host_us_split"]) == {*gpu_bench.HOST_PARTS, "other"} == set(eb["parts"])
+        assert all(isinstance(v, (int, float)) for v in r["host_us_split"].values())
+        assert sum(r["host_us_split"][p] for p in gpu_bench.HOST_PARTS) > 0
+        assert sum(r["host_us_split"].values()) == pytest.approx(r["host_us_per_stream_step"], abs=0.1)
+    ar1 = next(r for r in eb["rows"] if r["streams"] == 1 and r["label"] == "ar")
+    assert ar1["steps"] == ar1["stream_steps"] == 7 * ar1["prompts"] and ar1["mat"] == 1.0  # 1 token a step
+    assert max(r["streams_per_step"] for r in eb["rows"] if r["streams"] == 2) > 1  # two streams per forward
     md = (tmp_path / "out" / "gpu_bench-tiny-cpu.md").read_text()
     assert "## Batched verify: B streams x N tree nodes in one call (static)" in md
+    assert "## Engine decode at B streams in flight (static)" in md and "| 2 | racer-c16 |" in md
+    assert "| B | method | " + " | ".join([*gpu_bench.HOST_PARTS, "other"]) + " |" in md
     assert "say nothing about a GPU" in md
     assert "| T | eager ms | static ms |" in md and "Per-step overhead outside the forward" in md
 

@@ -1,0 +1,133 @@
+"""The batched decode step (engine/step.py): flat acceptance, flattening, telemetry and the tuner's batched
+observation against their one-tree-at-a-time definitions."""
+
+import numpy as np
+import pytest
+
+from helpers import tiny_bundle
+from racer_batch import DecodingConfig, Engine, GenerationParams
+from racer_batch.drafters.base import Draft, TrieBuilder
+from racer_batch.engine.batch import StreamBatch
+from racer_batch.engine.capacity import CapacityTuner
+from racer_batch.engine.step import HOST_PARTS, _accepted_by_source, flat_of_drafts, greedy_paths
+from racer_batch.engine.tree import FlatTrees, accept_greedy, flatten_tree
+from racer_batch.values import SOURCE_LOGITS, SOURCE_PLD, SOURCE_RETRIEVAL
+
+
+PROMPTS = ["abcabcabd", "hello world, hello", "0123012301"]
+
+
+def _random_trie(rng, vocab: int, size: int) -> Draft:
+    b = TrieBuilder(root=int(rng.integers(vocab)), capacity=size)
+    while not b.full:
+        parent = int(rng.integers(len(b)))
+        b.add(parent, int(rng.integers(vocab)), source=int(rng.integers(1, 4)))
+    return b.build()
+
+
+def _flat(drafts):
+    trees = [flatten_tree(d, committed_len=0, device="cpu", dtype=None) for d in drafts]
+    flat = FlatTrees.of([(t, None) for t in trees])
+    return trees, flat
+
+
+def test_greedy_paths_equal_accept_greedy_tree_by_tree():
+    from racer_batch.drafters import native
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        drafts = [_random_trie(rng, 4, int(rng.integers(1, 14))) for _ in range(int(rng.integers(1, 7)))]
+        trees, flat = _flat(drafts)
+        # choices biased toward the drafted tokens, so long paths are accepted often
+        choices = np.where(rng.random(flat.rows) < 0.7, rng.integers(0, 4, flat.rows), 9)
+        nodes, cu, bonus, rows = greedy_paths(flat, choices)
+        assert (rows == nodes + np.repeat(flat.cu[:-1], np.diff(cu))).all()
+        for b, tree in enumerate(trees):
+            lo, hi = flat.cu[b], flat.cu[b + 1]
+            path, bon = accept_greedy(tree, choices[lo:hi])
+            assert nodes[cu[b]: cu[b + 1]].tolist() == path and bonus[b] == bon
+        got = native.accept_greedy_batch(flat.cu, flat.parents, flat.tokens, choices.astype(np.int64))
+        assert got[0].tolist() == nodes.tolist() and got[1].tolist() == cu.tolist() and got[2].tolist() == bonus.tolist()
+
+
+def test_flat_of_drafts_orders_each_tree_as_flatten_tree():
+    rng = np.random.default_rng(1)
+    drafts = [_random_trie(rng, 6, n) for n in (1, 5, 12, 3)]
+    trees, want = _flat(drafts)
+    flat, sources, order = flat_of_drafts(drafts, np.zeros(4, np.int64), [None] * 4)
+    for name in ("tokens", "parents", "depths", "cu"):
+        assert getattr(flat, name).tolist() == getattr(want, name).tolist(), name
+    assert sources.tolist() == np.concatenate([t.sources for t in trees]).tolist()
+    assert order.tolist() == np.concatenate([t.order for t in trees]).tolist()
+
+
+def test_accepted_nodes_counted_by_source_within_the_emitted_tokens():
+    # two chains: root + 3 nodes (retrieval, both, logits), root + 2 nodes (pld, retrieval|pld)
+    tokens = np.array([1, 2, 3, 4, 5, 6, 7])
+    flat = FlatTrees(tokens, np.array([-1, 0, 1, 2, -1, 0, 1]), np.array([0, 1, 2, 3, 0, 1, 2]),
+                     np.array([0, 4, 7]), np.zeros(2, np.int64), [None, None])
+    both = SOURCE_RETRIEVAL | SOURCE_LOGITS
+    sources = np.array([0, SOURCE_RETRIEVAL, both, SOURCE_LOGITS, 0, SOURCE_PLD, SOURCE_RETRIEVAL | SOURCE_PLD])
+    nodes = np.array([0, 1, 2, 3, 0, 1, 2])
+    cu = np.array([0, 4, 7])
+    plen = np.diff(cu)
+    # row 0 emitted all (3 accepted), row 1 stopped after its first token (1 accepted)
+    got = _accepted_by_source(flat, sources, nodes, cu, plen, np.array([3, 1]))
+    assert got.tolist() == [[1, 1, 1, 0], [0, 0, 0, 1]]
+    got = _accepted_by_source(flat, sources, nodes, cu, plen, np.array([1, 2]))
+    assert got.tolist() == [[1, 0, 0, 0], [0, 0, 0, 1]]  # retrieval|pld is in no column, as before
+
+
+def test_observe_batch_equals_one_observe_per_tree():
+    cost = {1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 20.0}
+    one, many = CapacityTuner(cost, [2, 4, 8, 16]), CapacityTuner(cost, [2, 4, 8, 16])
+    rng = np.random.default_rng(2)
+    for _ in range(40):
+        trees = [np.sort(rng.choice(16, size=int(rng.integers(0, 5)), replace=False)) for _ in range(6)]
+        used = int(rng.choice([4, 8, 16]))
+        for t in trees:
+            one.observe(used_capacity=used, accepted_creation_idx=t.tolist(), overhead_ms=0.5)
+        many.observe_batch(used_capacity=used, accepted_creation_idx=np.concatenate(trees), streams=6, overhead_ms=0.5)
+    assert one.steps == many.steps
+    assert np.allclose(one.sum_gain, many.sum_gain) and np.allclose(one.n_obs, many.n_obs)
+    assert one.overhead_ms == pytest.approx(many.overhead_ms)
+    assert one.current == many.current
+
+
+def _telemetry_run(monkeypatch, core: str):
+    monkeypatch.setenv("RACER_NATIVE_DRAFT", "off" if core == "python" else "on")
+    engine = Engine(tiny_bundle(seed=1, head_scale=60.0), DecodingConfig(method="racer", capacity=8), streams=3)
+    assert (engine.new_state().native is not None) == (core == "native")
+    batch = StreamBatch()
+    for i, p in enumerate(PROMPTS[:3]):
+        batch.add(i, engine.stream(p * 3, GenerationParams(max_new_tokens=24), keep_steps=True))
+    out = {}
+    while len(batch):
+        for f in batch.step():
+            assert f.error is None
+            out[f.key] = f.result
+    return [out[i] for i in range(3)], batch.stats
+
+
+def test_row_telemetry_adds_up_and_the_batch_times_its_parts(monkeypatch):
+    """Counters from the per-row table equal the sums of the step records, on either draft core; the two
+    cores draft the same trees, so they give the same tokens and counters; the batch keeps every part's host
+    time."""
+    runs = {core: _telemetry_run(monkeypatch, core) for core in ("native", "python")}
+    for results, stats in runs.values():
+        for r in results:
+            st, recs = r.stats, r.stats.step_records
+            assert st.steps == len(recs) and st.emitted_tokens == sum(x.emitted for x in recs) == r.output_tokens
+            assert st.accepted_retrieval == sum(x.accepted_retrieval for x in recs)
+            assert st.accepted_logits + st.accepted_both == sum(x.accepted_logits + x.accepted_both for x in recs)
+            assert st.tree_tokens == sum(x.tree_size for x in recs)
+            assert sum(st.accepted_hist.values()) == st.steps
+            assert sum(k * v for k, v in st.accepted_hist.items()) == sum(x.accepted_length for x in recs)
+        assert sum(r.stats.emitted_tokens - r.stats.steps for r in results) > 0  # drafts were accepted
+        assert set(stats.host_ms) == set(HOST_PARTS) and all(v >= 0 for v in stats.host_ms.values())
+
+    def key(results):
+        return [(r.token_ids, r.stats.accepted_retrieval, r.stats.accepted_logits, r.stats.accepted_both,
+                 r.stats.steps, r.stats.tree_tokens) for r in results]
+
+    assert key(runs["native"][0]) == key(runs["python"][0])
