@@ -22,7 +22,8 @@ hands a lone stream's the same way (B = 1 is the same code). One step of B rows 
    one vectorised call per step), the capacity tuner observes the step once (``CapacityTuner.observe_batch``).
 
 The host time of each part is added to ``host_ms`` (part name -> ms; ``HOST_PARTS``), which a ``StreamBatch``
-keeps in ``BatchStats.host_ms`` (scripts/host_bench.py reports it per stream-step).
+keeps in ``BatchStats.host_ms`` (scripts/host_bench.py reports it per stream-step); the argmax / top-k pass over
+the logits is timed there too, as ``SCORES_PART``, apart from the host parts (device work on a GPU).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from .sampling import processed_probs
 from .tree import FlatTrees, accept_relaxed, accept_sampling
 
 HOST_PARTS = ("propose", "flatten", "accept", "stops", "keep_rows", "update", "telemetry")
+# the argmax and top-k over the vocabulary of every row: timed beside the host parts (``host_ms[SCORES_PART]``)
+# but not one of them: on a GPU it runs on the device over the logits the forward left there
+SCORES_PART = "scores"
 
 # the counters of one row's telemetry (Telemetry columns)
 TEL_FIELDS = ("steps", "emitted", "accepted", "retrieval", "logits", "both", "other", "tree_tokens",
@@ -237,10 +241,13 @@ class Stepper:
         self.last_rows = flat.rows
         t0 = time.perf_counter()
         logits = self.runner.verify_flat(flat)  # [R, V]
-        # the argmax / top-k over the vocabulary reads the logits where they are: device work on a GPU, and
-        # counted with the forward here, not as host bookkeeping
+        t1 = time.perf_counter()
+        # the argmax / top-k over the vocabulary reads the logits where they are: device work on a GPU (counted
+        # with the forward in the rows' verify time), kept apart from the host parts as SCORES_PART
         choices, topk, probs = self._scores(rows, logits)
-        forward_ms = (time.perf_counter() - t0) * 1000.0
+        t2 = time.perf_counter()
+        forward_ms = (t2 - t0) * 1000.0
+        host[SCORES_PART] = host.get(SCORES_PART, 0.0) + (t2 - t1) * 1000.0
         clock.skip()
         nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
         clock.lap("accept")

@@ -9,7 +9,7 @@ from racer_batch import DecodingConfig, Engine, GenerationParams
 from racer_batch.drafters.base import Draft, TrieBuilder
 from racer_batch.engine.batch import StreamBatch
 from racer_batch.engine.capacity import CapacityTuner
-from racer_batch.engine.step import HOST_PARTS, _accepted_by_source, flat_of_drafts, greedy_paths
+from racer_batch.engine.step import HOST_PARTS, SCORES_PART, _accepted_by_source, flat_of_drafts, greedy_paths
 from racer_batch.engine.tree import FlatTrees, accept_greedy, flatten_tree
 from racer_batch.values import SOURCE_LOGITS, SOURCE_PLD, SOURCE_RETRIEVAL
 
@@ -124,7 +124,7 @@ def test_row_telemetry_adds_up_and_the_batch_times_its_parts(monkeypatch):
             assert sum(st.accepted_hist.values()) == st.steps
             assert sum(k * v for k, v in st.accepted_hist.items()) == sum(x.accepted_length for x in recs)
         assert sum(r.stats.emitted_tokens - r.stats.steps for r in results) > 0  # drafts were accepted
-        assert set(stats.host_ms) == set(HOST_PARTS) and all(v >= 0 for v in stats.host_ms.values())
+        assert set(stats.host_ms) == {*HOST_PARTS, SCORES_PART} and all(v >= 0 for v in stats.host_ms.values())
 
     def key(results):
         return [(r.token_ids, r.stats.accepted_retrieval, r.stats.accepted_logits, r.stats.accepted_both,
