@@ -382,22 +382,25 @@ def test_small_pools_evict_and_match():
 # ---------------------------------------------------------------- a real token stream
 
 
-def _spec_bench_token_texts(n: int) -> tuple[list[list[int]], int]:
+def _token_texts(source: str) -> tuple[list[list[int]], int]:
+    """SmolLM2 token ids of 16 Spec-Bench prompts spread over the set, or of the 24 smoke prompts."""
     from racer_batch import benchdata
     from racer_batch.models import load_model
 
-    try:
+    if source == "smoke":
+        picked = benchdata.smoke_prompts()
+        assert len(picked) == 24
+    else:
         prompts = benchdata.load_set("spec_bench")
-    except FileNotFoundError as exc:
-        pytest.skip(f"no Spec-Bench data here ({exc})")
+        picked = prompts[:: max(1, len(prompts) // 16)][:16]
     tok = load_model("tiny-random", device="cpu").tokenizer
-    picked = prompts[:: max(1, len(prompts) // n)][:n]
     return [tok(" ".join(p.turns))["input_ids"] for p in picked], len(tok)
 
 
-@pytest.mark.parametrize("max_nodes", [400, 20_000])
-def test_native_core_matches_python_on_spec_bench_tokens(max_nodes):
-    texts, vocab = _spec_bench_token_texts(16)
+@pytest.mark.parametrize("source,max_nodes", [("spec_bench", 400), ("spec_bench", 20_000), ("smoke", 400),
+                                              ("smoke", 20_000)])
+def test_native_core_matches_python_on_real_tokens(source, max_nodes):
+    texts, vocab = _token_texts(source)
     sim = Sim(Scenario("racer", "job", vocab=vocab, max_nodes=max_nodes, ngram=10, max_breadth=8, steps=0,
                        seed=40 + max_nodes))
     sim.true_topk = True
