@@ -260,6 +260,7 @@ class Automaton {
   }
 
   void touch(i32 x, i32 a) {  // move x just behind its parent a (a move toward the front)
+    if (x == resume_) resume_ = -1;
     if (nodes_[x].prv != a) {
       unlink_recency(x);
       link_behind(x, a);
@@ -308,6 +309,7 @@ class Automaton {
   std::vector<Node> nodes_;
   ChildIndex index_;
   i64 num_evicted_ = 0;
+  i32 resume_ = -1;  // where the next eviction scan may start within one extend_one (-1: at the tail)
   // scratch
   std::vector<i32> fresh_, chain_;
   std::vector<HeapItem> heap_;
@@ -319,14 +321,20 @@ class Automaton {
   i32 seq_ = 0;
 };
 
+// The scan may resume where the previous eviction of the same token's windows stopped (``resume_``): every node
+// it skipped then is still unevictable. Between two evictions of one ``extend_one`` loop nothing is unpinned, no
+// state moves, a victim's parent and failure target (the only nodes an eviction can free) sit ahead of it (the
+// recency invariants), and every node moved or created is pinned at once; a move of the resume node itself
+// drops the hint. The victim is therefore the one a scan from the tail would find (as automaton.py's).
 i32 Automaton::evict_lru_leaf() {
-  i32 x = nodes_[kRoot].prv;
+  i32 x = resume_ >= 0 ? resume_ : nodes_[kRoot].prv;
   while (x != kRoot) {
     const Node& n = nodes_[x];
     if (n.first_child < 0 && n.nref == 0 && n.pinned == 0 && n.states == 0) break;
     x = n.prv;
   }
   if (x == kRoot) return -1;
+  resume_ = nodes_[x].prv;
   unlink_recency(x);
   index_.erase(x, keys());
   remove_child(x);
@@ -350,6 +358,7 @@ void Automaton::new_node(i32 x, i32 t, i32 a, i32 depth, i32 shorter) {
 }
 
 void Automaton::extend_one(Cursor& c, i32 t) {
+  resume_ = -1;
   const std::vector<i32>& old = c.active;
   fresh_.assign(1, kRoot);
   i32 shorter = kRoot;  // node of the window one token shorter: the failure target of a new node
@@ -369,6 +378,7 @@ void Automaton::extend_one(Cursor& c, i32 t) {
     fresh_.push_back(x);
     shorter = x;
   }
+  resume_ = -1;  // unpinning below may free nodes anywhere
   for (size_t j = 1; j < len; ++j) nodes_[old[j]].pinned -= 1;
   if (fresh_.size() > size_t(ngram_)) {  // the window of length ngram is complete
     nodes_[fresh_.back()].pinned -= 1;
