@@ -427,13 +427,6 @@ class Stepper:
                                 overhead_ms=host / b)
 
 
-# source flags of an accepted node -> its telemetry column: retrieval alone, logits alone, both, neither (other
-# drafters' nodes), or 4 (retrieval or logits together with another drafter's flag: counted in none, as before)
-_RL = SOURCE_RETRIEVAL | SOURCE_LOGITS
-_SOURCE_COLUMN = np.array([3 if v & _RL == 0 else {SOURCE_RETRIEVAL: 0, SOURCE_LOGITS: 1, _RL: 2}.get(v, 4)
-                           for v in range(256)], dtype=np.int64)
-
-
 def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.ndarray:
     """``[B, 4]`` accepted draft nodes per row by source (retrieval, logits, both, other), counting only the
     nodes within each row's emitted tokens."""
@@ -442,7 +435,10 @@ def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.nd
     place = np.arange(len(nodes)) - np.repeat(cu_paths[:-1], plen)  # 0 at each root
     counted = (place > 0) & (place <= accepted[owner])
     src = sources[(nodes + flat.cu[:-1][owner])[counted]]
-    col = _SOURCE_COLUMN[np.minimum(src, 255)]
+    # source flags -> column: retrieval alone 0, logits alone 1, both 2, neither (other drafters' nodes) 3; a
+    # retrieval or logits flag together with another drafter's flag 4 (counted in none, as before)
+    rl = src & (SOURCE_RETRIEVAL | SOURCE_LOGITS)
+    col = np.where(rl == 0, 3, np.where(src == rl, rl - 1, 4))
     return np.bincount(owner[counted] * 5 + col, minlength=5 * b).reshape(b, 5)[:, :4]
 
 

@@ -76,6 +76,9 @@ def test_accepted_nodes_counted_by_source_within_the_emitted_tokens():
     assert got.tolist() == [[1, 1, 1, 0], [0, 0, 0, 1]]
     got = _accepted_by_source(flat, sources, nodes, cu, plen, np.array([1, 2]))
     assert got.tolist() == [[1, 0, 0, 0], [0, 0, 0, 1]]  # retrieval|pld is in no column, as before
+    sources[5] = 1 << 12  # a registered method's own flag, above every built-in one: "other"
+    got = _accepted_by_source(flat, sources, nodes, cu, plen, np.array([0, 1]))
+    assert got.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1]]
 
 
 def test_observe_batch_equals_one_observe_per_tree():
