@@ -14,6 +14,7 @@ import csv
 import gzip
 import json
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -119,6 +120,31 @@ def smoke_prompts(per_set: int = 8, root: Path | None = None) -> list[BenchPromp
         n = len(smoke)
         out.extend(smoke[(k * n) // per_set] for k in range(min(per_set, n)))
     return out
+
+
+def spec_bench_mix(n: int, root: Path | None = None) -> list[BenchPrompt]:
+    """``n`` Spec-Bench questions, deterministic, short and long mixed (the throughput and host-time
+    benchmarks' prompts): ``ceil(n / 6)`` evenly spaced items per category (``sample_prompts``), then one item per
+    category in turn, the categories ordered shortest, longest, second shortest, second longest, ... by the mean
+    length of their first turns.
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    per = -(-n // 6)
+    groups: dict[str, list[BenchPrompt]] = {}
+    for it in sample_prompts({"spec_bench": per}, root):
+        groups.setdefault(it.group, []).append(it)
+    by_len = sorted(groups, key=lambda g: statistics.mean(len(it.turns[0]) for it in groups[g]))
+    order = []
+    while by_len:
+        order.append(by_len.pop(0))
+        if by_len:
+            order.append(by_len.pop())
+    out = [groups[g][k] for k in range(per) for g in order if k < len(groups[g])]
+    return out[:n]
 
 
 def sample_prompts(counts: dict[str, int], root: Path | None = None) -> list[BenchPrompt]:

@@ -463,22 +463,10 @@ def _benchdata() -> Any:
 
 
 def pick_prompts(n: int) -> list[list[dict]]:
-    """``n`` Spec-Bench first turns as chat messages, chosen as scripts/throughput_bench.py does: ``ceil(n/6)``
-    evenly spaced items per category, one per category in turn, categories ordered shortest, longest, second
-    shortest, ... by the mean length of their first turns."""
+    """``n`` Spec-Bench first turns as chat messages, as scripts/throughput_bench.py picks them
+    (``benchdata.spec_bench_mix``)."""
     bd = _benchdata()
-    per = -(-n // 6)
-    groups: dict[str, list] = {}
-    for it in bd.sample_prompts({"spec_bench": per}):
-        groups.setdefault(it.group, []).append(it)
-    by_len = sorted(groups, key=lambda g: statistics.mean(len(it.turns[0]) for it in groups[g]))
-    order = []
-    while by_len:
-        order.append(by_len.pop(0))
-        if by_len:
-            order.append(by_len.pop())
-    items = [groups[g][k] for k in range(per) for g in order if k < len(groups[g])]
-    return [bd.conversation([it.turns[0]], []) for it in items[:n]]
+    return [bd.conversation([it.turns[0]], []) for it in bd.spec_bench_mix(n)]
 
 
 def prompts_for(streams: int, cap: int) -> int:

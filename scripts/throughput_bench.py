@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from racer_batch.bench import cpu_name  # noqa: E402
-from racer_batch.benchdata import BenchPrompt, conversation, sample_prompts  # noqa: E402
+from racer_batch.benchdata import BenchPrompt, conversation, spec_bench_mix  # noqa: E402
 from racer_batch.engine import Engine  # noqa: E402
 from racer_batch.engine.batch import StreamBatch  # noqa: E402
 from racer_batch.engine.engine import Prompt, encode_prompt  # noqa: E402
@@ -60,27 +60,14 @@ SMOKE = dict(prompts=2, max_new_tokens=16, streams="1,2", rounds=1)
 
 # ---- prompts ----
 def pick_prompts(n: int, root: Optional[Path] = None) -> list[BenchPrompt]:
-    """``n`` Spec-Bench questions, deterministic, short and long mixed: ``ceil(n / 6)`` evenly spaced items per
-    category (``sample_prompts``), then one item per category in turn, the categories ordered shortest,
-    longest, second shortest, second longest, ... by the mean length of their first turns.
+    """``n`` Spec-Bench questions, short and long mixed (``benchdata.spec_bench_mix``).
 
     Raises:
         ValueError: ``n`` < 1.
     """
     if n < 1:
         raise ValueError(f"--prompts must be >= 1, got {n}")
-    per = -(-n // 6)
-    groups: dict[str, list[BenchPrompt]] = {}
-    for it in sample_prompts({"spec_bench": per}, root):
-        groups.setdefault(it.group, []).append(it)
-    by_len = sorted(groups, key=lambda g: statistics.mean(len(it.turns[0]) for it in groups[g]))
-    order = []
-    while by_len:
-        order.append(by_len.pop(0))
-        if by_len:
-            order.append(by_len.pop())
-    out = [groups[g][k] for k in range(per) for g in order if k < len(groups[g])]
-    return out[:n]
+    return spec_bench_mix(n, root)
 
 
 # ---- contenders ----

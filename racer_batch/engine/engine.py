@@ -30,7 +30,7 @@ from .capacity import CapacityTuner, cost_at, measure_cost_curve
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker
-from .step import DecodeRow, Stepper, argmax_and_topk  # noqa: F401 - argmax_and_topk re-exported
+from .step import DecodeRow, Stepper
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from ..drafters.base import Verified
 from ..values import SOURCE_LOGITS, SOURCE_RETRIEVAL, StepRecord
 from .kernels import fused_argmax_topk
 from .sampling import processed_probs
-from .tree import FlatTrees, accept_relaxed, accept_sampling
+from .tree import FlatTrees, accept_relaxed, accept_sampling, breadth_first
 
 HOST_PARTS = ("propose", "flatten", "accept", "stops", "keep_rows", "update", "telemetry")
 # the argmax and top-k over the vocabulary of every row: timed beside the host parts (``host_ms[SCORES_PART]``)
@@ -168,20 +168,13 @@ def flat_of_drafts(drafts: list, starts: np.ndarray, caches: list) -> tuple[Flat
     """
     toks, pars, deps, srcs, ords, sizes = [], [], [], [], [], []
     for d in drafts:
-        n = len(d)
-        par0 = np.asarray(d.parents, dtype=np.int64)
-        depth0 = np.zeros(n, dtype=np.int64)
-        for i in range(1, n):
-            depth0[i] = depth0[par0[i]] + 1
-        order = np.argsort(depth0, kind="stable")
-        new_of_old = np.empty(n, dtype=np.int64)
-        new_of_old[order] = np.arange(n)
-        pars.append(np.where(par0[order] >= 0, new_of_old[np.maximum(par0[order], 0)], -1))
-        deps.append(depth0[order])
+        order, parents, depths = breadth_first(d.parents)
+        pars.append(parents)
+        deps.append(depths)
         toks.append(np.asarray(d.token_ids, dtype=np.int64)[order])
         srcs.append(np.asarray(d.sources, dtype=np.int64)[order])
         ords.append(order)
-        sizes.append(n)
+        sizes.append(len(d))
     cu = np.zeros(len(drafts) + 1, dtype=np.int64)
     np.cumsum(sizes, out=cu[1:])
     flat = FlatTrees(np.concatenate(toks), np.concatenate(pars), np.concatenate(deps), cu, starts, caches)
@@ -236,7 +229,8 @@ class Stepper:
         clock = _Clock(host)
         self.committing = False
         cap = self.engine._capacity(self.engine._in_flight)
-        flat, sources, order = self._propose(rows, cap, clock)
+        kind, native = _drafting(rows)
+        flat, sources, order = self._propose(rows, cap, clock, kind, native)
         clock.lap("flatten")
         self.last_rows = flat.rows
         t0 = time.perf_counter()
@@ -256,27 +250,28 @@ class Stepper:
         clock.lap("stops")
         self._keep(rows, flat, nodes, cu_paths)
         clock.lap("keep_rows")
-        self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted)
+        self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native)
         clock.lap("update")
         self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock)
         clock.lap("telemetry")
         return forward_ms
 
-    def _propose(self, rows: list[DecodeRow], cap: int, clock: "_Clock") -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+    @staticmethod
+    def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str,
+                 native: list) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
         """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
         own trees are flattened here), with each row's ``sources`` and creation ``order``."""
         b = len(rows)
         starts = np.fromiter((r.committed_len for r in rows), np.int64, b)
         caches = [r.cache for r in rows]
         roots = np.fromiter((r.root for r in rows), np.int64, b)
-        if all(getattr(r.drafter, "root_only", False) for r in rows):
+        if kind == "root":
             zeros = np.zeros(b, dtype=np.int64)
             flat = FlatTrees(roots, zeros - 1, zeros, np.arange(b + 1, dtype=np.int64), starts, caches)
             clock.lap("propose")
             return flat, zeros, zeros
         depth = np.fromiter((r.stops.remaining - 1 for r in rows), np.int64, b)
-        native = [getattr(r.drafter, "native", None) for r in rows]
-        if all(n is not None for n in native):
+        if kind == "native":
             from ..drafters.native import propose_batch
 
             got = propose_batch([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b), roots,
@@ -293,7 +288,7 @@ class Stepper:
         k = rows[0].k
         want_probs = rows[0].want_probs
         if not want_probs:
-            fused = _fused(logits, max(k, 1), self._ops)
+            fused = argmax_and_topk(logits, max(k, 1), self._ops)
             if fused is not None:
                 return fused[0], (fused[1] if k else None), None
         choices = logits.argmax(dim=-1).cpu().numpy()
@@ -379,17 +374,17 @@ class Stepper:
         for i in live:
             rows[i].committed_len += int(lengths[i])
 
-    def _update(self, rows, flat, topk, probs, nodes, cu_paths, blocks, emitted) -> None:
+    @staticmethod
+    def _update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind: str, native: list) -> None:
         """The drafters learn from the step: every verified node's top-k and the committed tokens."""
         for i, r in enumerate(rows):
             r.root = blocks[i][-1]
-        if all(getattr(r.drafter, "root_only", False) for r in rows):
+        if kind == "root":
             return
         if topk is None:
             topk = np.zeros((flat.rows, 1), dtype=np.int64)
         committed = [blocks[i][: int(emitted[i])] for i in range(len(rows))]
-        native = [getattr(r.drafter, "native", None) for r in rows]
-        if all(n is not None for n in native):
+        if kind == "native":
             _update_native(native, flat, topk, committed)
             return
         for i, r in enumerate(rows):
@@ -442,6 +437,16 @@ def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.nd
     return np.bincount(owner[counted] * 5 + col, minlength=5 * b).reshape(b, 5)[:, :4]
 
 
+def _drafting(rows: list[DecodeRow]) -> tuple[str, list]:
+    """How a step's rows draft, decided once per step: ``root`` (AR: the root alone, nothing to learn),
+    ``native`` (one call of the native draft core for all rows; with each row's (state, row handle)) or
+    ``python`` (each drafter's own ``propose`` / ``update``)."""
+    if all(getattr(r.drafter, "root_only", False) for r in rows):
+        return "root", []
+    native = [getattr(r.drafter, "native", None) for r in rows]
+    return ("native", native) if all(n is not None for n in native) else ("python", [])
+
+
 def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: list[list[int]]) -> None:
     """One ``update_batch`` call of the native draft core for every row (``native``: (state, row handle))."""
     from ..drafters.native import update_batch
@@ -490,7 +495,3 @@ class _Clock:
 
     def since_start_ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1000.0
-
-
-def _fused(logits: torch.Tensor, k: int, ops: Any):
-    return argmax_and_topk(logits, k, ops)  # looked up at call time, so tests can count its calls

@@ -142,18 +142,25 @@ class FlatTrees:
         )
 
 
-def flatten_tree(draft: Draft, *, committed_len: int, device: torch.device | str, dtype: torch.dtype) -> TreeInputs:
-    """Flatten ``draft`` for one verification forward pass over a KV cache of ``committed_len`` positions."""
-    n = len(draft)
-    par0 = np.asarray(draft.parents, dtype=np.int64)
+def breadth_first(parents: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A draft's nodes in breadth-first order: ``(order, parents, depths)``, each ``[T]`` int64 — ``order`` the
+    creation index of each flattened node (a stable sort by depth, so parents still precede children),
+    ``parents`` the flattened parent of each (-1 for the root), ``depths`` its depth."""
+    n = len(parents)
+    par0 = np.asarray(parents, dtype=np.int64)
     depth0 = np.zeros(n, dtype=np.int64)
     for i in range(1, n):
         depth0[i] = depth0[par0[i]] + 1
-    order = np.argsort(depth0, kind="stable")  # breadth-first; parents still precede children
+    order = np.argsort(depth0, kind="stable")
     new_of_old = np.empty(n, dtype=np.int64)
     new_of_old[order] = np.arange(n)
-    parents = np.where(par0[order] >= 0, new_of_old[np.maximum(par0[order], 0)], -1)
-    depths = depth0[order]
+    return order, np.where(par0[order] >= 0, new_of_old[np.maximum(par0[order], 0)], -1), depth0[order]
+
+
+def flatten_tree(draft: Draft, *, committed_len: int, device: torch.device | str, dtype: torch.dtype) -> TreeInputs:
+    """Flatten ``draft`` for one verification forward pass over a KV cache of ``committed_len`` positions."""
+    n = len(draft)
+    order, parents, depths = breadth_first(draft.parents)
     tokens = np.asarray(draft.token_ids, dtype=np.int64)[order]
     sources = np.asarray(draft.sources, dtype=np.int64)[order]
 

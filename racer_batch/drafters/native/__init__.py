@@ -9,8 +9,8 @@ layer and the logits tree (drafters/copy_logits.py), and the trie builder (draft
 engine/decoder.py's flat-batch mask over the same flat arrays.
 
 Build: compiled on first use with the machine's C++ compiler (pybind11 headers from torch; no libtorch link;
-``-O3``, no ``-march``) into the kernels' cache (``racer_batch.engine.kernels.cache_dir()``), the file named by a
-hash of the source, the flags and the Python and torch versions, replaced atomically; later processes load it in
+``-O3``, no ``-march``) into the kernels' cache (``racer_batch.native_build``: the file named by a hash of the
+source, the flags and the Python and torch versions, replaced atomically); later processes load it in
 milliseconds. A failed build or load is loud: :func:`native_core` raises RuntimeError with the compiler's output,
 and :func:`available` logs it as an ERROR and returns False. ``RACER_NATIVE_DRAFT=off`` turns the core off
 (:func:`available` False, :func:`unavailable_reason` says so); nothing here falls back silently.
@@ -29,16 +29,10 @@ Example (one job's two rows sharing a state, as scope ``job``)::
 
 from __future__ import annotations
 
-import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +41,8 @@ from types import ModuleType
 
 import numpy as np
 import torch
+
+from ...native_build import compile_library, library_path
 
 __all__ = [
     "FlatDraft",
@@ -78,36 +74,11 @@ def _turned_off() -> bool:
 
 
 def _library_path() -> Path:
-    """The cached library's path: the kernels' cache dir, named by a hash of source, flags and versions."""
-    from ...engine.kernels import cache_dir
-
-    key = hashlib.sha256()
-    key.update(_SRC.read_bytes())
-    key.update(" ".join(_FLAGS).encode())
-    key.update(sys.version.encode())
-    key.update(torch.__version__.encode())  # the pybind11 headers come with torch
-    return cache_dir() / f"draft_core-{key.hexdigest()[:16]}.so"
+    return library_path(_SRC, _FLAGS, "draft_core")
 
 
 def _compile(out: Path) -> None:
-    """Build ``_SRC`` into ``out`` (atomic replace). Raises RuntimeError with the compiler's stderr tail."""
-    from torch.utils import cpp_extension
-
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cxx, *_FLAGS, *includes, str(_SRC), "-o", tmp], check=False, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building {_SRC.name} with {cxx} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        os.replace(tmp, out)  # atomic: a concurrent builder sees either no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    compile_library(_SRC, out, _FLAGS)
 
 
 def _load(path: Path) -> ModuleType:

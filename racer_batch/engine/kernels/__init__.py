@@ -19,19 +19,15 @@ uses oneDNN's prepacked matmul and aten ops (slower, same results up to float ro
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from ...native_build import cache_dir, compile_library, library_path  # noqa: F401 - cache_dir re-exported
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +35,6 @@ _SRC = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-DNDEBUG"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``$RACER_KERNEL_CACHE`` or ``~/.cache/racer-batch/kernels``."""
-    env = os.environ.get("RACER_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "racer-batch" / "kernels"
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -56,36 +46,13 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _compile(out: Path) -> None:
-    from torch.utils import cpp_extension
-
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *_FLAGS, abi, *includes, str(_SRC), "-o", tmp, f"-L{libdir}", "-lc10", "-ltorch_cpu",
-           f"-Wl,-rpath,{libdir}"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building {_SRC.name} failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp, out)  # atomic: a concurrent builder sees either no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    compile_library(_SRC, out, [*_FLAGS, abi], link=[f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"])
 
 
 def _library_path() -> Path:
-    key = hashlib.sha256()
-    key.update(_SRC.read_bytes())
-    key.update(" ".join(_FLAGS).encode())
-    key.update(torch.__version__.encode())
-    key.update(sys.version.encode())
-    return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    return library_path(_SRC, _FLAGS, "cpu_kernels")
 
 
 def cpu_ops():
