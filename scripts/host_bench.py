@@ -31,11 +31,14 @@ Parts and how they are measured:
   and ``update`` (the engine's drafter factory wrapped, so every drafter it makes), the engine module's
   ``flatten_tree`` (flatten), ``accept_greedy`` / ``accept_sampling`` / ``accept_relaxed`` (accept),
   ``StopChecker.push`` (stops), the runner's ``keep_rows`` (keep_rows), ``RowStats.observe_step`` and
-  ``CapacityTuner.observe`` (telemetry). In that engine the StepRecord is built inline, so its arithmetic
-  falls in ``other``; the drafter's ``update`` after the prefill and the first ``push`` count too (one each per
-  stream).
-- ``other`` = host minus the named parts: the argmax / top-k over the logits (outside the runner's forward in
-  both engines), the StreamBatch and generator plumbing, stream set-up and teardown (draft state, stop checker,
+  ``CapacityTuner.observe`` (telemetry), and its ``argmax_and_topk`` (scores: the fused argmax / top-k of a
+  racer step; its AR steps call ``logits.argmax`` inline, left in ``other``). In that engine the StepRecord is
+  built inline, so its arithmetic falls in ``other``; the drafter's ``update`` after the prefill and the first
+  ``push`` count too (one each per stream).
+- ``scores``: the argmax / top-k over a decode step's logits (outside the runner's forward in both engines;
+  on a GPU it is device work over logits that stay there). The summary shows the host time with it (``host
+  µs/ss``) and without it (``host ex-scores``).
+- ``other`` = host minus the named parts: the StreamBatch and generator plumbing, stream set-up and teardown (draft state, stop checker,
   KV slot, the drafter's prompt indexing), the StepRecord and whatever else is not named.
 
 Wrapping costs time of its own. Each child calibrates a wrapper on a no-op called with keywords (median of 5 x
@@ -200,6 +203,8 @@ def wrap_parts(patches: Patches, engine: Any, timers: Timers) -> None:
     for name in ("flatten_tree", "accept_greedy", "accept_sampling", "accept_relaxed"):
         if hasattr(engine_mod, name):
             patches.wrap(engine_mod, name, timers, "flatten" if name == "flatten_tree" else "accept")
+    if hasattr(engine_mod, "argmax_and_topk"):  # the fused argmax / top-k of a decode step (racer, not AR)
+        patches.wrap(engine_mod, "argmax_and_topk", timers, "scores")
     patches.wrap(StopChecker, "push", timers, "stops")
     patches.wrap(engine.runner, "keep_rows", timers, "keep_rows")
     patches.wrap(RowStats, "observe_step", timers, "telemetry")
@@ -537,12 +542,14 @@ def derive(run: dict, cal: dict) -> dict:
     for name, ms in run["parts_ms"].items():
         parts[name] = max(0.0, ms - calls.get(name, 0) * cal["inner_us"] / 1000.0) * 1000.0 / ss
     parts["other"] = fig["host_us"] - sum(parts.values())
+    fig["host_ex_us"] = fig["host_us"] - parts.get("scores", 0.0)
     out = dict(fig, parts_us=parts, split=run["split"], split_host_us=fig["host_us"],
                wrap_us=overhead_ms * 1000.0 / ss,
                headline="own split" if run["split"] == "own" else "wrapped run, corrected")
     if "plain" in run:
         out.update(_figures(run["plain"]), headline="unwrapped run")
         out["plain_host_us"] = out["host_us"]
+        out["host_ex_us"] = out["host_us"] - parts.get("scores", 0.0)
     return out
 
 
@@ -567,7 +574,7 @@ def _side(derived: list[dict]) -> dict:
     if not derived:
         return {}
     names = part_names(derived)
-    keys = ("host_us", "host_share", "forward_ms_per_step", "streams_per_step", "tokens_per_s", "mat", "wrap_us",
+    keys = ("host_us", "host_ex_us", "host_share", "forward_ms_per_step", "streams_per_step", "tokens_per_s", "mat", "wrap_us",
             "split_host_us", "plain_host_us")
     side = {k: _med([d.get(k) for d in derived]) for k in keys}
     side["parts_us"] = {p: _med([d["parts_us"].get(p) for d in derived]) for p in names}
@@ -589,6 +596,7 @@ def summarize(raw: list[dict]) -> list[dict]:
         row = {"model": model, "setting": setting, "streams": b,
                "base": _side(list(revs.get("base", {}).values())), "head": _side(list(revs.get("head", {}).values())),
                "host_ratio": _med(_ratios(head, base, "host_us")),
+               "host_ex_ratio": _med(_ratios(head, base, "host_ex_us")),
                "tokens_ratio": _med(_ratios(head, base, "tokens_per_s"))}
         rows.append(row)
     return rows
@@ -600,23 +608,26 @@ def _f(x: Any, nd: int = 1) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+RATIO_KEYS = {"host_us": "host_ratio", "host_ex_us": "host_ex_ratio", "tokens_per_s": "tokens_ratio"}
+
+
 def summary_table(rows: list[dict], revs: list[str]) -> tuple[list[str], list[list[str]]]:
     """Column names and cell texts of the summary (one line per config)."""
     both = len(revs) == 2
-    per_rev = (("host µs/ss", "host_us", 1), ("host share", "host_share", 3), ("fwd ms/step", "forward_ms_per_step", 2),
+    per_rev = (("host µs/ss", "host_us", 1), ("host ex-scores µs/ss", "host_ex_us", 1), ("host share", "host_share", 3), ("fwd ms/step", "forward_ms_per_step", 2),
                ("tokens/s", "tokens_per_s", 1), ("MAT", "mat", 2))
     cols = ["model", "setting", "B"]
     for name, _, _ in per_rev:
         cols += [f"{r} {name}" for r in revs]
-        cols += [f"{name} head/base"] * (both and name in ("host µs/ss", "tokens/s"))
+        cols += [f"{name} head/base"] * (both and key in RATIO_KEYS)
     cols.append("streams/step")
     cells = []
     for row in rows:
         line = [row["model"], row["setting"], str(row["streams"])]
         for name, key, nd in per_rev:
             line += [_f(row[r].get(key), nd) for r in revs]
-            if both and name in ("host µs/ss", "tokens/s"):
-                line.append(_f(row["host_ratio" if key == "host_us" else "tokens_ratio"], 3))
+            if both and key in RATIO_KEYS:
+                line.append(_f(row[RATIO_KEYS[key]], 3))
         line.append(_f(row[revs[-1]].get("streams_per_step"), 1))
         cells.append(line)
     return cols, cells
@@ -664,6 +675,9 @@ def render_md(d: dict) -> str:
         lines += [title, "", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
         lines += ["| " + " | ".join(c) + " |" for c in cells] + [""]
     lines += ["Columns: host µs/ss = (loop wall - runner forward time) per decode stream-step (BatchStats.streams); "
+              "host ex-scores = the same less the `scores` part, the argmax / top-k over the decode logits (device "
+              "work on a GPU, where the logits stay; a landed engine's only where it calls `argmax_and_topk`, its "
+              "racer path: its AR argmax stays in `other`, so an AR ratio of this column flatters the head); "
               "head/base = median of the per-round ratios (below 1: head faster); host share = host / wall; fwd "
               "ms/step = verify forward ms per batched step (prefills excluded); tokens/s = output tokens / wall; "
               "MAT = output tokens per row forward (prefill counted); streams/step = stream-steps per batched step "

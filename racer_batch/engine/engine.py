@@ -30,7 +30,7 @@ from .capacity import CapacityTuner, cost_at, measure_cost_curve
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
 from .stops import StopChecker
-from .step import DecodeRow, Stepper
+from .step import DecodeRow, Stepper, argmax_and_topk
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None =
     messages = list(prompt)
     if not messages:
         raise ValueError("prompt is empty")
+    if set(map(type, messages)) == {int}:  # token ids (the common case, checked at C speed)
+        return messages
     if all(isinstance(m, int) and not isinstance(m, bool) for m in messages):
         return [int(m) for m in messages]
     _check_messages(messages)
@@ -324,7 +326,11 @@ class Engine:
         """The prompt forward; the drafter learns the prompt. Returns (the first token, the prompt length)."""
         last_logits, prompt_topk = yield Prefill(self.runner, prompt_ids, cache, k,
                                                  last_positions(prompt_ids) if k else None)
-        first = int(last_logits.argmax()) if params.greedy else draw(processed_probs(last_logits, params), gen)
+        if params.greedy:  # our kernels' argmax where they apply (torch.argmax's first maximal index either way)
+            fused = argmax_and_topk(last_logits.reshape(1, -1), 1, getattr(self.runner, "_ops", None))
+            first = int(fused[0][0]) if fused is not None else int(last_logits.argmax())
+        else:
+            first = draw(processed_probs(last_logits, params), gen)
         drafter.start(prompt_ids, prompt_topk.numpy() if prompt_topk is not None else None)
         drafter.update(Verified(np.zeros(0, np.int64), np.zeros((0, max(k, 1)), np.int64), [first]))
         return first, len(prompt_ids)

@@ -9,7 +9,7 @@ values after it and ``keep_rows`` / ``keep_rows_batch`` move the accepted path's
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -63,15 +63,20 @@ class KVCache:
             raises it with its buckets).
         slots, max_slots: slots at start; the most ``take`` grows to.
         start_len: positions per slot at start.
+        kernels: our CPU kernels (``torch.ops.racer``) or None: ``keep_rows_batch`` moves rows with their
+            ``keep_rows_`` (one call, plain row copies) where set and the cache is on the CPU, else with torch
+            indexing (a gather and a scatter).
 
     Raises:
         ValueError: the start allocation does not fit in the device's memory (``check_fits``).
     """
 
     def __init__(self, shape: tuple[int, int, int], *, dtype: torch.dtype, device: torch.device,
-                 context_length: int, pad: int, slots: int, max_slots: int, start_len: int) -> None:
+                 context_length: int, pad: int, slots: int, max_slots: int, start_len: int,
+                 kernels: Any = None) -> None:
         self.n_layers, self.n_kv, self.head_dim = shape
         self.dtype, self.device = dtype, device
+        self.kernels = kernels if device.type == "cpu" else None
         self.context_length = int(context_length)
         self.pad = int(pad)
         self.slots = int(slots)
@@ -238,6 +243,9 @@ class KVCache:
             slot = torch.from_numpy(slot_of[stream]).to(self.device)
             src = torch.from_numpy(base + paths[moved]).to(self.device)
             dst = torch.from_numpy(base + idx[moved]).to(self.device)
-            self.kv[:, :, slot, :, dst] = self.kv[:, :, slot, :, src]
+            if self.kernels is not None:
+                self.kernels.keep_rows_(self.kv, slot, src, dst)
+            else:
+                self.kv[:, :, slot, :, dst] = self.kv[:, :, slot, :, src]
         for cache, start, n in zip(caches, starts.tolist(), lengths.tolist()):
             cache.length = start + n

@@ -171,7 +171,7 @@ class StaticRunner:
         w = self.weights
         self.kv_cache = KVCache((len(w.layers), w.n_kv, w.head_dim), dtype=self.dtype, device=self.device,
                                 context_length=self.context_length, pad=self.buckets[-1], slots=slots,
-                                max_slots=max_slots, start_len=max(start, self.buckets[-1] + 1))
+                                max_slots=max_slots, start_len=max(start, self.buckets[-1] + 1), kernels=self._ops)
         w.cover(self.kv_cache.max_len)
 
     # ---- the KV cache (engine/kv_cache.py)

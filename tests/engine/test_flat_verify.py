@@ -283,6 +283,38 @@ def test_keep_rows_batch_equals_keep_rows_per_stream(kind):
                 assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_keep_rows_kernel_moves_the_rows_torch_indexing_moves(dtype):
+    """``racer::keep_rows_`` (one call of plain row copies, used on the CPU with our kernels) leaves the cache
+    exactly as the torch gather-then-scatter does, for every dtype, with moves of several streams and a
+    stream whose path is its chain prefix (nothing moved); an out-of-range position is refused."""
+    from racer_batch.engine.kv_cache import KVCache
+
+    ops = cpu_ops()
+    assert ops is not None, "our CPU kernels did not build"
+    pools = {}
+    for name, kernels in (("kernel", ops), ("torch", None)):
+        pool = KVCache((3, 2, 8), dtype=dtype, device=torch.device("cpu"), context_length=64, pad=16, slots=4,
+                       max_slots=4, start_len=48, kernels=kernels)
+        with torch.inference_mode():
+            pool.kv.copy_(torch.from_numpy(np.random.default_rng(1).standard_normal(pool.kv.shape)).to(dtype))
+        caches = [pool.take() for _ in range(4)]
+        pools[name] = (pool, caches)
+    starts = np.array([5, 0, 17, 30])
+    paths = [np.array([0, 2, 5, 6]), np.array([0, 1, 2]), np.array([0, 3]), np.array([0, 1, 4, 9, 12])]
+    cu = np.concatenate([[0], np.cumsum([len(p) for p in paths])])
+    before = pools["kernel"][0].kv.clone()
+    for pool, caches in pools.values():
+        pool.keep_rows_batch(caches, starts, np.concatenate(paths), cu)
+    (pk, ck), (pt, ct) = pools["kernel"], pools["torch"]
+    s0 = ck[0].slot  # stream 0 kept nodes 0, 2, 5, 6 after 5 rows: position 6 now holds what 7 held
+    assert torch.equal(pk.kv[:, :, s0, :, 6], before[:, :, s0, :, 7]) and not torch.equal(pk.kv, before)
+    assert torch.equal(pk.kv, pt.kv)
+    assert [c.length for c in ck] == [c.length for c in ct] == [9, 3, 19, 35]
+    with pytest.raises(RuntimeError, match="out of range"), torch.inference_mode():
+        ops.keep_rows_(pk.kv, torch.tensor([0]), torch.tensor([pk.max_len]), torch.tensor([0]))
+
+
 def test_keep_rows_batch_then_verify_stays_lossless():
     """After one call keeps every stream's path, the next flat verify of each stream equals the oracle over
     its committed tokens."""

@@ -276,6 +276,12 @@ class NativeDraftState:
         return self._core.num_evicted
 
     @property
+    def num_scanned(self) -> int:
+        """Nodes the eviction scans have visited so far (the victims included): how much the resume hint of
+        draft_core.cpp's ``evict_lru_leaf`` saves, against ``num_evicted``."""
+        return self._core.num_scanned
+
+    @property
     def num_rows(self) -> int:
         """Open rows."""
         return self._core.num_rows

@@ -192,6 +192,7 @@ class Automaton {
 
   i64 num_nodes() const { return i64(nodes_.size()) - 1; }
   i64 num_evicted() const { return num_evicted_; }
+  i64 num_scanned() const { return num_scanned_; }
   size_t bytes() const {
     return nodes_.capacity() * sizeof(Node) + index_.bytes();
   }
@@ -201,11 +202,12 @@ class Automaton {
   void close(Cursor& c) {  // close_cursor
     start_text(c);
     nodes_[c.state].states -= 1;
+    released(c.state);
     c.state = kRoot;
   }
 
   void start_text(Cursor& c) {
-    for (size_t j = 1; j < c.active.size(); ++j) nodes_[c.active[j]].pinned -= 1;
+    for (size_t j = 1; j < c.active.size(); ++j) unpin(c.active[j]);
     c.active.assign(1, kRoot);
   }
 
@@ -240,9 +242,11 @@ class Automaton {
   i32 child(i32 parent, i32 token) const { return index_.find(parent, token, keys()); }
 
   void set_state(Cursor& c, i32 v) {
-    nodes_[c.state].states -= 1;
+    const i32 old = c.state;
+    nodes_[old].states -= 1;
     nodes_[v].states += 1;
     c.state = v;
+    released(old);
   }
 
   void unlink_recency(i32 x) {
@@ -257,6 +261,27 @@ class Automaton {
     nodes_[x].nxt = n;
     nodes_[a].nxt = x;
     nodes_[n].prv = x;
+  }
+
+  bool evictable(i32 x) const {
+    const Node& n = nodes_[x];
+    return n.first_child < 0 && n.nref == 0 && n.pinned == 0 && n.states == 0;
+  }
+
+  void unpin(i32 x) {
+    nodes_[x].pinned -= 1;
+    released(x);
+  }
+
+  // A pin or a state of x was dropped: if x became evictable behind the resume node (or maybe so: the walk
+  // toward the front is bounded), the hint goes.
+  void released(i32 x) {
+    if (resume_ < 0 || x == resume_ || !evictable(x)) return;
+    i32 y = nodes_[x].prv;
+    for (i32 step = 0; step < kHintWalk && y != kRoot && y != resume_; ++step) y = nodes_[y].prv;
+    // kept only where the walk reached the front without passing the resume node (a resume node at the root:
+    // the whole list lies behind it)
+    if (y != kRoot || resume_ == kRoot) resume_ = -1;
   }
 
   void touch(i32 x, i32 a) {  // move x just behind its parent a (a move toward the front)
@@ -309,7 +334,9 @@ class Automaton {
   std::vector<Node> nodes_;
   ChildIndex index_;
   i64 num_evicted_ = 0;
-  i32 resume_ = -1;  // where the next eviction scan may start within one extend_one (-1: at the tail)
+  i64 num_scanned_ = 0;  // nodes the eviction scans visited
+  i32 resume_ = -1;  // where the next eviction scan may start (-1: at the tail); see evict_lru_leaf
+  static constexpr i32 kHintWalk = 512;  // longest walk of ``released`` before it drops the hint
   // scratch
   std::vector<i32> fresh_, chain_;
   std::vector<HeapItem> heap_;
@@ -321,15 +348,20 @@ class Automaton {
   i32 seq_ = 0;
 };
 
-// The scan may resume where the previous eviction of the same token's windows stopped (``resume_``): every node
-// it skipped then is still unevictable. Between two evictions of one ``extend_one`` loop nothing is unpinned, no
-// state moves, a victim's parent and failure target (the only nodes an eviction can free) sit ahead of it (the
-// recency invariants), and every node moved or created is pinned at once; a move of the resume node itself
-// drops the hint. The victim is therefore the one a scan from the tail would find (as automaton.py's).
+// The scan resumes where the previous one stopped (``resume_``, kept across tokens, rows and calls): every node
+// it skipped then is still unevictable. A node turns evictable only when (a) an eviction frees the victim's
+// parent or failure target, which sit ahead of the victim (the recency invariants), so at or ahead of the new
+// resume node; or (b) a pin or a state is dropped (``unpin``, ``set_state``, ``close``), where ``released``
+// walks from the node toward the front and drops the hint unless it reaches the front first (at most
+// kHintWalk steps; the windows a cursor unpins were touched within its last ngram tokens, so they sit near the
+// front). A node moved or created behind the resume node is pinned or given a state before the next scan,
+// and a move of the resume node itself drops the hint. The victim is therefore the one a scan from the tail
+// would find (as automaton.py's).
 i32 Automaton::evict_lru_leaf() {
   i32 x = resume_ >= 0 ? resume_ : nodes_[kRoot].prv;
   while (x != kRoot) {
     const Node& n = nodes_[x];
+    ++num_scanned_;
     if (n.first_child < 0 && n.nref == 0 && n.pinned == 0 && n.states == 0) break;
     x = n.prv;
   }
@@ -358,7 +390,6 @@ void Automaton::new_node(i32 x, i32 t, i32 a, i32 depth, i32 shorter) {
 }
 
 void Automaton::extend_one(Cursor& c, i32 t) {
-  resume_ = -1;
   const std::vector<i32>& old = c.active;
   fresh_.assign(1, kRoot);
   i32 shorter = kRoot;  // node of the window one token shorter: the failure target of a new node
@@ -378,10 +409,9 @@ void Automaton::extend_one(Cursor& c, i32 t) {
     fresh_.push_back(x);
     shorter = x;
   }
-  resume_ = -1;  // unpinning below may free nodes anywhere
-  for (size_t j = 1; j < len; ++j) nodes_[old[j]].pinned -= 1;
+  for (size_t j = 1; j < len; ++j) unpin(old[j]);
   if (fresh_.size() > size_t(ngram_)) {  // the window of length ngram is complete
-    nodes_[fresh_.back()].pinned -= 1;
+    unpin(fresh_.back());
     fresh_.pop_back();
   }
   c.active.swap(fresh_);
@@ -725,6 +755,7 @@ class DraftCore {
 
   i64 num_nodes() const { return automaton_ ? automaton_->num_nodes() : 0; }
   i64 num_evicted() const { return automaton_ ? automaton_->num_evicted() : 0; }
+  i64 num_scanned() const { return automaton_ ? automaton_->num_scanned() : 0; }
   i64 num_rows() const { return i64(rows_.size()); }
   i64 memory_bytes() const {
     size_t n = automaton_ ? automaton_->bytes() : 0;
@@ -1163,6 +1194,11 @@ PYBIND11_MODULE(racer_draft_core, m) {
                              [](DraftCore& s) {
                                std::lock_guard<std::mutex> lock(s.mu);
                                return s.num_evicted();
+                             })
+      .def_property_readonly("num_scanned",
+                             [](DraftCore& s) {
+                               std::lock_guard<std::mutex> lock(s.mu);
+                               return s.num_scanned();
                              })
       .def_property_readonly("num_rows",
                              [](DraftCore& s) {

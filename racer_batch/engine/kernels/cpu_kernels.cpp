@@ -1298,6 +1298,33 @@ at::Tensor attention_seg(const at::Tensor& q, const at::Tensor& keys, const at::
 }
 
 // silu(gate) * up for gu [T, 2I] = [gate | up]; returns [T, I].
+// keep_rows_: the accepted path's KV rows moved down in place, for every stream of a step in one call.
+// kv [L, 2, S, H, P, D] (any dtype, contiguous); move r copies position src[r] to dst[r] of slot slot[r] in every
+// layer, key/value and head, in the order given. A stream's moves come in ascending dst with src[r] >= dst[r],
+// so a source is never an earlier move's destination: the same rows as a gather of every source then a scatter.
+at::Tensor keep_rows_(at::Tensor kv, const at::Tensor& slot, const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous(), "racer::keep_rows_: kv must be a contiguous [L, 2, S, H, P, D]");
+  for (const at::Tensor* t : {&slot, &src, &dst})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() && t->numel() == slot.numel(),
+                "racer::keep_rows_: slot, src and dst must be contiguous int64 [M] of one length");
+  const int64_t L2 = kv.size(0) * 2, S = kv.size(2), H = kv.size(3), P = kv.size(4);
+  const int64_t row = kv.size(5) * int64_t(kv.element_size()), M = slot.numel();
+  const int64_t* sl = slot.data_ptr<int64_t>();
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const int64_t* dp = dst.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r)
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < S && sp[r] >= 0 && sp[r] < P && dp[r] >= 0 && dp[r] < P,
+                "racer::keep_rows_: slot or position out of range");
+  char* base = static_cast<char*>(kv.data_ptr());
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t lc = 0; lc < L2; ++lc)
+      for (int64_t h = 0; h < H; ++h) {
+        char* plane = base + (((lc * S + sl[r]) * H + h) * P) * row;
+        std::memmove(plane + dp[r] * row, plane + sp[r] * row, size_t(row));
+      }
+  return kv;
+}
+
 at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0, "racer::silu_mul: float32 [T, 2I]");
   const at::Tensor x = gu.contiguous();
@@ -1413,6 +1440,7 @@ TORCH_LIBRARY(racer, m) {
         "Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
   m.def("attention_seg(Tensor q, Tensor keys, Tensor values, Tensor seg, Tensor mask, float scale) -> Tensor");
   m.def("argmax_topk(Tensor logits, int k) -> (Tensor, Tensor)");
+  m.def("keep_rows_(Tensor(a!) kv, Tensor slot, Tensor src, Tensor dst) -> Tensor(a!)");
   m.def("attention_causal(Tensor q, Tensor keys, Tensor values, int start, float scale) -> Tensor");
 }
 
@@ -1428,5 +1456,6 @@ TORCH_LIBRARY_IMPL(racer, CPU, m) {
   m.impl("rope_kv_seg_", rope_kv_seg_);
   m.impl("attention_seg", attention_seg);
   m.impl("argmax_topk", argmax_topk);
+  m.impl("keep_rows_", keep_rows_);
   m.impl("attention_causal", attention_causal);
 }
