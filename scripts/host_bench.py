@@ -617,7 +617,7 @@ def summary_table(rows: list[dict], revs: list[str]) -> tuple[list[str], list[li
     per_rev = (("host µs/ss", "host_us", 1), ("host ex-scores µs/ss", "host_ex_us", 1), ("host share", "host_share", 3), ("fwd ms/step", "forward_ms_per_step", 2),
                ("tokens/s", "tokens_per_s", 1), ("MAT", "mat", 2))
     cols = ["model", "setting", "B"]
-    for name, _, _ in per_rev:
+    for name, key, _ in per_rev:
         cols += [f"{r} {name}" for r in revs]
         cols += [f"{name} head/base"] * (both and key in RATIO_KEYS)
     cols.append("streams/step")

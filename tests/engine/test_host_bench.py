@@ -57,3 +57,30 @@ def test_host_bench_smoke_on_the_tiny_model(host_bench, tmp_path):
         assert run["forward_ms"].get("prefill", 0) > 0
     md = tmp_path.joinpath(jpath.name.replace(".json", ".md")).read_text()
     assert "| tiny-random | racer-c4 | 2 |" in md and "Machine:" in md and "avx512f" in md
+
+
+def test_a_two_revision_report_has_each_ratio_column(host_bench):
+    """The base-vs-head report (no child processes: two revisions' derived figures made up here) carries a
+    head/base column for the host time, the host time less the scores and tokens/s, each the median of the
+    per-round ratios."""
+    def derived(host, scores, tps):
+        return {"host_us": host, "host_ex_us": host - scores, "host_share": 0.1, "forward_ms_per_step": 1.0,
+                "streams_per_step": 2.0, "tokens_per_s": tps, "mat": 1.2, "wrap_us": 0.0, "split_host_us": host,
+                "parts_us": {"propose": 1.0, "scores": scores, "other": host - 1.0 - scores}, "split": "own",
+                "headline": "own split"}
+
+    raw = [{"model": "tiny-random", "setting": "ar", "streams": 2, "revision": rev, "round": rnd,
+            "derived": derived(host, scores, tps)}
+           for rnd in (0, 1)
+           for rev, host, scores, tps in (("base", 200.0, 20.0, 100.0), ("head", 50.0 + rnd * 10, 10.0, 300.0))]
+    rows = host_bench.summarize(raw)
+    (row,) = rows
+    assert row["host_ratio"] == pytest.approx((50 / 200 + 60 / 200) / 2)
+    assert row["host_ex_ratio"] == pytest.approx((40 / 180 + 50 / 180) / 2)
+    assert row["tokens_ratio"] == pytest.approx(3.0)
+    cols, cells = host_bench.summary_table(rows, ["base", "head"])
+    assert [c for c in cols if c.endswith("head/base")] == [
+        "host µs/ss head/base", "host ex-scores µs/ss head/base", "tokens/s head/base"]
+    line = dict(zip(cols, cells[0]))
+    assert line["host ex-scores µs/ss head/base"] == f"{(40 / 180 + 50 / 180) / 2:.3f}"
+    assert line["base host ex-scores µs/ss"] == "180.0"
