@@ -8,6 +8,10 @@ Accepted names (``load_model``):
   cache folder (``$RACER_BATCH_CACHE``, default ``~/.cache/racer-batch``); later loads take about a second.
 * ``tiny-random``: SmolLM2's tokenizer with a tiny randomly initialised Llama (seeded): fast, garbage
   text; for service soak and fault tests.
+* a ``.gguf`` file, in any quantisation transformers' GGUF loader reads: de-quantised once into a float32
+  safetensors folder in the cache (keyed by the file's name, size and a hash of its first and last MiB;
+  transformers shows its progress bar), then loaded as a folder. The GGUF's own tokenizer, chat template and
+  EOS tokens come with it.
 * a local HuggingFace model folder (``config.json`` plus weights).
 * a hub id such as ``Qwen/Qwen2.5-0.5B-Instruct`` when the machine is online.
 
@@ -82,14 +86,65 @@ def _smollm2_gguf_dir() -> Path:
 def smollm2_folder() -> Path:
     """Path of the cached float32 safetensors copy of SmolLM2-135M-Instruct, created on first use."""
     target = cache_root() / "models" / "smollm2-135m-f32"
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
-        return target
+    if not _is_model_folder(target):
+        _dequantise(_smollm2_gguf_dir() / SMOLLM2_GGUF, target)
+    return target
+
+
+def gguf_key(path: Path) -> str:
+    """A short content key of a GGUF file: sha256 over its size and its first and last MiB (16 hex digits)."""
+    import hashlib
+
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def gguf_folder(path: Path) -> Path:
+    """Path of the cached float32 safetensors copy of the GGUF file ``path``, created on first use.
+
+    Raises:
+        ModelLoadError: not a GGUF file, or one transformers' GGUF loader cannot read (the reason quoted).
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:80]
+    target = cache_root() / "models" / f"{stem}-{gguf_key(path)}-f32"
+    if not _is_model_folder(target):
+        from transformers import AutoConfig
+
+        try:  # the architecture from the metadata first: a refused family is not de-quantised for nothing
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as exc:  # noqa: BLE001 - any reader failure (a cut file raises struct.error) is the file's
+            raise ModelLoadError(f"GGUF file {path}: transformers cannot read it ({exc})") from exc
+        _check_architecture(config, f"GGUF file {path}")
+        try:
+            _dequantise(path, target)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ModelLoadError(f"GGUF file {path}: transformers cannot read it ({exc})") from exc
+    return target
+
+
+def _is_model_folder(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _dequantise(gguf: Path, target: Path) -> None:
+    """Write the de-quantised float32 model and tokenizer of ``gguf`` to ``target`` (atomically: a concurrent
+    loader sees either nothing or a whole folder). transformers refuses to save a GGUF-loaded model, so its
+    weights go into a plain model of the same config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = _smollm2_gguf_dir()
-    log.info("converting %s to a float32 safetensors copy in %s (once, ~15 s)", SMOLLM2_GGUF, target)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
-    quant = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    log.info("converting %s to a float32 safetensors copy in %s (once; a 135M model takes ~15 s)", gguf, target)
+    src, name = gguf.parent, gguf.name
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    quant = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     config = quant.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the de-quantised weights are plain float32 now
@@ -97,7 +152,7 @@ def smollm2_folder() -> Path:
     plain.load_state_dict(quant.state_dict(), strict=True)
     plain.generation_config = quant.generation_config
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -107,7 +162,6 @@ def smollm2_folder() -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -191,7 +245,8 @@ def load_model(
     """Load a target model and tokenizer by name.
 
     Args:
-        name: ``smollm2-135m``, ``tiny-random``, a local model folder, or a hub id (online only).
+        name: ``smollm2-135m``, ``tiny-random``, a ``.gguf`` file, a local model folder, or a hub id (online
+            only).
         device: ``cpu`` or ``cuda[:N]``; default CUDA when available.
         dtype: ``float32`` (CPU default), ``bfloat16`` (CUDA default) or ``float16``.
         trust_remote_code: allow model code shipped with the weights; off unless set explicitly.
@@ -211,17 +266,28 @@ def load_model(
         model = tiny_random_model(vocab_size=len(tok), eos_token_id=tok.eos_token_id, max_positions=8192)
         model = model.to(device=dev, dtype=torch_dtype)
         return ModelBundle(model, tok, name, _eos_ids(model, tok), 8192, dev, str(torch_dtype).removeprefix("torch."))
+    elif Path(name).is_file():
+        if Path(name).suffix.lower() != ".gguf":
+            raise ModelLoadError(f"model file {name} is not a .gguf file: give a GGUF file, a HuggingFace model "
+                                 "folder (with config.json), a hub id (org/name) or one of "
+                                 f"{', '.join(BUILTIN_MODELS)}")
+        folder = gguf_folder(Path(name))
+        where = f"GGUF file {name} (de-quantised at {folder})"
     elif Path(name).exists():
         folder = Path(name)
         where = f"model folder {folder}"
         if not (folder / "config.json").is_file():
-            raise ModelLoadError(f"{where} has no config.json: point at a HuggingFace model folder")
+            ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+            hint = f"; it holds {', '.join(ggufs)}: pass that file's path" if ggufs else ""
+            raise ModelLoadError(f"{where} has no config.json: point at a HuggingFace model folder or a .gguf "
+                                 f"file{hint}")
     elif "/" in name and not name.startswith((".", "/")):
         folder = name
         where = f"hub model {name!r}"
     else:
         raise ModelLoadError(
-            f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)}, a local model folder, or a hub id (org/name)"
+            f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)}, a .gguf file, a local model folder, or "
+            "a hub id (org/name)"
         )
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)

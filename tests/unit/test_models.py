@@ -34,3 +34,57 @@ def test_missing_weights(tmp_path):
 def test_bad_dtype():
     with pytest.raises(ModelLoadError, match="dtype 'int8'"):
         load_model("smollm2-135m", dtype="int8")
+
+
+# ---------------------------------------------------------------- a .gguf file as the model name
+
+
+def _smollm2_gguf():
+    from racer_batch.models import SMOLLM2_GGUF, _smollm2_gguf_dir
+
+    return _smollm2_gguf_dir() / SMOLLM2_GGUF
+
+
+def test_a_gguf_file_loads_as_the_same_model_and_is_converted_once(tmp_path, monkeypatch):
+    """``load_model(PATH.gguf)``: de-quantised into the cache once (a second load reuses the folder), the same
+    weights, tokenizer, chat template and EOS ids as the built-in name that wraps the same file."""
+    import torch
+
+    from racer_batch import models
+
+    builtin = load_model("smollm2-135m", device="cpu")
+    monkeypatch.setenv("RACER_BATCH_CACHE", str(tmp_path))
+    gguf = _smollm2_gguf()
+    got = load_model(str(gguf), device="cpu")
+    folder = models.gguf_folder(gguf)
+    assert folder.parent == tmp_path / "models" and folder.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    again = load_model(str(gguf), device="cpu")
+    assert (folder / "config.json").stat().st_mtime_ns == stamp  # not converted again
+    assert got.eos_ids == builtin.eos_ids == again.eos_ids
+    assert got.tokenizer.chat_template == builtin.tokenizer.chat_template
+    msgs = [{"role": "user", "content": "Name three prime numbers."}]
+    assert got.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True) == \
+        builtin.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    a, b = got.model.state_dict(), builtin.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gguf_names_that_cannot_load_say_what_was_expected(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(str(fake))
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match="not a .gguf file: give a GGUF file, a HuggingFace model folder"):
+        load_model(str(other))
+    folder = tmp_path / "dl"
+    folder.mkdir()
+    (folder / "m-q4.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="no config.json.*it holds m-q4.gguf: pass that file's path"):
+        load_model(str(folder))
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(_smollm2_gguf().read_bytes()[:4096])
+    with pytest.raises(ModelLoadError, match="transformers cannot read it"):
+        load_model(str(truncated))

@@ -77,7 +77,7 @@ class OutputSpec(BaseModel):
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("smollm2-135m", min_length=1, description="model name or local folder (see load_model)")
+    name: str = Field("smollm2-135m", min_length=1, description="model name, .gguf file, local folder or hub id (see load_model)")
     trust_remote_code: bool = Field(False, description="allow model code from the model folder (worker must allow)")
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
         None, description="weights' precision; None = float32 on the CPU, bfloat16 on CUDA. Reduced precision changes "
