@@ -198,8 +198,52 @@ def _pick_dtype(dtype: str | None, device: str) -> torch.dtype:
     return table[dtype]
 
 
+# Families whose layers keep a recurrent state (RNN, state-space, linear attention) beside or instead of a KV
+# cache, by model_type where the config carries no layer list that says so.
+RECURRENT_ARCHITECTURES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
+_STATEFUL_LAYER_WORDS = ("linear", "mamba", "conv", "ssm", "recurrent", "rnn", "lstm", "hybrid", "delta", "rwkv", "lru")
+_STATEFUL_CONFIG_KEYS = ("mamba", "ssm_", "lru_", "linear_conv", "conv_l_cache", "slstm", "mlstm", "time_step")
+
+
+def rollback_blocker(config: Any) -> str | None:
+    """Why a rejected draft could not be rolled back in this model, or None where every layer is attention
+    (or stateless, as an MLP-only layer): a verify writes the whole tree's keys and values and the engine keeps
+    the accepted rows and drops the rest, which a recurrent, state-space or linear-attention layer cannot do (its
+    state after the tree is one mix of every branch; serving engines that tried corrupted it: vLLM #39273,
+    #40738).
+
+    Read from the config: the model type (``RECURRENT_ARCHITECTURES``), per-layer type lists (``layer_types``,
+    ``block_types``, ``layers_block_type``, ``hybrid_override_pattern``) naming a stateful kind, or settings
+    only stateful layers have (``mamba_*``, ``ssm_*``, ``conv_L_cache``, ...).
+    """
+    mt = getattr(config, "model_type", None)
+    if mt in RECURRENT_ARCHITECTURES:
+        return f"{mt} is a recurrent (state-space / RNN) model"
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    for name in ("layer_types", "block_types", "layers_block_type"):
+        kinds = d.get(name)
+        if isinstance(kinds, (list, tuple)):
+            stateful = sorted({str(k) for k in kinds if any(w in str(k).lower() for w in _STATEFUL_LAYER_WORDS)})
+            if stateful:
+                return f"its {name} include {', '.join(stateful)} layers (a recurrent state beside the KV cache)"
+    pattern = d.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and "M" in pattern:
+        return "its hybrid_override_pattern has Mamba layers (a recurrent state beside the KV cache)"
+    keys = sorted(k for k in d if any(s in k.lower() for s in _STATEFUL_CONFIG_KEYS))
+    if keys:
+        return f"its config has state-space layer settings ({', '.join(keys[:3])})"
+    return None
+
+
 def _check_architecture(config: Any, where: str) -> None:
     mt = getattr(config, "model_type", None)
+    blocker = rollback_blocker(config)
+    if blocker is not None:
+        raise ModelLoadError(
+            f"{where}: architecture {mt!r} is refused: {blocker}. RACER verifies a draft tree in one forward and "
+            "rolls back the rejected branches by dropping their KV-cache rows; a recurrent state has no rows to "
+            f"drop. Families that run: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     if mt not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{where}: architecture {mt!r} is not supported; the engine supports {', '.join(SUPPORTED_ARCHITECTURES)} "

@@ -88,3 +88,38 @@ def test_gguf_names_that_cannot_load_say_what_was_expected(tmp_path):
     truncated.write_bytes(_smollm2_gguf().read_bytes()[:4096])
     with pytest.raises(ModelLoadError, match="transformers cannot read it"):
         load_model(str(truncated))
+
+
+# ---------------------------------------------------------------- families whose state cannot be rolled back
+
+REFUSED = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma", "jamba", "zamba", "zamba2",
+           "bamba", "falcon_h1", "qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h", "minimax", "kimi_linear")
+ATTENTION_ONLY = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe",
+                  "olmo2", "granite", "starcoder2")
+
+
+def _config(model_type):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]()
+
+
+@pytest.mark.parametrize("model_type", REFUSED)
+def test_recurrent_and_hybrid_families_are_refused_with_the_reason(model_type, tmp_path):
+    """transformers' own config of each family, saved as a model folder: refused before any weight is read,
+    saying why (the rollback) and naming the families that run."""
+    from racer_batch.models import rollback_blocker
+
+    config = _config(model_type)
+    assert rollback_blocker(config) is not None
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=rf"architecture '{model_type}' is refused: .*rolls back the rejected "
+                                             r"branches.*Families that run: llama"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("model_type", ATTENTION_ONLY)
+def test_attention_only_families_are_not_taken_for_recurrent_ones(model_type):
+    from racer_batch.models import rollback_blocker
+
+    assert rollback_blocker(_config(model_type)) is None
