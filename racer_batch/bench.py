@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from .benchdata import BenchPrompt, conversation, smoke_prompts
+from .benchdata import BenchPrompt, conversation, has_chat_template, smoke_prompts
 from .capability import REPEAT_N, answer_correct, repeated_ngram_rate
 from .engine import Engine
 from .models import ModelBundle
@@ -252,7 +252,8 @@ def run_bench(
                       method_configs=c.configs)
     # warm-up so the first measured row does not pay one-time costs
     for run in c.runners.values():
-        run(enc.encode(conversation(["Say hello."], [], system_prompt=system_prompt)))
+        run(enc.encode(conversation(["Say hello."], [], system_prompt=system_prompt,
+                                    chat=has_chat_template(bundle.tokenizer))))
     for n, item in enumerate(items):
         _run_item(res, item, c.runners, bundle=bundle, enc=enc, system_prompt=system_prompt)
         log.info("bench: %d/%d items done", n + 1, len(items))
@@ -302,7 +303,8 @@ def _run_item(res: BenchResult, item: BenchPrompt, runners: dict[str, Callable],
     baseline_ids: list[list[int]] = []
     for turn in range(len(item.turns)):
         for m, run in runners.items():
-            ids = enc.encode(conversation(list(item.turns[: turn + 1]), answers[m], system_prompt=system_prompt))
+            ids = enc.encode(conversation(list(item.turns[: turn + 1]), answers[m], system_prompt=system_prompt,
+                                          chat=has_chat_template(bundle.tokenizer)))
             new, ms, stats = run(ids)
             tot = res.groups.setdefault(group, {}).setdefault(m, MethodTotals())
             tot.tally.observe_row(turn_record(m, new_ids=new, wall_ms=ms, stats=stats))

