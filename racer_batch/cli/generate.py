@@ -89,7 +89,8 @@ def _decoding_options(f):
 @click.option("--system", "system_prompt", default=None,
               help="System message put before PROMPT (default: none, the model's own chat template decides, as "
               "in a job without generation.system_prompt, so a job's row and this command give the same answer).")
-@click.option("--raw", is_flag=True, help="Feed PROMPT as plain text instead of a chat user message.")
+@click.option("--raw", is_flag=True, help="Feed PROMPT as plain text instead of a chat user message (the default "
+              "for a model without a chat template).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped with the weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
@@ -100,6 +101,7 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
              as_json: bool, torch_threads: int) -> None:
     """Generate an answer to PROMPT and print it with its decoding statistics."""
     from racer_batch import Engine
+    from racer_batch.benchdata import has_chat_template
 
     if not prompt.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
@@ -111,6 +113,8 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
                         seed=seed, stop=list(stop)))
     bundle = _load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     engine = Engine(bundle, cfg)
+    if not raw and not has_chat_template(bundle.tokenizer) and not system_prompt:
+        raw = True  # a base model: PROMPT as plain text (a --system message still asks for the chat form)
     chat_input: Any = prompt if raw else [{"role": "user", "content": prompt}]
     try:
         res = engine.generate(chat_input, params, system_prompt=None if raw else system_prompt)

@@ -108,3 +108,25 @@ def test_a_gemma3_job_runs_end_to_end_with_raw_prompts(gemma, cli, tmp_path, red
     for r in rows:
         want = Engine(gemma, DecodingConfig(method="ar")).generate(r["prompt"], params).text
         assert out[r["id"]]["status"] == "ok" and out[r["id"]]["text"] == want
+
+
+def test_generate_on_the_gemma3_gguf_path_takes_the_prompt_as_raw_text(gemma):
+    """`racer-batch generate PROMPT --model PATH.gguf` on the Gemma GGUF file itself: loads (the cached
+    conversion), feeds PROMPT as raw text (no chat template) and prints RACER's greedy tokens, HF generate's."""
+    import json
+
+    from click.testing import CliRunner
+
+    from racer_batch.cli import main
+    from racer_batch.models import gemma3_gguf
+
+    prompt = "The three primary colours are"
+    r = CliRunner().invoke(main, ["generate", prompt, "--model", str(gemma3_gguf()), "--max-new-tokens", "24",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    ids = torch.tensor([encode_prompt(gemma.tokenizer, prompt)])
+    with torch.inference_mode():
+        out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=gemma.eos_ids, pad_token_id=0)
+    assert got["token_ids"] == out[0, ids.shape[1]:].tolist()
