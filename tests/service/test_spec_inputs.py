@@ -274,3 +274,12 @@ def test_prompt_rows_follow_the_models_chat_template_under_auto():
             assert with_template == without == [{"role": "user", "content": "Hello"}]
         else:
             assert with_template == without == "Hello"
+
+
+def test_the_auto_prompt_format_keeps_the_spec_hash_of_the_old_chat_default():
+    from racer_batch.service.job.spec import JobSpec
+
+    def h(**inp):
+        return JobSpec.model_validate({"input": {"path": "x.jsonl", **inp}, "output": {"path": "o"}}).spec_hash()
+
+    assert h() == h(prompt_format="auto") == h(prompt_format="chat") != h(prompt_format="raw")

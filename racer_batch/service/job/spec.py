@@ -210,6 +210,11 @@ class JobSpec(BaseModel):
         d = self.model_dump(mode="json", exclude=exclude)
         if d["model"].get("dtype") is None:
             d["model"].pop("dtype", None)
+        # auto (the default since it existed) answers as chat on every model that has a chat template, as the
+        # old default did; hashed as chat so that a folder written before keeps its hash (a base model's rows
+        # failed under chat then, so nothing it wrote is reused wrongly)
+        if d["input"].get("prompt_format") == "auto":
+            d["input"]["prompt_format"] = "chat"
         # The reference column only feeds the shadow analysis, never the output rows: always left out.
         del d["input"]["columns"]["reference"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
