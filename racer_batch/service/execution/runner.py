@@ -496,7 +496,10 @@ class RowRunner:
 def _prompt_of(row: RowTask, engine: Any) -> Any:
     """The row's prompt for the engine: its chat messages, or its raw text where it has no messages or (a
     ``prompt`` row under ``input.prompt_format: auto``, which carries both) the model has no chat template."""
-    if row.chat is None or (row.raw is not None and not has_chat_template(engine.bundle.tokenizer)):
+    if row.chat is None:
+        return row.raw
+    tokenizer = getattr(getattr(engine, "bundle", None), "tokenizer", None)  # an engine stand-in may have none
+    if row.raw is not None and tokenizer is not None and not has_chat_template(tokenizer):
         return row.raw
     return row.chat
 
