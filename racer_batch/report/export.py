@@ -52,7 +52,7 @@ def chat_messages(prompt_chat: Optional[list[dict]], *, raw: Optional[str], turn
         for turn, answer in zip(turns, answers):
             msgs += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
         return msgs
-    if raw is not None:
+    if raw is not None and not prompt_chat:  # a prompt row under prompt_format auto carries both forms
         msgs.append({"role": "user", "content": raw})
     msgs.append({"role": "assistant", "content": answers[-1] if answers else ""})
     return msgs

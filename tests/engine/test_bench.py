@@ -14,7 +14,7 @@ from racer_batch.published import published
 from tests.helpers import tiny_bundle
 
 
-def _plain(turns, answers, system_prompt=None):
+def _plain(turns, answers, system_prompt=None, chat=True):
     """A plain-text conversation the character tokenizer can encode (it has no chat template)."""
     parts = []
     for i, t in enumerate(turns):
