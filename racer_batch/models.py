@@ -51,7 +51,6 @@ STATIC_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 EAGER_TESTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
                               "mixtral", "qwen3_moe", "olmo2", "granite", "starcoder2", "stablelm", "cohere",
                               "gpt_neox", "falcon", "gpt2")
-SUPPORTED_ARCHITECTURES = STATIC_ARCHITECTURES  # kept for callers of the old name
 # End-of-text / end-of-turn markers also treated as EOS when the tokenizer has them as special tokens.
 _END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "</s>")
 

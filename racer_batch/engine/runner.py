@@ -50,13 +50,14 @@ def output_transform(config):
     cap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(config, "logit_scale", None)
     div = getattr(config, "logits_scaling", None)
-    if not cap and scale in (None, 1, 1.0) and div in (None, 1, 1.0):
+    scale, div = (None if v in (None, 1) else v for v in (scale, div))  # 1 and 1.0: nothing to do
+    if not cap and scale is None and div is None:
         return None
 
     def apply(x: torch.Tensor) -> torch.Tensor:
-        if scale not in (None, 1, 1.0):
+        if scale is not None:
             x = x * scale
-        if div not in (None, 1, 1.0):
+        if div is not None:
             x = x / div
         if cap:
             x = torch.tanh(x / cap) * cap

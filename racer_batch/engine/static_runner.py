@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..models import ModelBundle
+from ..models import STATIC_ARCHITECTURES, ModelBundle
 from .decoder import DecoderWeights, KernelOps, Rows, TorchOps, decode, tree_mask_filler
 from .decoder_ops import MATMUL_PATHS, default_matmul_path
 from .graphs import CudaGraphs
@@ -60,7 +60,7 @@ def describe_unsupported(model: Any) -> Optional[str]:
     ``mlp.{gate,up,down}_proj``, RMSNorms, SiLU), the rope type and the sliding window.
     """
     cfg = model.config
-    if getattr(cfg, "model_type", None) not in ("llama", "qwen2", "qwen3", "mistral"):
+    if getattr(cfg, "model_type", None) not in STATIC_ARCHITECTURES:
         return f"architecture {getattr(cfg, 'model_type', None)!r} has no static decoder"
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):
