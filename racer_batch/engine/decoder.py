@@ -6,30 +6,46 @@ norms, SDPA); plus the additive tree-attention mask of a flat batch (``fill_tree
 Every forward of the static runner is ``decode``: a prompt chunk of one stream (``Rows.prefill``, causal), the
 segments of several streams' draft trees on our kernels (``Rows`` from ``seg``, unpadded), and the padded
 ``[B, N]`` batch on torch ops, eager or captured as a CUDA graph (engine/graphs.py captures this same function).
-The layer is the Llama family's: RMSNorm, fused q/k/v, rotary positions (Qwen3: per-head q/k RMSNorm first),
-the KV write into each row's slot, grouped-query attention over the slot, o projection added to the residual,
-RMSNorm, fused gate/up, SiLU x up, down projection added to the residual.
+The layer is the Llama family's: RMSNorm, fused q/k/v, rotary positions (Qwen3 and Gemma 3: per-head q/k RMSNorm
+first), the KV write into each row's slot, grouped-query attention over the slot, o projection added to the
+residual, RMSNorm, fused gate/up, SiLU x up, down projection added to the residual. The families' variations are
+data on the weights: Phi-3's own fused q/k/v and gate/up; Gemma 3's scaled embeddings, ``1 + w`` norms, a norm on
+each branch's output, tanh GELU, its attention scale, and sliding-window layers with their own rotary tables;
+Qwen3-MoE's and Mixtral's routed experts in place of the MLP (``decoder_ops.moe_forward``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .decoder_ops import FastLinear, LayerWeights, fuse_params, rms_norm, rotate_half_rope, tree_attention
+from .decoder_ops import (
+    FastLinear,
+    LayerWeights,
+    MoEWeights,
+    act_mul,
+    fuse_params,
+    moe_forward,
+    rms_norm,
+    rotate_half_rope,
+    tree_attention,
+)
 
 SDPA_MIN_ROWS = 128  # fewer query rows per stream: our own attention (SDPA's CPU kernels cost ~0.2-8 ms at T=1)
+GEMMA_FAMILIES = ("gemma3_text",)  # the (1 + w) norms, scaled embeddings and four norms per layer
+SLIDING = "sliding_attention"
 
 
 @dataclass
 class DecoderWeights:
     """The decoder's weights over the HF model's own tensors (q/k/v and gate/up fused without a copy), its
-    shape, and the rotary tables ``cos, sin [positions, 1, head_dim]`` (from the model's own ``rotary_emb``,
-    so every rope scaling that does not depend on the sequence length is exact)."""
+    shape, and the rotary tables ``rope_tables[k] = (cos, sin)``, each ``[positions, 1, head_dim]``, from the
+    model's own ``rotary_emb`` (so every rope scaling that does not depend on the sequence length is exact; Gemma
+    3: one table per layer kind, ``rope_kinds``)."""
 
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
@@ -41,59 +57,137 @@ class DecoderWeights:
     eps: float
     context_length: int
     rotary: Any
-    cos: torch.Tensor
-    sin: torch.Tensor
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5
+    act: str = "silu"  # silu | gelu_tanh
+    embed_scale: Optional[torch.Tensor] = None  # 0-dim, the embedding's dtype (Gemma: sqrt(hidden))
+    rope_kinds: list[Optional[str]] = field(default_factory=lambda: [None])  # rotary_emb's layer_type argument
+    rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.attn_scale or self.head_dim ** -0.5
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """The first rotary table's cosines ``[positions, 1, D]`` (the only table outside Gemma 3)."""
+        return self.rope_tables[0][0] if self.rope_tables else torch.empty(0)
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.rope_tables[0][1] if self.rope_tables else torch.empty(0)
+
+    @property
+    def windows(self) -> list[int]:
+        """The distinct sliding windows of the layers (empty: every layer sees the whole prefix)."""
+        return sorted({layer.window for layer in self.layers if layer.window})
 
     @staticmethod
     def of(model: Any, *, matmul: str, context_length: int) -> "DecoderWeights":
-        """The weights of a Llama-family HF ``model`` with every matmul on ``matmul`` (``FastLinear`` path)."""
+        """The weights of a HF ``model`` of a family ``static_runner.describe_unsupported`` accepts, with every
+        matmul on ``matmul`` (``FastLinear`` path)."""
         cfg = model.config
         dec = model.get_decoder()
         n_heads = int(cfg.num_attention_heads)
-        layers = [_layer_weights(layer, matmul) for layer in dec.layers]
+        gemma = getattr(cfg, "model_type", "") in GEMMA_FAMILIES
+        kinds = list(getattr(cfg, "layer_types", None) or [])
+        rope_kinds: list[Optional[str]] = sorted(set(kinds)) if gemma else [None]
+        layers = [_layer_weights(layer, matmul, gemma=gemma, window=_window(cfg, i, kinds),
+                                 rope=rope_kinds.index(kinds[i]) if gemma else 0) for i, layer in enumerate(dec.layers)]
         head = model.get_output_embeddings()
+        embed = dec.embed_tokens.weight.detach()
+        scale = getattr(dec.embed_tokens, "embed_scale", None)
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        pre_attn = getattr(cfg, "query_pre_attn_scalar", None)
         return DecoderWeights(
-            embed=dec.embed_tokens.weight.detach(), layers=layers, final_norm=dec.norm.weight.detach(),
-            lm_head=FastLinear(head.weight, getattr(head, "bias", None), path=matmul), n_heads=n_heads,
+            embed=embed, layers=layers, final_norm=_norm_weight(dec.norm, gemma), lm_head=FastLinear(
+                head.weight, getattr(head, "bias", None), path=matmul), n_heads=n_heads,
             n_kv=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
             head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads), eps=float(cfg.rms_norm_eps),
-            context_length=int(context_length), rotary=dec.rotary_emb, cos=torch.empty(0), sin=torch.empty(0))
+            context_length=int(context_length), rotary=dec.rotary_emb,
+            attn_scale=float(pre_attn) ** -0.5 if gemma and pre_attn else 0.0,
+            act="gelu_tanh" if act in ("gelu_pytorch_tanh", "gelu_tanh") else "silu",
+            embed_scale=None if scale is None else scale.detach().to(embed.dtype), rope_kinds=rope_kinds)
 
     @torch.inference_mode()
     def cover(self, positions: int) -> None:
         """Make the rotary tables hold ``positions`` rows (positions past the context take the last one's)."""
-        if self.cos.shape[0] >= positions:
+        if self.rope_tables and self.rope_tables[0][0].shape[0] >= positions:
             return
         dtype, device = self.embed.dtype, self.embed.device
         pos = torch.arange(positions, device=device).clamp_(max=self.context_length - 1).view(1, -1)
-        cos, sin = self.rotary(torch.zeros(1, dtype=dtype, device=device), pos)  # [1, positions, D]
-        self.cos = cos[0].to(dtype).unsqueeze(1).contiguous()  # [positions, 1, D]
-        self.sin = sin[0].to(dtype).unsqueeze(1).contiguous()
+        x = torch.zeros(1, dtype=dtype, device=device)
+        tables = []
+        for kind in self.rope_kinds:
+            cos, sin = self.rotary(x, pos) if kind is None else self.rotary(x, pos, kind)  # [1, positions, D]
+            tables.append((cos[0].to(dtype).unsqueeze(1).contiguous(), sin[0].to(dtype).unsqueeze(1).contiguous()))
+        self.rope_tables = tables  # [positions, 1, D] each
 
     def linears(self) -> list[FastLinear]:
-        per_layer = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return per_layer + [self.lm_head]
+        return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
 
 
-def _layer_weights(layer: Any, matmul: str) -> LayerWeights:
+def _window(cfg: Any, index: int, kinds: list[str]) -> Optional[int]:
+    """Layer ``index``'s sliding window, as ``runner.layer_windows`` reads the config (None: the whole prefix)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    if kinds:
+        return int(window) if kinds[index] == SLIDING else None
+    return int(window) if getattr(cfg, "use_sliding_window", True) is not False else None
+
+
+def _norm_weight(norm: Any, gemma: bool) -> torch.Tensor:
+    """An RMSNorm's weight as the decoder multiplies by it: Gemma's ``1 + w`` in float32, else ``w`` itself."""
+    w = norm.weight.detach()
+    return 1.0 + w.float() if gemma else w
+
+
+def _layer_weights(layer: Any, matmul: str, *, gemma: bool = False, window: Optional[int] = None,
+                   rope: int = 0) -> LayerWeights:
     a, m = layer.self_attn, layer.mlp
-    qkv_w = fuse_params([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-    qkv_b = fuse_params([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-    gu_w = fuse_params([m.gate_proj.weight, m.up_proj.weight])
-    gu_b = fuse_params([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
+    if hasattr(a, "qkv_proj"):  # Phi-3: already fused
+        qkv = FastLinear(a.qkv_proj.weight, a.qkv_proj.bias, path=matmul)
+    else:
+        qkv_w = fuse_params([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        qkv_b = fuse_params([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+        qkv = FastLinear(qkv_w, qkv_b, path=matmul)
+    gate_up = down = moe = None
+    if hasattr(m, "experts"):
+        moe = _moe_weights(m, matmul)
+    else:
+        if hasattr(m, "gate_up_proj"):  # Phi-3: already fused, gate first
+            gu_w, gu_b = m.gate_up_proj.weight, m.gate_up_proj.bias
+        else:
+            gu_w = fuse_params([m.gate_proj.weight, m.up_proj.weight])
+            gu_b = fuse_params([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
+        gate_up = FastLinear(gu_w, gu_b, path=matmul)
+        down = FastLinear(m.down_proj.weight, m.down_proj.bias, path=matmul)
     q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    post_attn = post_ffn = None
+    ln_post = layer.post_attention_layernorm
+    if gemma:
+        post_attn, post_ffn = _norm_weight(layer.post_attention_layernorm, True), \
+            _norm_weight(layer.post_feedforward_layernorm, True)
+        ln_post = layer.pre_feedforward_layernorm
     return LayerWeights(
-        qkv=FastLinear(qkv_w, qkv_b, path=matmul), o=FastLinear(a.o_proj.weight, a.o_proj.bias, path=matmul),
-        gate_up=FastLinear(gu_w, gu_b, path=matmul),
-        down=FastLinear(m.down_proj.weight, m.down_proj.bias, path=matmul),
-        ln_in=layer.input_layernorm.weight.detach(), ln_post=layer.post_attention_layernorm.weight.detach(),
-        q_norm=q_norm.weight.detach() if q_norm is not None else None,
-        k_norm=k_norm.weight.detach() if k_norm is not None else None,
+        qkv=qkv, o=FastLinear(a.o_proj.weight, a.o_proj.bias, path=matmul), gate_up=gate_up, down=down,
+        ln_in=_norm_weight(layer.input_layernorm, gemma), ln_post=_norm_weight(ln_post, gemma),
+        q_norm=_norm_weight(q_norm, gemma) if q_norm is not None else None,
+        k_norm=_norm_weight(k_norm, gemma) if k_norm is not None else None,
+        post_attn_norm=post_attn, post_ffn_norm=post_ffn, moe=moe, window=window, rope=rope,
     )
+
+
+def _moe_weights(mlp: Any, matmul: str) -> MoEWeights:
+    """Qwen3-MoE / Mixtral: ``gate`` (the router, ``top_k``; Qwen3 ``norm_topk_prob``, Mixtral always
+    renormalises) and ``experts`` with ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+    router, experts = mlp.gate, mlp.experts
+    n = experts.gate_up_proj.shape[0]
+    return MoEWeights(
+        router=router.weight.detach(),
+        gate_up=[FastLinear(experts.gate_up_proj[e], None, path=matmul) for e in range(n)],
+        down=[FastLinear(experts.down_proj[e], None, path=matmul) for e in range(n)],
+        top_k=int(router.top_k), normalise=bool(getattr(router, "norm_topk_prob", True)))
 
 
 @dataclass
@@ -113,6 +207,8 @@ class Rows:
         slot0, start0: the first stream's slot and start (a prompt chunk's).
         attend, causal_mask, bidx: set by the ops' ``prepare`` once per forward (how a prompt chunk attends
             and its mask; the stream index of the padded layout).
+        local: set by ``decode`` once per forward for each sliding window of the model: the same rows whose mask
+            also hides keys ``window`` or more positions behind each row (``ops.windowed``).
     """
 
     ids: torch.Tensor
@@ -126,6 +222,7 @@ class Rows:
     attend: str = ""
     causal_mask: Optional[torch.Tensor] = None
     bidx: Optional[torch.Tensor] = None
+    local: dict[int, "Rows"] = field(default_factory=dict)  # per sliding window: these rows with its mask
 
     @staticmethod
     def prefill(ids: torch.Tensor, slot: int, start: int) -> "Rows":
@@ -149,15 +246,50 @@ def decode(w: DecoderWeights, kv: torch.Tensor, rows: Rows, ops: Any) -> torch.T
     2, slots, kv_heads, max_len, head_dim]``: the one decoder function, on ``ops`` (``KernelOps`` or
     ``TorchOps``)."""
     ops.prepare(rows, w)
+    rows.local = {win: ops.windowed(rows, win, w) for win in w.windows}
     x = F.embedding(rows.ids, w.embed)  # [R, H], a fresh tensor (the residual is updated in place)
-    cos, sin = w.cos[rows.pos], w.sin[rows.pos]  # [R, 1, D]
+    if w.embed_scale is not None:
+        x = x * w.embed_scale
+    tables = [(cos[rows.pos], sin[rows.pos]) for cos, sin in w.rope_tables]  # [R, 1, D] each
     for li, layer in enumerate(w.layers):
+        seen = rows.local[layer.window] if layer.window else rows
+        cos, sin = tables[layer.rope]
         h = ops.rms_norm(x, layer.ln_in, w.eps)
-        q = ops.rope_kv(ops.linear(h, layer.qkv), cos, sin, kv[li], layer, rows, w)  # [R, nq, d]
-        x = ops.linear_add(x, ops.attention(q, kv[li], rows, w), layer.o)
+        q = ops.rope_kv(ops.linear(h, layer.qkv), cos, sin, kv[li], layer, seen, w)  # [R, nq, d]
+        x = _add_branch(ops, x, ops.attention(q, kv[li], seen, w), layer.o, layer.post_attn_norm, w.eps)
         h = ops.rms_norm(x, layer.ln_post, w.eps)
-        x = ops.linear_add(x, ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+        if layer.moe is not None:
+            x = _add_out(ops, x, ops.moe(h, layer.moe, w.act), layer.post_ffn_norm, w.eps)
+        elif w.act == "silu" and layer.post_ffn_norm is None:
+            x = ops.linear_add(x, ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+        else:
+            x = _add_branch(ops, x, ops.act_mul(ops.linear(h, layer.gate_up), w.act), layer.down,
+                            layer.post_ffn_norm, w.eps)
     return ops.rms_norm(x, w.final_norm, w.eps)
+
+
+def _add_branch(ops: Any, x: torch.Tensor, y: torch.Tensor, lin: FastLinear, norm: Optional[torch.Tensor],
+                eps: float) -> torch.Tensor:
+    """``x + lin(y)`` (fused where the ops fuse it), or Gemma's ``x + norm(lin(y))``."""
+    if norm is None:
+        return ops.linear_add(x, y, lin)
+    return _add_out(ops, x, ops.linear(y, lin), norm, eps)
+
+
+def _add_out(ops: Any, x: torch.Tensor, y: torch.Tensor, norm: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    return x + (y if norm is None else ops.rms_norm(y, norm, eps))
+
+
+def _window_mask(mask: torch.Tensor, pos: torch.Tensor, window: int, neg: float) -> torch.Tensor:
+    """A copy of the additive ``mask [..., S]`` (rows' leading shape as ``pos``'s, e.g. ``[R, S]`` with ``pos
+    [R]``, or ``[B, 1, N, S]`` with ``pos`` of ``B * N`` rows) with the columns of keys ``window`` or more
+    positions behind each row hidden, as transformers' sliding-window masks (a query at position q sees keys at
+    positions > q - window). Column c holds position c for the committed prefix; a tree's own rows are never that
+    far behind their descendants (``StaticRunner`` keeps trees within the window), so columns stand for
+    positions."""
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    far = cols <= (pos - window).view(*mask.shape[:-1], 1)
+    return mask.masked_fill(far, neg)
 
 
 class KernelOps:
@@ -195,6 +327,26 @@ class KernelOps:
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(gu)
+
+    def act_mul(self, gu: torch.Tensor, act: str) -> torch.Tensor:
+        return self.ops.silu_mul(gu) if act == "silu" else act_mul(gu, act)
+
+    def moe(self, h: torch.Tensor, moe: MoEWeights, act: str) -> torch.Tensor:
+        return moe_forward(h, moe, self.linear, act)
+
+    def windowed(self, rows: Rows, window: int, w: DecoderWeights) -> Rows:
+        """``rows`` with each row's keys ``window`` or more positions behind hidden (``rows`` itself when no row
+        is that far along); a prompt chunk then attends through an explicit mask."""
+        if int(rows.pos.max()) < window:
+            return rows
+        neg = torch.finfo(w.embed.dtype).min
+        if rows.mask is not None:
+            return replace(rows, mask=_window_mask(rows.mask, rows.pos, window, neg))
+        t = rows.ids.shape[0]
+        base = rows.causal_mask if rows.causal_mask is not None else prefill_mask(t, rows.start0, w.embed.dtype,
+                                                                                   rows.ids.device)
+        return replace(rows, attend="sdpa" if t >= SDPA_MIN_ROWS else "masked",
+                       causal_mask=_window_mask(base, rows.pos, window, neg))
 
     def rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                 layer: LayerWeights, rows: Rows, w: DecoderWeights) -> torch.Tensor:
@@ -249,8 +401,29 @@ class TorchOps:
         return x + lin(y)
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        inter = gu.shape[-1] // 2
-        return F.silu(gu[:, :inter]) * gu[:, inter:]
+        return act_mul(gu, "silu")
+
+    def act_mul(self, gu: torch.Tensor, act: str) -> torch.Tensor:
+        return act_mul(gu, act)
+
+    def moe(self, h: torch.Tensor, moe: MoEWeights, act: str) -> torch.Tensor:
+        """Routed experts; while a CUDA graph is being captured, every expert over every row (graph-safe)."""
+        dense = h.is_cuda and torch.cuda.is_current_stream_capturing()
+        return moe_forward(h, moe, self.linear, act, dense=dense)
+
+    def windowed(self, rows: Rows, window: int, w: DecoderWeights) -> Rows:
+        """``rows`` with each row's keys ``window`` or more positions behind hidden. On CUDA always (no host read
+        of the positions, so a CUDA graph can capture it); elsewhere ``rows`` itself when no row is that far
+        along. A prompt chunk then attends through an explicit mask."""
+        if not rows.ids.is_cuda and int(rows.pos.max()) < window:
+            return rows
+        neg = torch.finfo(w.embed.dtype).min
+        if rows.mask is not None:
+            return replace(rows, mask=_window_mask(rows.mask, rows.pos, window, neg))
+        n, span = rows.write.shape[1], rows.span
+        base = rows.causal_mask if rows.causal_mask is not None else \
+            prefill_mask(n, rows.start0, w.embed.dtype, rows.ids.device).view(1, 1, n, span)
+        return replace(rows, attend="masked", causal_mask=_window_mask(base, rows.pos, window, neg))
 
     def rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                 layer: LayerWeights, rows: Rows, w: DecoderWeights) -> torch.Tensor:

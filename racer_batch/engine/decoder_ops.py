@@ -98,15 +98,83 @@ class FastLinear:
 
 
 @dataclass
+class MoEWeights:
+    """A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router ``[E, H]`` picks ``top_k`` experts per row
+    from the softmax of its logits (renormalised over the picked ones where ``normalise``); each expert is a gated
+    MLP ``down(act(gate) * up)`` with gate/up fused, its output scaled by the row's weight for it."""
+
+    router: torch.Tensor  # [E, H]
+    gate_up: list[FastLinear]  # per expert: [T, H] -> [T, 2 * moe_intermediate]
+    down: list[FastLinear]  # per expert: [T, moe_intermediate] -> [T, H]
+    top_k: int
+    normalise: bool
+
+    def linears(self) -> list[FastLinear]:
+        return [*self.gate_up, *self.down]
+
+
+@dataclass
 class LayerWeights:
+    """One decoder layer. Llama family: ``x += o(attn(rope(qkv(norm_in(x)))))``, ``x += down(act(gate) * up)``
+    of ``norm_post(x)``. Gemma 2/3 add ``post_attn_norm`` / ``post_ffn_norm`` on each branch's output before its
+    residual add (``ln_post`` is then Gemma's ``pre_feedforward_layernorm``). A MoE layer has ``moe`` in place of
+    ``gate_up`` / ``down``. Norm weights are as the decoder multiplies them (Gemma's ``1 + w`` precomputed in
+    float32)."""
+
     qkv: FastLinear  # [T, H] -> [T, (heads + 2 kv_heads) * head_dim]
     o: FastLinear
-    gate_up: FastLinear  # [T, H] -> [T, 2 * intermediate]
-    down: FastLinear
+    gate_up: Optional[FastLinear]  # [T, H] -> [T, 2 * intermediate]; None on a MoE layer
+    down: Optional[FastLinear]
     ln_in: torch.Tensor  # [H]
     ln_post: torch.Tensor  # [H]
-    q_norm: Optional[torch.Tensor]  # [head_dim] (Qwen3) or None
+    q_norm: Optional[torch.Tensor]  # [head_dim] (Qwen3, Gemma 3) or None
     k_norm: Optional[torch.Tensor]
+    post_attn_norm: Optional[torch.Tensor] = None  # [H] (Gemma)
+    post_ffn_norm: Optional[torch.Tensor] = None  # [H] (Gemma)
+    moe: Optional[MoEWeights] = None
+    window: Optional[int] = None  # a sliding-window layer: a query at position q sees keys at positions > q - window
+    rope: int = 0  # which of the decoder's rotary tables (Gemma 3: one per layer kind)
+
+    def linears(self) -> list[FastLinear]:
+        dense = [lin for lin in (self.gate_up, self.down) if lin is not None]
+        return [self.qkv, self.o, *dense, *(self.moe.linears() if self.moe is not None else [])]
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def act_mul(gu: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` of a fused ``gu [T, 2I]`` (gate first), on torch ops: SiLU (Llama family) or the tanh
+    GELU (Gemma's ``gelu_pytorch_tanh``)."""
+    inter = gu.shape[-1] // 2
+    gate = gu[:, :inter]
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * gu[:, inter:]
+
+
+def moe_forward(h: torch.Tensor, moe: MoEWeights, linear, act: str, *, dense: bool = False) -> torch.Tensor:
+    """The MoE MLP's output ``[T, H]`` of ``h [T, H]`` (without the residual), as transformers' Qwen3-MoE and
+    Mixtral blocks compute it: router logits, softmax in float32, top-k (renormalised where ``moe.normalise``),
+    then each picked expert over its rows, scaled by the row's weight and added in ascending expert order.
+
+    ``linear(x, FastLinear)`` runs the matmuls (our kernels or torch). ``dense``: every expert over every row with
+    the weight 0 where it was not picked (no data-dependent shapes, so a CUDA graph can capture it; the added
+    zeros leave each sum exact); otherwise only the picked rows per expert (one host read of the picked ids)."""
+    logits = F.linear(h, moe.router)  # [T, E]
+    top_v, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), moe.top_k, dim=-1)  # [T, k]
+    if moe.normalise:
+        top_v = top_v / top_v.sum(dim=-1, keepdim=True)
+    top_v = top_v.to(h.dtype)
+    out = torch.zeros_like(h)
+    if dense:
+        for e in range(len(moe.gate_up)):
+            weight = (top_v * (top_i == e)).sum(dim=-1, keepdim=True)  # [T, 1]: the one picked weight, or 0
+            out += linear(act_mul(linear(h, moe.gate_up[e]), act), moe.down[e]) * weight
+        return out
+    for e in torch.unique(top_i).tolist():  # ascending
+        rows, slot = torch.where(top_i == e)
+        y = linear(act_mul(linear(h.index_select(0, rows), moe.gate_up[e]), act), moe.down[e])
+        out.index_add_(0, rows, y * top_v[rows, slot].unsqueeze(1))
+    return out
 
 
 @torch.no_grad()
@@ -155,11 +223,14 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the Llama family computes it: in float32, scaled by ``weight`` in the input dtype."""
+    """RMSNorm as the Llama family computes it: in float32, scaled by ``weight`` in the input dtype. A float32
+    ``weight`` over a reduced-precision ``x`` is Gemma's order instead (scaled in float32, then cast)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel, same arithmetic
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 

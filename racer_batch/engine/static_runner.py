@@ -56,34 +56,67 @@ STREAM_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded stream coun
 def describe_unsupported(model: Any) -> Optional[str]:
     """Why the lean decoder cannot run ``model`` exactly, or None when it can.
 
-    Checks the module structure (a Llama-style decoder: ``model.layers[i].self_attn.{q,k,v,o}_proj``,
-    ``mlp.{gate,up,down}_proj``, RMSNorms, SiLU), the rope type and the sliding window.
+    Checks the family (``models.STATIC_ARCHITECTURES``), the module structure (a Llama-style decoder:
+    ``model.layers[i].self_attn.{q,k,v,o}_proj`` or Phi-3's ``qkv_proj``; ``mlp.{gate,up,down}_proj``, Phi-3's
+    ``gate_up_proj`` or a routed ``mlp.experts``; RMSNorms), the activation (SiLU, or Gemma's tanh GELU), the rope
+    type and partial rotation, and what no layer of the decoder computes (logit soft-capping, bidirectional
+    attention).
     """
     cfg = model.config
     if getattr(cfg, "model_type", None) not in STATIC_ARCHITECTURES:
         return f"architecture {getattr(cfg, 'model_type', None)!r} has no static decoder"
-    act = getattr(cfg, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        return f"hidden_act {act!r} is not SiLU"
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh"):
+        return f"activation {act!r} is neither SiLU nor the tanh GELU"
+    why = _rope_unsupported(cfg)
+    if why:
+        return why
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None):
+            return f"{name} is set (the eager runner applies it)"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    return _layout_unsupported(model)
+
+
+def _rope_unsupported(cfg: Any) -> Optional[str]:
+    """The rope settings the decoder's precomputed tables cannot hold (Gemma 3: one dict per layer kind)."""
     rope = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        return f"rope type {rope_type!r} depends on the sequence length"
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True) and int(window) < int(cfg.max_position_embeddings):
-        return f"sliding-window attention ({window} < context {cfg.max_position_embeddings})"
+    if not isinstance(rope, dict):
+        return None
+    nested = [v for v in rope.values() if isinstance(v, dict)]
+    for params in nested or [rope]:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            return f"rope type {rope_type!r} depends on the sequence length"
+        factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        if factor not in (None, 1, 1.0):
+            return f"partial rotary embedding (partial_rotary_factor {factor})"
+    return None
+
+
+def _layer_needs(layer: Any) -> list[str]:
+    """The attribute paths ``DecoderWeights.of`` reads from one decoder layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = ["qkv_proj"] if hasattr(attn, "qkv_proj") else ["q_proj", "k_proj", "v_proj"]
+    need = [f"self_attn.{n}.weight" for n in [*qkv, "o_proj"]]
+    if hasattr(mlp, "experts"):
+        need += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight", "mlp.gate.top_k"]
+    else:
+        gate_up = ["gate_up_proj"] if hasattr(mlp, "gate_up_proj") else ["gate_proj", "up_proj"]
+        need += [f"mlp.{n}.weight" for n in [*gate_up, "down_proj"]]
+    return need + ["input_layernorm.weight", "post_attention_layernorm.weight"]
+
+
+def _layout_unsupported(model: Any) -> Optional[str]:
     try:
         dec = model.get_decoder()
-        layer = dec.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(attn, name).weight
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(mlp, name).weight
-        layer.input_layernorm.weight, layer.post_attention_layernorm.weight, dec.norm.weight
-        dec.rotary_emb
+        for obj, path in [(layer, p) for layer in dec.layers for p in _layer_needs(layer)] + [
+                (dec, "norm.weight"), (dec, "rotary_emb")]:
+            for part in path.split("."):
+                obj = getattr(obj, part)
     except AttributeError as exc:
-        return f"module layout differs from the Llama family ({exc})"
+        return f"module layout differs from the families the decoder covers ({exc})"
     return None
 
 
@@ -336,6 +369,10 @@ class StaticRunner:
         if len(sizes) == 0 or int(sizes.min()) < 1:
             raise ValueError(f"verify_flat: every stream needs at least one row (rows per stream {sizes.tolist()})")
         t_max = int(sizes.max())
+        windows = self.weights.windows
+        if windows and t_max > windows[0]:
+            raise ValueError(f"verify_flat: a tree of {t_max} rows is longer than the sliding window "
+                             f"({windows[0]} positions); lower decoding.capacity")
         if t_max > self.buckets[-1]:
             self.add_bucket(t_max)
         if self._ops is not None:

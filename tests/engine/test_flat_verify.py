@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_static_runner import ATOL, RTOL, bundle_of, make_model, oracle, rand_tokens
 
 from racer_batch.drafters.base import Draft
 from racer_batch.engine.decoder import fill_tree_mask, tree_mask_filler
@@ -18,7 +19,6 @@ from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.runner import ModelRunner
 from racer_batch.engine.static_runner import StaticRunner
 from racer_batch.engine.tree import FlatTrees, flatten_tree
-from test_static_runner import ATOL, RTOL, bundle_of, make_model, oracle, rand_tokens
 
 needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="our CPU kernels did not build here")
 NEG = float(torch.finfo(torch.float32).min)
@@ -115,7 +115,8 @@ def _runners(bundle):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama_mqa"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "llama_mqa", "phi3_window", "gemma3_text", "qwen3_moe",
+                                    "mixtral"])
 def test_verify_flat_matches_the_hf_forward_on_every_runner(family):
     """B streams of different committed lengths and tree sizes (one of them a lone root) in one call: every
     node of every stream equals the transformers forward over that stream's sequence, on our kernels, on torch
@@ -319,7 +320,7 @@ def test_keep_rows_batch_then_verify_stays_lossless():
     """After one call keeps every stream's path, the next flat verify of each stream equals the oracle over
     its committed tokens."""
     model = make_model("qwen2", seed=10)
-    for name, runner in _runners(bundle_of(model)).items():
+    for runner in _runners(bundle_of(model)).values():
         gen = torch.Generator().manual_seed(10)
         trees, caches, prompts = _streams(runner, gen, [7, 2, 15], [6, 4, 8])
         runner.verify_flat(FlatTrees.of(list(zip(trees, caches))))
@@ -347,16 +348,18 @@ class _CallAgain:
         self.out.copy_(self.fn())
 
 
-def test_graph_path_buckets_and_static_buffers_stay_lossless(monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_moe"])
+def test_graph_path_buckets_and_static_buffers_stay_lossless(family, monkeypatch):
     """The ``padded-graph`` path (CUDA with ``compile``) with the recording replaced by a plain call: streams
     in slots ``[0, B_pad)`` with bucketed ``B_pad`` / ``N_pad``, inputs copied into static buffers, attention
     over each whole slot (stale values past the prefix masked), one graph per ``(B_pad, N_pad)`` replayed with
     new inputs, an idle live slot's rows kept, and the graphs dropped when the cache grows."""
-    from racer_batch.engine.graphs import CudaGraphs
     from test_static_runner import _poison_beyond
 
+    from racer_batch.engine.graphs import CudaGraphs
+
     monkeypatch.setattr(CudaGraphs, "_record", lambda self, fn: (lambda g: (g, g.out))(_CallAgain(fn)))
-    model = make_model("qwen3", seed=12)
+    model = make_model(family, seed=12)
     runner = StaticRunner(bundle_of(model), matmul="torch", slots=3, buckets=(1, 2, 4, 8), max_len=96)
     runner.graphs = CudaGraphs(runner.device, runner.dtype)
     runner.warmup([4])  # every stream count the 3 slots allow, tree buckets 1, 2, 4

@@ -13,15 +13,25 @@ import logging
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
 from helpers import CharTokenizer, tiny_bundle
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
 from racer_batch.engine import static_runner as sr
+from racer_batch.engine.decoder_ops import FastLinear, default_matmul_path
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.runner import ModelRunner, make_runner
-from racer_batch.engine.decoder_ops import FastLinear, default_matmul_path
 from racer_batch.engine.static_runner import SlotCache, StaticRunner, describe_unsupported, pick_bucket
 from racer_batch.engine.tree import flatten_tree
 from racer_batch.models import ModelBundle
@@ -47,6 +57,19 @@ FAMILIES = {
     "tied": (LlamaConfig, {"tie_word_embeddings": True}),
     "llama_mqa": (LlamaConfig, {"num_key_value_heads": 1}),  # one KV head shared by all query heads
     "llama_mha": (LlamaConfig, {"num_key_value_heads": 4}),  # no grouping
+    # a window of 16 positions: the 33-token prompts and the trees after them reach past it
+    "mistral_window": (MistralConfig, {"sliding_window": 16}),
+    "phi3": (Phi3Config, {"pad_token_id": None}),  # its own fused qkv_proj and gate_up_proj
+    "phi3_window": (Phi3Config, {"sliding_window": 16}),
+    # scaled embeddings, (1 + w) norms, four norms per layer, tanh GELU, query_pre_attn_scalar, q/k norms, sliding
+    # and full layers with their own rotary tables (local theta 10,000, global 1,000,000)
+    "gemma3_text": (Gemma3TextConfig, {"head_dim": 16, "sliding_window": 16, "query_pre_attn_scalar": 24,
+                                       "layer_types": ["sliding_attention", "full_attention"]}),
+    "qwen3_moe": (Qwen3MoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "norm_topk_prob": True, "head_dim": 16}),
+    "qwen3_moe_dense": (Qwen3MoeConfig, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "norm_topk_prob": False, "mlp_only_layers": [0]}),  # a dense layer first
+    "mixtral": (MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -541,13 +564,17 @@ def test_releasing_a_slot_twice_does_not_hand_it_to_two_rows():
 
 
 def _unsupported_cases():
+    phi3_long = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     return {
-        "sliding window": (make_model("mistral", sliding_window=16), "sliding-window"),
-        "gelu": (make_model("llama", hidden_act="gelu"), "hidden_act"),
-        "qwen2 sliding": (make_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0),
-                          "sliding-window"),
+        "gelu": (make_model("llama", hidden_act="gelu"), "activation"),
         "dynamic rope": (make_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                               "factor": 2.0}), "rope type"),
+        "phi3 longrope": (make_model("phi3", rope_parameters=phi3_long), "rope type"),
+        "partial rotary": (make_model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                               "partial_rotary_factor": 0.5}), "partial rotary"),
+        "gemma3 soft-capping": (make_model("gemma3_text", final_logit_softcapping=30.0), "softcapping"),
+        "gemma3 bidirectional": (make_model("gemma3_text", use_bidirectional_attention=True), "bidirectional"),
     }
 
 
@@ -565,9 +592,10 @@ def test_unsupported_models_fall_back_to_eager_and_static_refuses():
 
 
 def test_make_runner_kinds():
-    # sliding_window >= the context is full attention: supported
+    # sliding_window >= the context is full attention; a shorter window is the layers' mask (supported)
     for model in (make_model("llama"), make_model("mistral", sliding_window=4096, max_position_embeddings=512),
-                  make_model("qwen2", use_sliding_window=False, sliding_window=16)):
+                  make_model("qwen2", use_sliding_window=False, sliding_window=16),
+                  make_model("mistral", sliding_window=16), make_model("gemma3_text")):
         bundle = bundle_of(model)
         assert describe_unsupported(model) is None
         auto = make_runner(bundle, kind="auto")
@@ -700,3 +728,69 @@ def test_auto_capacity_on_a_short_context_model_on_the_static_runner():
     ref = generate_reference(bundle, prompt, GenerationParams(max_new_tokens=100))
     assert out.finish_reason == "context" and out.token_ids == ref.token_ids
     assert engine.runner.max_len <= ctx + engine.runner.buckets[-1]
+
+
+# ---------------------------------------------------------------- 7. the families' own pieces
+
+
+def test_sliding_window_layers_see_only_their_window():
+    """On Gemma 3 and Mistral with a window of 16, a row 40 positions in is unchanged by a change to a token more
+    than 16 positions behind it only where every layer is sliding (Mistral); Gemma 3's full layers still see it.
+    And a tree longer than the window is refused (its own rows could fall out of the window)."""
+    for family, changes in (("mistral_window", False), ("gemma3_text", True)):
+        model = make_model(family, seed=2)
+        runner = StaticRunner(bundle_of(model), buckets=BUCKETS)
+        prompt = rand_tokens(torch.Generator().manual_seed(2), 40)
+        a, _ = runner.prefill(prompt, cache=runner.new_cache(48), topk=0)
+        other = list(prompt)
+        other[3] = 3 if other[3] != 3 else 4  # 36 positions behind the last row: outside a window of 16
+        b, _ = runner.prefill(other, cache=runner.new_cache(48), topk=0)
+        assert (not torch.equal(a, b)) == changes, family
+        torch.testing.assert_close(b, oracle(model, other)[-1], atol=ATOL, rtol=RTOL)
+    runner = StaticRunner(bundle_of(make_model("mistral_window")), buckets=(1, 2, 4, 8, 16, 32))
+    cache = runner.new_cache(80)
+    runner.prefill(rand_tokens(torch.Generator().manual_seed(3), 20), cache=cache, topk=0)
+    chain = Draft(list(range(3, 20)), [-1] + list(range(16)), [0] * 17)
+    with pytest.raises(ValueError, match="sliding window"):
+        runner.verify_tree(flatten_tree(chain, committed_len=20, device=runner.device, dtype=runner.dtype),
+                           cache=cache)
+
+
+def test_moe_experts_dense_and_routed_give_the_same_sums():
+    """``moe_forward``'s graph-safe dense form (every expert over every row, weight 0 where not picked) equals the
+    routed form (each expert over its picked rows) it stands in for under a CUDA graph, and both equal the
+    transformers block; the router really picks different experts for different rows."""
+    from racer_batch.engine.decoder_ops import moe_forward
+
+    for family in ("qwen3_moe", "mixtral"):
+        model = make_model(family, seed=9)
+        runner = StaticRunner(bundle_of(model), matmul="torch")
+        block = model.model.layers[1].mlp
+        moe = runner.weights.layers[1].moe
+        h = torch.randn(12, 64, generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            want = block(h.view(1, 12, 64))[0]
+            routed = moe_forward(h, moe, runner.ops.linear, "silu")
+            dense = moe_forward(h, moe, runner.ops.linear, "silu", dense=True)
+            picked = torch.topk(torch.nn.functional.linear(h, moe.router), moe.top_k, dim=-1).indices
+        assert len(set(map(tuple, picked.sort(dim=-1).values.tolist()))) > 1, family
+        torch.testing.assert_close(routed, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(dense, routed, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe", "phi3"])
+def test_engine_greedy_equals_reference_on_the_new_families(family):
+    """RACER greedy through the whole engine on the static runner (our kernels where they build) equals the
+    transformers reference on Gemma 3, Qwen3-MoE and Phi-3 tiny models, past Gemma's window."""
+    model = make_model(family, seed=11)
+    bundle = bundle_of(model)
+    params = GenerationParams(max_new_tokens=40)
+    eng = Engine(bundle, DecodingConfig(method="racer", capacity=8, runner="static"))
+    assert eng.runner.kind == "static"
+    drafted = 0
+    for prompt in PROMPTS:
+        want = generate_reference(bundle, prompt, params).token_ids
+        got = eng.generate(prompt, params)
+        assert got.token_ids == want, (family, prompt)
+        drafted += got.stats.emitted_tokens - got.stats.steps
+    assert drafted > 0  # drafts were accepted, not only roots

