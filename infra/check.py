@@ -147,7 +147,8 @@ def pod_templates(doc: dict) -> list[tuple[str, dict]]:
 def check_k8s_schemas() -> Result:
     validate = _k8s_validator()
     if validate is None:
-        return Result("Kubernetes schemas", "skipped", "kubernetes-validate not installed (pip install kubernetes-validate)")
+        return Result("Kubernetes schemas", "skipped",
+                      "kubernetes-validate not installed (pip install kubernetes-validate)")
     docs = []
     for p in sorted((INFRA / "k8s").glob("*.yaml")):
         for doc in load_docs(p):

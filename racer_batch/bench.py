@@ -3,7 +3,7 @@
 Runs HF ``generate`` greedy (the baseline), HF prompt lookup (``prompt_lookup_num_tokens``) and the
 engine's methods in one process on the same prompts, interleaved prompt by prompt so that machine drift
 hits every method alike. Speedup = (baseline total ms / total tokens) / (method total ms / total tokens),
-token-weighted, prefill included (RACER.md section 1). Writes ``bench-<stamp>.json`` and ``.md``; the Markdown
+token-weighted, prefill included (docs/method.md section 1). Writes ``bench-<stamp>.json`` and ``.md``; the Markdown
 ends with one table of our MAT and speedup per prompt set beside the RACER paper's published figures for the
 same method (racer_batch/published.py).
 
@@ -401,7 +401,7 @@ DEFINITIONS = [
     "mat: output tokens per target forward (prefill included; HF rows: hf_greedy is 1 by definition, hf_pld "
     "is not counted).",
     "ms_per_token: wall time (prefill + decode) per output token; speedup_vs_hf_greedy: HF greedy's ms_per_token "
-    "over the row's (token-weighted, RACER.md section 1).",
+    "over the row's (token-weighted, docs/method.md section 1).",
     "exact_match_vs_hf_greedy: turns whose tokens equal HF greedy's; every lossless method must show all of them.",
     "answer_accuracy: correct / scored turns, over turns whose reference is a number or a short answer "
     "(racer_batch/capability.py; MGSM-ZH answers and Spec-Bench math_reasoning / short references).",
@@ -433,7 +433,8 @@ def _md_settings(summary: dict) -> list[str]:
         if not diff and label == cfg.method:
             continue
         settings = ", ".join(f"{k}={v}" for k, v in sorted(diff.items())) or "the defaults"
-        mark = " (**relaxed acceptance: outputs may differ from greedy by design**)" if cfg.acceptance != "lossless" else ""
+        mark = (" (**relaxed acceptance: outputs may differ from greedy by design**)"
+                if cfg.acceptance != "lossless" else "")
         out.append(f"- `{label}`: {cfg.method} with {settings}{mark}")
     return ["Variants (settings other than the bench defaults):", "", *out, ""] if out else []
 
@@ -468,8 +469,8 @@ def _md_published(summary: dict) -> list[str]:
             f"{summary['config'].get('device')}, speedup against HF `generate` greedy, over "
             + ", ".join(f"{turns[s]} turns of {SET_TITLES[s]}" for s in sets)
             + f" at {summary['config'].get('max_new_tokens')} new tokens (the paper: full sets, 1024): few "
-            "prompts give noisy figures. Compare MAT first: speedup depends on the hardware (RACER.md section 8). "
-            "A dash: no published figure for that method.", "",
+            "prompts give noisy figures. Compare MAT first: speedup depends on the hardware "
+            "(docs/method.md section 8). A dash: no published figure for that method.", "",
             "| " + " | ".join(head) + " |", "|---" * len(head) + "|", *body, ""]
 
 

@@ -86,7 +86,8 @@ def load_set(name: str, root: Path | None = None) -> list[BenchPrompt]:
     if name == "human_eval":
         with gzip.open(root / "human_eval" / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as fh:
             return [
-                BenchPrompt("human_eval", "human_eval", r["task_id"], ("Implement the following code.\n" + r["prompt"],))
+                BenchPrompt("human_eval", "human_eval", r["task_id"],
+                            ("Implement the following code.\n" + r["prompt"],))
                 for r in map(json.loads, fh)
             ]
     if name == "mgsm_zh":

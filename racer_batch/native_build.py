@@ -56,7 +56,8 @@ def compile_library(src: Path, out: Path, flags: Sequence[str], link: Sequence[s
     try:
         proc = subprocess.run([cxx, *flags, *includes, str(src), "-o", tmp, *link], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"building {src.name} with {cxx} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"building {src.name} with {cxx} failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-4000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

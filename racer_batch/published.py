@@ -1,7 +1,7 @@
 """Published figures to print beside our benchmark numbers (facts, cited; no text copied).
 
 Source: the RACER paper's comparison (Zhang et al., ACL 2026 Findings, arXiv 2604.14885) as summarised in
-``../shared/docs/RACER.md`` section 6: target Vicuna-7B on a GPU, greedy, MAT = accepted drafts + 1 per
+``docs/method.md`` section 6: target Vicuna-7B on a GPU, greedy, MAT = accepted drafts + 1 per
 target forward, speedup = wall-time ratio against the paper's own autoregressive baseline. Only figures
 stated there are listed; a method without a row has no published figure (LogitSpec, REST, SAM-Decoding and
 Graft are not in that table). benchmarks/PUBLISHED.md lists the same figures with the other published rows
@@ -10,7 +10,7 @@ Graft are not in that table). benchmarks/PUBLISHED.md lists the same figures wit
 
 from __future__ import annotations
 
-SOURCE = "RACER paper (arXiv 2604.14885), Vicuna-7B on a GPU, via shared/docs/RACER.md section 6"
+SOURCE = "RACER paper (arXiv 2604.14885), Vicuna-7B on a GPU, via docs/method.md section 6"
 
 # set -> paper row -> (MAT, speedup)
 PUBLISHED: dict[str, dict[str, tuple[float, float]]] = {

@@ -3,7 +3,7 @@
 Glossary (docs/architecture.md): the *target model* verifies a *draft tree* whose *root* is the last
 committed token; each step appends the accepted draft tokens plus one *bonus token*. MAT (mean accepted
 tokens) = emitted tokens / steps, where the prefill forward counts as one step that emits one token, so
-plain autoregressive decoding has MAT = 1.0 exactly (RACER.md section 1).
+plain autoregressive decoding has MAT = 1.0 exactly (docs/method.md section 1).
 """
 
 from __future__ import annotations
@@ -25,12 +25,23 @@ if TYPE_CHECKING:
     METHODS: tuple[str, ...]  # the registered decoding methods, read through __getattr__ below
 
 
-def _registry() -> Any:
-    """racer_batch/drafters/registry.py, imported when first asked: the drafters import this module, so it
-    cannot import them at its own import."""
-    from .drafters import registry
+# The registry of decoding methods (racer_batch/drafters/registry.py) installs itself here when it is imported:
+# the drafters import this module, so this module imports nothing of theirs (no import cycle). The package's
+# __init__ imports the registry before anything can build a DecodingConfig.
+_methods_registry: Any = None
 
-    return registry
+
+def install_registry(registry: Any) -> None:
+    """Make ``registry`` (a module or object with ``method_names()`` and ``get_method(name)``) the one
+    ``DecodingConfig`` validates ``method`` against; drafters/registry.py calls it with itself at import."""
+    global _methods_registry
+    _methods_registry = registry
+
+
+def _registry() -> Any:
+    if _methods_registry is None:  # racer_batch/__init__.py imports the registry first; this is a guard
+        raise RuntimeError("no decoding-method registry is installed (import racer_batch.drafters.registry)")
+    return _methods_registry
 
 
 def __getattr__(name: str) -> Any:
@@ -89,7 +100,7 @@ class GenerationParams(BaseModel):
 
 
 class DecodingConfig(BaseModel):
-    """How drafts are made and verified (RACER.md section 5 defaults)."""
+    """How drafts are made and verified (docs/method.md section 5 defaults)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -235,7 +246,7 @@ class StepRecord:
 
 @dataclass
 class RowStats:
-    """Per-row decoding statistics. Counters count emitted tokens only (RACER.md 9.12)."""
+    """Per-row decoding statistics. Counters count emitted tokens only (docs/method.md 9.12)."""
 
     steps: int = 0
     emitted_tokens: int = 0

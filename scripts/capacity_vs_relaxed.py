@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does tuning the draft capacity give most of the gain that relaxed acceptance promises? (issue 8, part 6)
 
-The survey of relaxed acceptance (Xia, Ribar and Balanca, 2026; RACER.md section 6) finds that tuning the
+The survey of relaxed acceptance (Xia, Ribar and Balanca, 2026; docs/method.md section 6) finds that tuning the
 capacity first gives most of the speed gain that relaxing acceptance promises. This script puts that to the
 test on our data: RACER at the paper's default capacity (64, the untuned setting), lossless at a sweep of
 capacities, and relaxed (top-k and probability-threshold acceptance) at the default and at a tuned capacity,
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_CAPACITY = 64  # the paper's (RACER.md section 5)
+DEFAULT_CAPACITY = 64  # the paper's (docs/method.md section 5)
 
 
 def variants(sweep: list[int], tuned: int, topk: int, threshold: float) -> list[str]:

@@ -1,4 +1,4 @@
-"""GPU cost model for RACER (RACER.md section 8): t(T)/t(1) per verify runner, the engine's per-step CPU
+"""GPU cost model for RACER (docs/method.md section 8): t(T)/t(1) per verify runner, the engine's per-step CPU
 overhead, and the speedup projected from the MAT measured on CPU with the real model; then the batched
 engine at GPU batch sizes: the B x N verify grid and host µs per stream-step beside device ms per forward.
 
@@ -86,8 +86,7 @@ from racer_batch.engine.batch import BatchStats, StreamBatch  # noqa: E402
 from racer_batch.engine.numerics import compare_greedy  # noqa: E402
 from racer_batch.engine.reference import generate_reference  # noqa: E402
 from racer_batch.engine.runner import ModelRunner  # noqa: E402
-from racer_batch.engine.static_runner import (  # noqa: E402
-    DEFAULT_BUCKETS, StaticRunner, describe_unsupported, pick_bucket)
+from racer_batch.engine.static_runner import DEFAULT_BUCKETS, StaticRunner, describe_unsupported, pick_bucket  # noqa: E402
 from racer_batch.engine.step import HOST_PARTS  # noqa: E402
 from racer_batch.engine.tree import FlatTrees, flatten_tree  # noqa: E402
 from racer_batch.models import ModelBundle  # noqa: E402
@@ -530,7 +529,8 @@ def engine_run(bundle: ModelBundle, spec: dict[str, str], *, method: str, capaci
     then every prompt through a ``StreamBatch``."""
     device = str(bundle.device)
     kw = dict(runner=spec["runner"], compile=spec["compile"])
-    cfg = DecodingConfig(method="ar", **kw) if method == "ar" else DecodingConfig(method=method, capacity=capacity, **kw)
+    cfg = (DecodingConfig(method="ar", **kw) if method == "ar"
+           else DecodingConfig(method=method, capacity=capacity, **kw))
     engine = Engine(bundle, cfg, streams=streams)
     try:
         sync_prefill(engine.runner, device)
@@ -556,7 +556,7 @@ def engine_batches(bundle: ModelBundle, spec: dict[str, str], *, runner_name: st
         for label, method, cap in engine_methods(capacities):
             try:
                 row = engine_run(bundle, spec, method=method, capacity=cap, streams=b, prompts=prompts, tokens=tokens)
-            except Exception as exc:  # noqa: BLE001 - recorded, the other configurations go on
+            except Exception as exc:
                 log.exception("engine batch B=%d %s failed", b, label)
                 errors[f"engine batch B={b} {label}"] = f"{type(exc).__name__}: {exc}"
                 continue
@@ -663,7 +663,8 @@ def md_engine_batch(d: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in eb["rows"]:
         lines.append(f"| {r['streams']} | {r['label']} | {r['steps']} | {r['streams_per_step']} | "
-                     f"{r['rows_per_forward']} | {r['mat']} | {r['tokens_per_s']} | **{r['host_us_per_stream_step']}** | "
+                     f"{r['rows_per_forward']} | {r['mat']} | {r['tokens_per_s']} | "
+                     f"**{r['host_us_per_stream_step']}** | "
                      f"{r['host_ms_per_step']} | **{r['device_ms_per_forward']}** | {r['prefill_ms_per_prefill']} | "
                      f"{r['host_share']} |")
     parts = eb["parts"]
@@ -801,7 +802,7 @@ def cost_curves(bundle: ModelBundle, s: Settings, errors: dict[str, str]) -> Cur
         try:
             runner = build_runner(bundle, spec, buckets=buckets, max_len=cv.max_len)
             secs, per_bucket = warm_runner(runner, s.caps, s.device)
-        except Exception as exc:  # noqa: BLE001 - recorded, the other runners go on
+        except Exception as exc:
             log.exception("runner %s failed to build or warm up; dropped", name)
             errors[name] = f"build/warm-up: {type(exc).__name__}: {exc}"
             continue
@@ -834,7 +835,7 @@ def batched_verify(bundle: ModelBundle, s: Settings, cv: Curves, errors: dict[st
             warm_runner(runner, s.batch_nodes, s.device)
             rows = measure_batch(runner, bundle=bundle, streams=s.batch_streams, nodes=s.batch_nodes,
                                  context_tokens=s.context, repeats=s.repeats)
-        except Exception as exc:  # noqa: BLE001 - recorded, the other parts go on
+        except Exception as exc:
             log.exception("batched verify on runner %s failed", name)
             errors[f"{name} batch verify"] = f"{type(exc).__name__}: {exc}"
             continue
@@ -863,7 +864,7 @@ def overheads(bundle: ModelBundle, s: Settings, cv: Curves, prompt: list[int],
                                     spec=cv.specs[name], **run)
             o_racer, racer_res = step_overhead(bundle, cv.curves[name], method="racer", capacity=s.racer_cap,
                                                runner_name=name, spec=cv.specs[name], **run)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("decoding on runner %s failed", name)
             errors[f"{name} decode"] = f"{type(exc).__name__}: {exc}"
             release_memory(s.device)
@@ -879,7 +880,7 @@ def overheads(bundle: ModelBundle, s: Settings, cv: Curves, prompt: list[int],
         try:
             o, _ = step_overhead(bundle, cv.curves[name], method="ar", capacity=1, runner_name=name,
                                  spec=cv.specs[name], **run)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("ar on runner %s failed", name)
             errors[f"{name} decode"] = f"{type(exc).__name__}: {exc}"
             release_memory(s.device)

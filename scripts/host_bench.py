@@ -38,8 +38,8 @@ Parts and how they are measured:
 - ``scores``: the argmax / top-k over a decode step's logits (outside the runner's forward in both engines;
   on a GPU it is device work over logits that stay there). The summary shows the host time with it (``host
   µs/ss``) and without it (``host ex-scores``).
-- ``other`` = host minus the named parts: the StreamBatch and generator plumbing, stream set-up and teardown (draft state, stop checker,
-  KV slot, the drafter's prompt indexing), the StepRecord and whatever else is not named.
+- ``other`` = host minus the named parts: the StreamBatch and generator plumbing, stream set-up and teardown (draft
+  state, stop checker, KV slot, the drafter's prompt indexing), the StepRecord and whatever else is not named.
 
 Wrapping costs time of its own. Each child calibrates a wrapper on a no-op called with keywords (median of 5 x
 20,000 calls): ``extra`` = what one wrapped call adds to the caller's wall time, ``inner`` = what a wrapper
@@ -574,8 +574,8 @@ def _side(derived: list[dict]) -> dict:
     if not derived:
         return {}
     names = part_names(derived)
-    keys = ("host_us", "host_ex_us", "host_share", "forward_ms_per_step", "streams_per_step", "tokens_per_s", "mat", "wrap_us",
-            "split_host_us", "plain_host_us")
+    keys = ("host_us", "host_ex_us", "host_share", "forward_ms_per_step", "streams_per_step", "tokens_per_s", "mat",
+            "wrap_us", "split_host_us", "plain_host_us")
     side = {k: _med([d.get(k) for d in derived]) for k in keys}
     side["parts_us"] = {p: _med([d["parts_us"].get(p) for d in derived]) for p in names}
     side["split"], side["headline"] = derived[-1]["split"], derived[-1]["headline"]
@@ -614,8 +614,8 @@ RATIO_KEYS = {"host_us": "host_ratio", "host_ex_us": "host_ex_ratio", "tokens_pe
 def summary_table(rows: list[dict], revs: list[str]) -> tuple[list[str], list[list[str]]]:
     """Column names and cell texts of the summary (one line per config)."""
     both = len(revs) == 2
-    per_rev = (("host µs/ss", "host_us", 1), ("host ex-scores µs/ss", "host_ex_us", 1), ("host share", "host_share", 3), ("fwd ms/step", "forward_ms_per_step", 2),
-               ("tokens/s", "tokens_per_s", 1), ("MAT", "mat", 2))
+    per_rev = (("host µs/ss", "host_us", 1), ("host ex-scores µs/ss", "host_ex_us", 1), ("host share", "host_share", 3),
+               ("fwd ms/step", "forward_ms_per_step", 2), ("tokens/s", "tokens_per_s", 1), ("MAT", "mat", 2))
     cols = ["model", "setting", "B"]
     for name, key, _ in per_rev:
         cols += [f"{r} {name}" for r in revs]
@@ -624,7 +624,7 @@ def summary_table(rows: list[dict], revs: list[str]) -> tuple[list[str], list[li
     cells = []
     for row in rows:
         line = [row["model"], row["setting"], str(row["streams"])]
-        for name, key, nd in per_rev:
+        for _name, key, nd in per_rev:
             line += [_f(row[r].get(key), nd) for r in revs]
             if both and key in RATIO_KEYS:
                 line.append(_f(row[RATIO_KEYS[key]], 3))

@@ -79,7 +79,8 @@ if verify:
         trees = [flatten_tree(Draft.chain(torch.randint(0, 49000, (t,), generator=g).tolist()),
                               committed_len=c.length, device="cpu", dtype=torch.float32) for c in caches]
         items = list(zip(trees, caches))
-        step = (lambda: runner.verify_tree(trees[0], cache=caches[0])) if b == 1 else (lambda: runner.verify_batch(items))
+        step = ((lambda: runner.verify_tree(trees[0], cache=caches[0])) if b == 1
+                else (lambda: runner.verify_batch(items)))
         out["verify_ms"][f"{b}x{ctx}x{t}"] = best(step)
         for c in caches:
             runner.release(c)
@@ -170,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.rounds < 1 or args.repeats < 1:
         p.error("--rounds and --repeats must be >= 1")
     stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{args.tag}" if args.tag else "")
-    from racer_batch.bench import cpu_name  # noqa: E402 - after argument errors
+    from racer_batch.bench import cpu_name
     with tempfile.TemporaryDirectory(prefix="kernel-ab-") as tmp:
         src = {"base": unpack(args.base, Path(tmp) / "base"), "head": unpack(args.head, Path(tmp) / "head")}
         rounds, isa = [], ""
@@ -184,8 +185,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             rounds.append(got)
     d = {"command": "python scripts/kernel_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
          "stamp": stamp, "machine": f"{cpu_name()} ({os.cpu_count()} cores), {platform.python_version()}",
-         "isa": isa, "base": describe(args.base), "head": describe(args.head), "rounds": args.rounds, "repeats": args.repeats,
-         "configs": configs, "rows": summarize(rounds, configs), "raw": rounds}
+         "isa": isa, "base": describe(args.base), "head": describe(args.head), "rounds": args.rounds,
+         "repeats": args.repeats, "configs": configs, "rows": summarize(rounds, configs), "raw": rounds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"kernel-ab-{stamp}.json").write_text(json.dumps(d, indent=1))

@@ -3,7 +3,7 @@
 A long benchmark can run as two processes at one torch thread each, one per prompt set (each process
 interleaves its own contenders item by item, so every ratio inside a file is measured in one run). This
 script adds them up: per method, tokens and wall milliseconds (tokens x ms_per_token) are summed over the
-files, so the pooled speedup is the token-weighted one (RACER.md section 1); MAT is pooled as tokens over
+files, so the pooled speedup is the token-weighted one (docs/method.md section 1); MAT is pooled as tokens over
 forwards (tokens / mat per file). The per-set and paper rows are copied from the files unchanged.
 
     python scripts/merge_bench.py /tmp/b512a/bench-*.json /tmp/b512b/bench-*.json --out benchmarks
@@ -59,7 +59,7 @@ def pool(files: list[dict], part: str = "overall") -> dict:
             "exact_match_vs_hf_greedy": f"{acc['exact'][0]}/{acc['exact'][1]}",
         }
     base = {m: rows[m]["ms_per_token"] for m in ("hf_greedy", "hf_pld", "ar") if m in rows}
-    for method, r in rows.items():
+    for r in rows.values():
         for b, ms in base.items():
             r[f"speedup_vs_{b}"] = _ratio(ms, r["ms_per_token"])
     return rows
@@ -68,11 +68,13 @@ def pool(files: list[dict], part: str = "overall") -> dict:
 def markdown(files: list[dict], names: list[str], rows: dict, stamp: str) -> str:
     cols = ["rows", "tokens", "mat", "ms_per_token", "speedup_vs_hf_greedy", "speedup_vs_hf_pld", "speedup_vs_ar",
             "exact_match_vs_hf_greedy"]
-    lines = [f"# Pooled benchmark {stamp}", "", "Pooled from (each file one interleaved run; commands inside them):", ""]
+    lines = [f"# Pooled benchmark {stamp}", "",
+             "Pooled from (each file one interleaved run; commands inside them):", ""]
     for n, f in zip(names, files):
         lines.append(f"- `{n}`: `{f.get('command', '?')}` ({f['config'].get('items_done', '?')} items)")
     cfg = files[0]["config"]
-    lines += ["", f"Settings: model={cfg['model']}, capacity={cfg['capacity']}, max_new_tokens={cfg['max_new_tokens']}, "
+    lines += ["", f"Settings: model={cfg['model']}, capacity={cfg['capacity']}, "
+              f"max_new_tokens={cfg['max_new_tokens']}, "
               f"dtype={cfg['dtype']}, torch_threads={cfg['torch_threads']}, processor={cfg.get('processor')}, "
               f"runners={cfg.get('runners')}", "", "## Overall (token-weighted over every file)", "",
               "| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
@@ -84,11 +86,13 @@ def markdown(files: list[dict], names: list[str], rows: dict, stamp: str) -> str
               "| set | method | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for set_name, rows_s in per_set.items():
         for method, r in rows_s.items():
-            lines.append(f"| {set_name} | {method} | " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
+            lines.append(f"| {set_name} | {method} | "
+                         + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
     paper = {(p["set"], p["label"]): p for f in files for p in f.get("published", [])}
-    lines += ["", "## Beside the paper (its figures as the bench files carry them: RACER.md; ours: this CPU, "
+    lines += ["", "## Beside the paper (its figures as the bench files carry them: docs/method.md; ours: this CPU, "
               "SmolLM2-135M, pooled)", "",
-              "| set | method | our MAT | paper MAT | our speedup vs HF greedy | paper speedup |", "|---|---|---|---|---|---|"]
+              "| set | method | our MAT | paper MAT | our speedup vs HF greedy | paper speedup |",
+              "|---|---|---|---|---|---|"]
     for (set_name, label), p in paper.items():
         r = per_set.get(set_name, {}).get(label, {})
         lines.append(f"| {set_name} | {label} | {r.get('mat') or ''} | {p.get('published_mat')} | "

@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from racer_batch.service.execution.local import ensure_redis, init_local_ray, run_until_done, shutdown_local_ray  # noqa: E402
-from racer_batch.service.results.output import read_output  # noqa: E402
 from racer_batch.service.execution.queue import JobQueue, resolve_url  # noqa: E402
 from racer_batch.service.job.spec import load_spec  # noqa: E402
-from racer_batch.service.job.submit import submit_job  # noqa: E402
+from racer_batch.service.results.output import read_output  # noqa: E402
+from racer_batch.service.submit import submit_job  # noqa: E402
 
 QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -116,7 +116,7 @@ def write_md(path: Path, result: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", type=Path, default=QUESTIONS)
-    ap.add_argument("--preset", default="racer-cpu", help="configs/<preset>.yaml (racer-cpu, racer-paper, ar, pld)")
+    ap.add_argument("--preset", default="racer-cpu", help="preset name (racer-cpu, racer-paper, ar, pld)")
     ap.add_argument("--tag", default=None, help="name of the result files (default: the preset)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model", default="smollm2-135m")

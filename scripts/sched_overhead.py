@@ -53,13 +53,13 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from racer_batch.service.execution.actors import RayExecutor, RedisSink, ThreadExecutor  # noqa: E402
 from racer_batch.service.execution.local import init_local_ray, shutdown_local_ray  # noqa: E402
-from racer_batch.service.results.output import read_output, write_part  # noqa: E402
 from racer_batch.service.execution.queue import JobQueue, connect  # noqa: E402
+from racer_batch.service.execution.worker import Worker  # noqa: E402
+from racer_batch.service.job.spec import load_spec  # noqa: E402
+from racer_batch.service.results.output import read_output, write_part  # noqa: E402
 from racer_batch.service.results.record import RowRecord  # noqa: E402
 from racer_batch.service.results.tally import Tally  # noqa: E402
-from racer_batch.service.job.spec import load_spec  # noqa: E402
-from racer_batch.service.job.submit import submit_job  # noqa: E402
-from racer_batch.service.execution.worker import Worker  # noqa: E402
+from racer_batch.service.submit import submit_job  # noqa: E402
 
 log = logging.getLogger("sched_overhead")
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -306,7 +306,8 @@ def write_streams_md(d: dict, path: Path, command: str) -> None:
     ]
     for r in d["results"]:
         if r["memory_mb"]:
-            mem = f"{sum(m['rss_mb'] for m in r['memory_mb']):.0f} RSS, {sum(m['uss_mb'] for m in r['memory_mb']):.0f} USS (all actors)"
+            mem = (f"{sum(m['rss_mb'] for m in r['memory_mb']):.0f} RSS, "
+                   f"{sum(m['uss_mb'] for m in r['memory_mb']):.0f} USS (all actors)")
         else:
             mem = f"{r['process_rss_mb']:.0f} RSS (whole process)"
         lines.append(f"| {r['model']} | {r['kind']} | {r['streams']} | {r['rows']} | {r['wall_s']} | "

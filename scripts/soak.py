@@ -48,9 +48,9 @@ use_standin()  # `stand-in` model names: the test stand-in engine, here and in t
 
 from racer_batch.service.execution.local import init_local_ray, make_executor, shutdown_local_ray  # noqa: E402
 from racer_batch.service.execution.queue import ROW_STREAM_MAXLEN, JobQueue, connect, resolve_url  # noqa: E402
-from racer_batch.service.job.spec import load_spec  # noqa: E402
-from racer_batch.service.job.submit import submit_job  # noqa: E402
 from racer_batch.service.execution.worker import Worker  # noqa: E402
+from racer_batch.service.job.spec import load_spec  # noqa: E402
+from racer_batch.service.submit import submit_job  # noqa: E402
 
 WORDS = ("river", "stone", "quiet", "market", "engine", "winter", "copper", "garden", "signal", "harbor", "yellow",
          "planet", "bridge", "letter", "silver", "forest", "window", "number", "candle", "motion", "shadow", "orbit")
@@ -191,7 +191,8 @@ def table(result: dict, *, lines_max: int = 25) -> str:
     for k, slope in s["slope_per_1k_rows"].items():
         lines.append(f"| {k} | {'-' if slope is None else f'{slope:+.3f}'} | "
                      f"{'-' if maxes.get(k) is None else f'{maxes[k]:.1f}'} |")
-    lines += ["", "| t (s) | rows | actor RSS (MB) | automaton nodes | draft state (MB) | row stream | Redis state (KB) |",
+    lines += ["",
+              "| t (s) | rows | actor RSS (MB) | automaton nodes | draft state (MB) | row stream | Redis state (KB) |",
               "|---|---|---|---|---|---|---|"]
     probed = [x for x in result["samples"] if x["automaton_nodes"] is not None]
     every = max(1, len(probed) // lines_max)

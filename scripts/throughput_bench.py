@@ -314,7 +314,7 @@ def summarize(runs: dict[str, list[Optional[RunRecord]]], settings: list[Setting
             if not recs:
                 continue
 
-            def med(f: Callable[[RunRecord], Optional[float]]) -> Optional[float]:
+            def med(f: Callable[[RunRecord], Optional[float]], recs: list = recs) -> Optional[float]:
                 return _median([f(r) for r in recs])
 
             choices = [r.tuner_choice for r in recs if r.tuner_choice is not None]
@@ -430,7 +430,8 @@ def render_md(d: dict) -> str:
         cap = "chain" if r["method"] == "pld" else r["capacity"]
         lines.append("| " + " | ".join(f(x) for x in (
             r["setting"], cap, r["streams"], r["tokens_per_s"], r["ratio_to_b1"], r["ratio_to_ar_b1"],
-            r.get("decode_tokens_per_s"), r.get("decode_ratio_to_b1"), r["forwards_per_s"], r["rows_per_forward"], r["streams_per_forward"], r["mat"], r["prefill_ms_per_join"],
+            r.get("decode_tokens_per_s"), r.get("decode_ratio_to_b1"), r["forwards_per_s"], r["rows_per_forward"],
+            r["streams_per_forward"], r["mat"], r["prefill_ms_per_join"],
             r["prefill_share"], r["stall_share"], r["tuner_capacity"], r["mismatches"])) + " |")
     at4 = [r for r in d["rows"] if r["streams"] == 4 and r["ratio_to_b1"] is not None and min(s["streams"]) == 1]
     if at4:
@@ -469,7 +470,7 @@ def run(bundle: ModelBundle, prompts: list[Prompt], *, settings: list[Setting], 
         # slots) to what the longest row needs, a few steps decoded, then cancelled
         ticks = itertools.count()
         engine.generate(max(prompt_ids, key=len), GenerationParams(max_new_tokens=max_new_tokens),
-                        should_cancel=lambda: next(ticks) >= 4)
+                        should_cancel=lambda ticks=ticks: next(ticks) >= 4)
         engines[s.label] = engine
         engine_info[s.label] = {"config": s.config().model_dump(mode="json"), "runner": engine.runner.kind,
                                 "matmul": getattr(engine.runner, "matmul", None),

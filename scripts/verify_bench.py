@@ -222,8 +222,10 @@ def main() -> int:
         "command": "python scripts/verify_bench.py " + " ".join(sys.argv[1:]),
         "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "model": bundle.name, "context_tokens": args.context, "repeats": args.repeats, "sizes": sizes,
-        "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "weight_bytes": sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in bundle.model.parameters()}.values()),
+        "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "weight_bytes": sum(p.numel() * p.element_size()
+                            for p in {p.data_ptr(): p for p in bundle.model.parameters()}.values()),
         "probe_ms": round(probe_ms, 2), "setup_s": setup_s, "rows": rows,
         "kv_bytes_per_token": static_runners[0].kv_bytes_per_token if static_runners else None,
         "packed_bytes": {c.label: c.runner.packed_bytes for c in contenders if isinstance(c.runner, StaticRunner)},
@@ -249,7 +251,8 @@ def main() -> int:
                   + ", ".join(f"{r['runner']} {r['prefill_ms']}" for r in rows if r["prefill_ms"] is not None)]
     lines += ["", "Set-up seconds (load, pack, warm-up / compile): "
               + ", ".join(f"{k} {v}" for k, v in setup_s.items()), "",
-              "Extra bytes of prepacked weights: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in summary["packed_bytes"].items()),
+              "Extra bytes of prepacked weights: "
+              + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in summary["packed_bytes"].items()),
               "", f"Static KV cache: {summary['kv_bytes_per_token']} bytes per position per stream.", ""]
     (out / f"verify-{stamp}.md").write_text("\n".join(lines))
     print("\n".join(lines))

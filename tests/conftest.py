@@ -20,8 +20,16 @@ from tests.standin import use_standin  # noqa: E402
 
 use_standin()  # `stand-in` model names run on tests/standin.py, here and in the processes tests start
 
-from tests.fixtures import cli, prefix, queue, redis_server_factory, redis_url  # noqa: E402,F401 (shared fixtures)
-from tests.fixtures import SESSION_ENV, kill_and_wait, suite_processes  # noqa: E402
+from tests.fixtures import (  # noqa: E402,F401 (shared fixtures)  # noqa: E402
+    SESSION_ENV,
+    cli,
+    kill_and_wait,
+    prefix,
+    queue,
+    redis_server_factory,
+    redis_url,
+    suite_processes,
+)
 
 assert SESSION_ENV == "RACER_TEST_SESSION"
 LEFTOVER_GRACE_S = 30.0  # Ray's workers end a few seconds after their raylet; a leak is still there after this

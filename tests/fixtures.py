@@ -413,7 +413,7 @@ def submit_standin_job(queue: Any, tmp_path: Path, rows: list[dict], **over) -> 
     """Write ``rows`` to tmp_path/in.parquet and submit a stand-in job over them (``base_overrides`` updated
     with ``over``). Returns (JobSpec, the submit result)."""
     from racer_batch.service.job.spec import load_spec
-    from racer_batch.service.job.submit import submit_job
+    from racer_batch.service.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", rows)
     spec = load_spec(None, base_overrides(tmp_path, **over))

@@ -63,7 +63,7 @@ def run() -> None:
         main.main(standalone_mode=True)
     except SystemExit:
         raise
-    except Exception as exc:  # noqa: BLE001 - last-resort handler turns a crash into exit code 1
+    except Exception as exc:
         logging.getLogger(__name__).exception("internal error")
         click.echo(f"internal error: {exc!r}", err=True)
         sys.exit(ExitCode.INTERNAL)

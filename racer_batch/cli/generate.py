@@ -57,8 +57,8 @@ def _load_model(model: str, **kwargs: Any) -> Any:
 
 def _decoding_options(f):
     f = click.option("--method", type=click.Choice(METHODS), default="racer", show_default=True,
-                     help="Decoding method: racer (retrieval + copy logits), ar (no draft), the ablations and the peers "
-                          "of the literature (docs/architecture.md, Methods).")(f)
+                     help="Decoding method: racer (retrieval + copy logits), ar (no draft), the ablations and the "
+                          "peers of the literature (docs/architecture.md, Methods).")(f)
     f = click.option("--capacity", default="16", show_default=True,
                      help="Draft tree nodes per step incl. the root (paper: 64; CPU: 8-16), or 'auto'.")(f)
     f = click.option("--scope", type=click.Choice(["job", "request", "global"]), default="job", show_default=True,

@@ -91,7 +91,8 @@ def summary_lines(st: q.JobStatus, *, prefix: str = q.DEFAULT_PREFIX) -> list[st
     for route, r in st.route_mat().items():
         lines.append(f"  route {route}: {r['rows']} rows, {r['output_tokens']} tokens, MAT {fmt(r['mat'])}")
     if st.totals.error:
-        lines.append(f"errors: {plural(st.totals.error, 'row')} failed; see them with: {errors_command(st.job_id, prefix)}")
+        lines.append(f"errors: {plural(st.totals.error, 'row')} failed; "
+                     f"see them with: {errors_command(st.job_id, prefix)}")
     lines.append(f"output: {st.output}")
     return lines
 

@@ -89,7 +89,9 @@ def report(job: str, redis_url: Optional[str], prefix: str, by: str, price: Opti
 
 @click.command(epilog=_SHADOW_EPILOG)
 @_job_options
-@click.option("--baseline", required=True, help="Baseline preset (configs/<name>.yaml, e.g. ar) or YAML path.")
+@click.option("--baseline", required=True,
+              help="Baseline preset (shipped: ar, pld, racer-cpu, racer-paper; or ./configs/<name>.yaml) "
+                   "or a YAML path.")
 @click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=0.05, show_default=True,
               help="Share of rows to shadow (hash of seed and row id; the spec's shadow: rule).")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Sampling seed.")

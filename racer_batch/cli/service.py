@@ -22,8 +22,8 @@ from rich.table import Column, Table
 from racer_batch.service.execution import queue as q
 from racer_batch.service.execution.queue import plural
 from racer_batch.service.job.inputs import InputError
-from racer_batch.service.results.output import OutputError
 from racer_batch.service.job.spec import SpecError, load_spec, parse_override
+from racer_batch.service.results.output import OutputError
 from racer_batch.values import METHODS
 
 from .exit_codes import CliExit, ExitCode, epilog
@@ -114,7 +114,8 @@ _INT_OR_AUTO = ("--capacity", "--num-actors")
 @click.option("--output", "output_path", default=None,
               help="Override output.path (without SPEC: default out/<input file name without extension>).")
 @click.option("--model", default=None, help="Override model.name.")
-@click.option("--preset", default=None, help="Override the preset (configs/<name>.yaml).")
+@click.option("--preset", default=None,
+              help="Override the preset (shipped: ar, pld, racer-cpu, racer-paper; or ./configs/<name>.yaml).")
 @click.option("--method", type=click.Choice(METHODS), default=None, help="Override decoding.method.")
 @click.option("--capacity", default=None, help="Override decoding.capacity (integer or auto).")
 @click.option("--max-new-tokens", type=int, default=None, help="Override generation.max_new_tokens.")
@@ -220,7 +221,7 @@ def _ensure_redis(url: str, cleanup: contextlib.ExitStack) -> str:
 
 def _queue_job(queue: q.JobQueue, spec: Any, *, job_id: Optional[str]) -> Any:
     """Queue (or resume) the job; prints its id on stdout and what was planned on stderr."""
-    from racer_batch.service.job.submit import submit_job
+    from racer_batch.service.submit import submit_job
 
     try:
         outcome = submit_job(queue, spec, job_id=job_id)

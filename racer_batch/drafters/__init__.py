@@ -7,10 +7,10 @@ dispatch through it.
 from .base import Draft, TrieBuilder, Verified
 from .registry import (
     DecodingMethod,
+    get_method,
     make_drafter,
     make_state,
     method_names,
-    get_method,
     register_method,
     unregister_method,
 )

@@ -1,6 +1,6 @@
 """The retrieval half of RACER: an Aho-Corasick automaton over token n-grams of the text so far.
 
-RACER.md sections 2, 3 and 9. Pure Python (standard library only).
+docs/method.md sections 2, 3 and 9. Pure Python (standard library only).
 
 Terms
 -----
@@ -59,12 +59,12 @@ behind ``A`` just after ``S[1:]`` went behind ``A[1:]``, and ``A[1:]`` (the fail
 Consequences:
 
 * The tail is always a leaf that no failure link points to, so eviction takes the tail: only leaves are ever
-  evicted, never an internal node, and no subtree is orphaned (RACER.md section 9, pitfall 4). Ancestors are
+  evicted, never an internal node, and no subtree is orphaned (docs/method.md section 9, pitfall 4). Ancestors are
   at least as recent as their descendants, so touching a node also keeps its ancestors.
 * A node takes its parent's place when touched, so recency is measured by the *start* of the most recent
   window through the node rather than its end: a node ranks at most ``ngram - 1`` tokens older than under a
   plain last-touch LRU, and a touch costs O(1) instead of moving every ancestor (O(depth)).
-* RACER.md asks to move borders and their ancestors to the front; here the matches are placed just behind
+* docs/method.md asks to move borders and their ancestors to the front; here the matches are placed just behind
   their parents, which are already ahead of them, giving the same guarantee at O(1) per match.
 * Nodes in use are never evicted: the nodes of the windows still growing (pinned between calls) and the
   current state. Eviction scans from the tail past them; when nothing can be evicted (a pool smaller than the
@@ -96,6 +96,34 @@ from typing import Sequence
 __all__ = ["Automaton", "Cursor", "NodeView", "RetrievalCandidates", "prefill_automaton"]
 
 _ROOT = 0  # node id of the trie root; also the sentinel of the recency list
+
+
+def _check(cond: bool, msg: str) -> None:
+    """Raise AssertionError(msg) unless ``cond`` (the checks of :meth:`Automaton.check_invariants`)."""
+    if not cond:
+        raise AssertionError(msg)
+
+
+def _check_borders(borders: Sequence[int], size: int) -> None:
+    """Raise ValueError unless ``borders`` are distinct node ids in ``1 .. size - 1`` (the trie root excluded)."""
+    seen: set[int] = set()
+    for b in borders:
+        if not isinstance(b, int) or not 0 < b < size or b in seen:
+            raise ValueError(f"border {b!r} is not a live node id, or is repeated, in borders {list(borders)}")
+        seen.add(b)
+
+
+def _group_children(children: list[dict[int, int]], nodes: Sequence[int]) -> dict[int, list[int]]:
+    """The children of ``nodes`` pooled by token: token -> child node ids, both in discovery order."""
+    groups: dict[int, list[int]] = {}
+    for m in nodes:
+        for tok, c in children[m].items():
+            g = groups.get(tok)
+            if g is None:
+                groups[tok] = [c]
+            else:
+                g.append(c)
+    return groups
 
 
 @dataclass(eq=False)
@@ -476,23 +504,11 @@ class Automaton:
         """
         if budget <= 0 or not borders:
             return RetrievalCandidates([], [], [])
-        size = len(self._token)
-        seen: set[int] = set()
-        for b in borders:
-            if not isinstance(b, int) or not 0 < b < size or b in seen:
-                raise ValueError(f"border {b!r} is not a live node id, or is repeated, in borders {list(borders)}")
-            seen.add(b)
+        _check_borders(borders, len(self._token))
         children = self._children
         freq = self._freq
         heap: list[tuple[int, int, int, int, int, list[int]]] = []  # (-score, depth, seq, token, parent, nodes)
-        groups: dict[int, list[int]] = {}
-        for b in borders:
-            for tok, c in children[b].items():
-                g = groups.get(tok)
-                if g is None:
-                    groups[tok] = [c]
-                else:
-                    g.append(c)
+        groups = _group_children(children, borders)
         seq = 0
         for tok, nodes in groups.items():
             score = 0
@@ -519,14 +535,7 @@ class Automaton:
                     heappush(heap, (-freq[c], depth + 1, seq, tok2, idx, [c]))
                     seq += 1
                 continue
-            groups = {}
-            for m in nodes:
-                for tok2, c in children[m].items():
-                    g = groups.get(tok2)
-                    if g is None:
-                        groups[tok2] = [c]
-                    else:
-                        g.append(c)
+            groups = _group_children(children, nodes)
             for tok2, kids in groups.items():
                 score = 0
                 for c in kids:
@@ -575,77 +584,91 @@ class Automaton:
         holds exactly the live nodes, each behind its parent and its failure target; the growing windows
         form a suffix chain of pinned nodes; the state is live.
         """
-
-        def check(cond: bool, msg: str) -> None:
-            if not cond:
-                raise AssertionError(msg)
-
         size = len(self._token)
+        live_nodes = self._check_pool(size)
+        path_of = self._check_trie(size, live_nodes)
+        self._check_nodes(size, live_nodes, path_of)
+        self._check_recency(size, live_nodes, path_of)
+        self._check_cursors(size)
+
+    def _check_pool(self, size: int) -> list[int]:
+        """Per-node list lengths and node counts; return the live node ids (the trie root not included)."""
         lists = (self._parent, self._depth, self._fail, self._nref, self._freq, self._children,
                  self._prev, self._next, self._pinned)
-        check(all(len(x) == size for x in lists), "per-node lists have different lengths")
-        check(size - 1 <= self._max_nodes, f"{size - 1} node ids for max_nodes={self._max_nodes}")
+        _check(all(len(x) == size for x in lists), "per-node lists have different lengths")
+        _check(size - 1 <= self._max_nodes, f"{size - 1} node ids for max_nodes={self._max_nodes}")
         live_nodes = list(range(1, size))
-        check(len(live_nodes) == self.num_nodes <= self._max_nodes,
-              f"{len(live_nodes)} live nodes, num_nodes={self.num_nodes}, max_nodes={self._max_nodes}")
-        # Parent/child consistency, reachability, paths.
+        _check(len(live_nodes) == self.num_nodes <= self._max_nodes,
+               f"{len(live_nodes)} live nodes, num_nodes={self.num_nodes}, max_nodes={self._max_nodes}")
+        return live_nodes
+
+    def _check_trie(self, size: int, live_nodes: list[int]) -> dict[int, tuple[int, ...]]:
+        """Parent/child consistency, reachability and no orphans; return the token path of every node."""
         path_of: dict[int, tuple[int, ...]] = {_ROOT: ()}
         stack = [_ROOT]
         while stack:
             node = stack.pop()
             for tok, c in self._children[node].items():
-                check(0 < c < size, f"node {node} has unknown child {c} on token {tok}")
-                check(self._parent[c] == node and self._token[c] == tok,
-                      f"child {c} of node {node} on token {tok} has parent {self._parent[c]}, token {self._token[c]}")
-                check(c not in path_of, f"node {c} reached twice")
+                _check(0 < c < size, f"node {node} has unknown child {c} on token {tok}")
+                _check(self._parent[c] == node and self._token[c] == tok,
+                       f"child {c} of node {node} on token {tok} has parent {self._parent[c]}, token {self._token[c]}")
+                _check(c not in path_of, f"node {c} reached twice")
                 path_of[c] = path_of[node] + (tok,)
                 stack.append(c)
         orphans = [x for x in live_nodes if x not in path_of]
-        check(not orphans, f"orphaned nodes (live but unreachable from the root): {orphans[:10]}")
+        _check(not orphans, f"orphaned nodes (live but unreachable from the root): {orphans[:10]}")
+        return path_of
+
+    def _check_nodes(self, size: int, live_nodes: list[int], path_of: dict[int, tuple[int, ...]]) -> None:
+        """Depth, freq, failure links against a brute-force search, suffix closure, failure reference counts."""
         node_of = {p: x for x, p in path_of.items()}
         nref = [0] * size
         for x in live_nodes:
             path = path_of[x]
             p = self._parent[x]
-            check(self._depth[x] == len(path) <= self._ngram,
-                  f"node {x} {path} has depth {self._depth[x]} (ngram={self._ngram})")
-            check(self._freq[x] >= 1, f"node {x} {path} has freq {self._freq[x]}")
-            check(p == _ROOT or self._freq[x] <= self._freq[p],
-                  f"node {x} {path} has freq {self._freq[x]} above its parent's {self._freq[p]}")
+            _check(self._depth[x] == len(path) <= self._ngram,
+                   f"node {x} {path} has depth {self._depth[x]} (ngram={self._ngram})")
+            _check(self._freq[x] >= 1, f"node {x} {path} has freq {self._freq[x]}")
+            _check(p == _ROOT or self._freq[x] <= self._freq[p],
+                   f"node {x} {path} has freq {self._freq[x]} above its parent's {self._freq[p]}")
             longest = next((node_of[path[i:]] for i in range(1, len(path)) if path[i:] in node_of), _ROOT)
-            check(self._fail[x] == longest,
-                  f"node {x} {path}: failure link {self._fail[x]} {path_of.get(self._fail[x])}, "
-                  f"longest proper suffix present is {longest} {path_of[longest]}")
-            check(path[1:] in node_of, f"node {x} {path}: suffix {path[1:]} missing (trie not suffix-closed)")
+            _check(self._fail[x] == longest,
+                   f"node {x} {path}: failure link {self._fail[x]} {path_of.get(self._fail[x])}, "
+                   f"longest proper suffix present is {longest} {path_of[longest]}")
+            _check(path[1:] in node_of, f"node {x} {path}: suffix {path[1:]} missing (trie not suffix-closed)")
             nref[self._fail[x]] += 1
-        check(all(nref[x] == self._nref[x] for x in [_ROOT, *live_nodes]), "failure reference counts are off")
-        # Recency list: exactly the live nodes, consistent links, parent and failure target ahead.
+        _check(all(nref[x] == self._nref[x] for x in [_ROOT, *live_nodes]), "failure reference counts are off")
+
+    def _check_recency(self, size: int, live_nodes: list[int], path_of: dict[int, tuple[int, ...]]) -> None:
+        """The recency list: exactly the live nodes, consistent links, parent and failure target ahead."""
         pos = {_ROOT: -1}
         x = self._next[_ROOT]
         prev = _ROOT
         while x != _ROOT:
-            check(x not in pos and len(pos) <= size, f"recency list loops at node {x}")
-            check(self._prev[x] == prev, f"recency list: prev of {x} is {self._prev[x]}, expected {prev}")
+            _check(x not in pos and len(pos) <= size, f"recency list loops at node {x}")
+            _check(self._prev[x] == prev, f"recency list: prev of {x} is {self._prev[x]}, expected {prev}")
             pos[x] = len(pos)
             prev, x = x, self._next[x]
-        check(self._prev[_ROOT] == prev, "recency list tail link broken")
-        check(set(pos) - {_ROOT} == set(live_nodes),
-              f"recency list holds {len(pos) - 1} nodes, {len(live_nodes)} are live")
+        _check(self._prev[_ROOT] == prev, "recency list tail link broken")
+        _check(set(pos) - {_ROOT} == set(live_nodes),
+               f"recency list holds {len(pos) - 1} nodes, {len(live_nodes)} are live")
         for x in live_nodes:
-            check(pos[self._parent[x]] < pos[x], f"node {x} {path_of[x]} is ahead of its parent in the recency list")
-            check(pos[self._fail[x]] < pos[x],
-                  f"node {x} {path_of[x]} is ahead of its failure target in the recency list")
-        # Growing windows and the state.
+            _check(pos[self._parent[x]] < pos[x], f"node {x} {path_of[x]} is ahead of its parent in the recency list")
+            _check(pos[self._fail[x]] < pos[x],
+                   f"node {x} {path_of[x]} is ahead of its failure target in the recency list")
+
+    def _check_cursors(self, size: int) -> None:
+        """The open cursors: growing windows form a suffix chain, pin counts match them, states are live."""
         pins = [0] * size
         for cur in self._cursors:
             act = cur.active
-            check(act[0] == _ROOT and len(act) <= self._ngram, f"active windows {act}")
+            _check(act[0] == _ROOT and len(act) <= self._ngram, f"active windows {act}")
             for j in range(1, len(act)):
-                check(0 < act[j] < size and self._depth[act[j]] == j and self._fail[act[j]] == act[j - 1],
-                      f"active window {j} is node {act[j]}, not a suffix chain")
+                _check(0 < act[j] < size and self._depth[act[j]] == j and self._fail[act[j]] == act[j - 1],
+                       f"active window {j} is node {act[j]}, not a suffix chain")
                 pins[act[j]] += 1
-            check(0 <= cur.state < size, f"state {cur.state} is not live")
-        check(pins == list(self._pinned), "pin counts differ from the open cursors' active windows")
+            _check(0 <= cur.state < size, f"state {cur.state} is not live")
+        _check(pins == list(self._pinned), "pin counts differ from the open cursors' active windows")
 
 
 def prefill_automaton(automaton: Automaton, prompt_ids: Sequence[int], cursor: Cursor | None = None) -> list[int]:

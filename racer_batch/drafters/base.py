@@ -2,7 +2,7 @@
 
 A draft tree is a list of nodes in creation order (parents before children). Node 0 is the *root*: the
 token committed by the previous step and not yet in the KV cache. ``parents[0] == -1``. Capacity counts
-the root, so a draft of capacity C has at most C nodes (RACER.md section 3, step 5).
+the root, so a draft of capacity C has at most C nodes (docs/method.md section 3, step 5).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Verified:
 
 
 class Drafter(Protocol):
-    """Lifecycle of one row's drafter (STYLE.md habit 2); its long-lived state lives in a DraftState."""
+    """Lifecycle of one row's drafter (docs/method.md 10.2); its long-lived state lives in a DraftState."""
 
     name: str
 

@@ -1,4 +1,4 @@
-"""The copy-logit store and the logits draft tree (RACER.md sections 2.2 and 3.4).
+"""The copy-logit store and the logits draft tree (docs/method.md sections 2.2 and 3.4).
 
 The store is a fixed ``[vocab, k]`` table of token ids: row ``t`` holds the top-k next tokens the target
 model predicted the most recent time a verified position's input token was ``t`` (-1 where nothing is
@@ -60,7 +60,7 @@ class CopyLogitStore:
 
 
 def child_breadth(parent_breadth: int, *, child_rank: int, parent_depth: int) -> int:
-    """Breadth rule of the logits tree (RACER.md 3.4; paper: b_child = max(1, floor(b_i / 2^(j + [i != root])))).
+    """Breadth rule of the logits tree (docs/method.md 3.4; paper: b_child = max(1, floor(b_i / 2^(j + [i != root])))).
 
     Example: with max_breadth 8 the root's children get 8, 4, 2, 1, 1, ...; the first child of a
     depth-1 node of breadth 8 gets 4, the second 2, then 1.

@@ -111,7 +111,8 @@ def logitspec_tree(
     if max_depth >= 2:
         tail = list(ctx[-(index.max_ngram - 1) :]) if index.max_ngram > 1 else []
         for rank, child in guesses:
-            ext, _ = index.lookup(tail + [builder.tokens[child]], num_tokens=min(rank_cut(branch_tokens, rank), max_depth - 1))
+            ext, _ = index.lookup(tail + [builder.tokens[child]],
+                                  num_tokens=min(rank_cut(branch_tokens, rank), max_depth - 1))
             node = child
             for tok in ext:
                 node = builder.add(node, tok, SOURCE_NGRAM)

@@ -9,16 +9,19 @@ new method needs no edit outside its own module (and, for a new module, one name
 settings it adds are new ``DecodingConfig`` fields in values.py. A method registered at run time exists in
 that process only: Ray workers know the built-in ones and whatever their own imports register.
 
-This module imports nothing of the package at import time (values.py reads it lazily), so it is safe for
-values.py and every drafter module to import.
+At import this module installs itself into values.py (``values.install_registry``), which validates
+``DecodingConfig.method`` through it: values.py imports nothing of the drafters, so there is no import cycle.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .. import values
 
 if TYPE_CHECKING:
     from ..values import DecodingConfig
@@ -149,3 +152,6 @@ def make_drafter(config: "DecodingConfig", state: "DraftState"):
         ValueError: an unknown method.
     """
     return get_method(config.method).make_drafter(config, state)
+
+
+values.install_registry(sys.modules[__name__])

@@ -26,7 +26,7 @@ import json
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TextIO
 
 import numpy as np
 
@@ -176,58 +176,76 @@ def count_trie_tree(
     return builder.build()
 
 
-def load_corpus(path: str | os.PathLike, tokenizer: Any, *, max_tokens: int, vocab_size: int) -> list[np.ndarray]:
-    """Token documents of a corpus file, at most ``max_tokens`` tokens in all (the rest is dropped).
-
-    Formats: ``.jsonl`` / ``.json`` lines, each an object with ``"token_ids"`` (list of ints) or ``"text"``
-    (string), or a JSON string; any other file is plain text with documents separated by blank lines.
+def _encode_text(text: str, tokenizer: Any, path: str | os.PathLike, where: str) -> list[int]:
+    """Token ids of one corpus document's text.
 
     Raises:
-        ValueError: missing or unreadable file, a bad line (named by number), token ids outside the
-            vocabulary, or text without a tokenizer.
+        ValueError: no tokenizer (the corpus must give ``token_ids`` then).
     """
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"corpus_path = {str(path)!r}: no such file")
+    if tokenizer is None:
+        raise ValueError(f"corpus_path = {str(path)!r} {where}: text needs a tokenizer (give token_ids instead)")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def encode(text: str, where: str) -> list[int]:
-        if tokenizer is None:
-            raise ValueError(f"corpus_path = {str(path)!r} {where}: text needs a tokenizer (give token_ids instead)")
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    docs: list[np.ndarray] = []
+def _json_line_ids(line: str, where: str, tokenizer: Any, path: str | os.PathLike) -> list[int]:
+    """Token ids of one ``.jsonl`` line: a JSON string, or an object with ``"token_ids"`` or ``"text"``.
+
+    Raises:
+        ValueError: not JSON, neither form, or text without a tokenizer (``where`` names the line).
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"corpus_path = {str(path)!r} {where}: not JSON ({exc})") from None
+    if isinstance(obj, str):
+        return _encode_text(obj, tokenizer, path, where)
+    if isinstance(obj, dict) and isinstance(obj.get("token_ids"), list):
+        return obj["token_ids"]
+    if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+        return _encode_text(obj["text"], tokenizer, path, where)
+    raise ValueError(f"corpus_path = {str(path)!r} {where}: expected 'text' or 'token_ids', "
+                     f"got {line[:80]!r}")
+
+
+def _read_json_docs(f: TextIO, tokenizer: Any, path: str | os.PathLike, max_tokens: int) -> list[tuple[str, list]]:
+    """``(where, token ids)`` of the non-blank lines of a ``.jsonl`` / ``.json`` corpus, up to the line that
+    reaches ``max_tokens`` tokens in all."""
+    items = ((i, line) for i, line in enumerate(f, 1) if line.strip())
+    raw_docs = []
     total = 0
-    with p.open(encoding="utf-8") as f:
-        if p.suffix.lower() in (".jsonl", ".json"):
-            items = ((i, line) for i, line in enumerate(f, 1) if line.strip())
-            raw_docs = []
-            for i, line in items:
-                where = f"line {i}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"corpus_path = {str(path)!r} {where}: not JSON ({exc})") from None
-                if isinstance(obj, str):
-                    ids = encode(obj, where)
-                elif isinstance(obj, dict) and isinstance(obj.get("token_ids"), list):
-                    ids = obj["token_ids"]
-                elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
-                    ids = encode(obj["text"], where)
-                else:
-                    raise ValueError(f"corpus_path = {str(path)!r} {where}: expected 'text' or 'token_ids', got {line[:80]!r}")
-                raw_docs.append((where, ids))
-                total += len(ids)
-                if total >= max_tokens:
-                    break
-        else:
-            raw_docs = []
-            for j, block in enumerate(f.read().split("\n\n")):
-                if block.strip():
-                    ids = encode(block.strip(), f"document {j + 1}")
-                    raw_docs.append((f"document {j + 1}", ids))
-                    total += len(ids)
-                    if total >= max_tokens:
-                        break
+    for i, line in items:
+        where = f"line {i}"
+        ids = _json_line_ids(line, where, tokenizer, path)
+        raw_docs.append((where, ids))
+        total += len(ids)
+        if total >= max_tokens:
+            break
+    return raw_docs
+
+
+def _read_text_docs(f: TextIO, tokenizer: Any, path: str | os.PathLike, max_tokens: int) -> list[tuple[str, list]]:
+    """``(where, token ids)`` of the blank-line separated documents of a plain text corpus, up to the one that
+    reaches ``max_tokens`` tokens in all."""
+    raw_docs = []
+    total = 0
+    for j, block in enumerate(f.read().split("\n\n")):
+        if block.strip():
+            ids = _encode_text(block.strip(), tokenizer, path, f"document {j + 1}")
+            raw_docs.append((f"document {j + 1}", ids))
+            total += len(ids)
+            if total >= max_tokens:
+                break
+    return raw_docs
+
+
+def _corpus_arrays(raw_docs: list[tuple[str, list]], path: str | os.PathLike, *, max_tokens: int,
+                   vocab_size: int) -> list[np.ndarray]:
+    """The documents as ``int32`` arrays, cut to ``max_tokens`` tokens in all.
+
+    Raises:
+        ValueError: token ids outside ``0 .. vocab_size - 1`` (``where`` names the document).
+    """
+    docs: list[np.ndarray] = []
     budget = max_tokens
     for where, ids in raw_docs:
         arr = np.asarray(ids, dtype=np.int64)
@@ -241,6 +259,27 @@ def load_corpus(path: str | os.PathLike, tokenizer: Any, *, max_tokens: int, voc
     return docs
 
 
+def load_corpus(path: str | os.PathLike, tokenizer: Any, *, max_tokens: int, vocab_size: int) -> list[np.ndarray]:
+    """Token documents of a corpus file, at most ``max_tokens`` tokens in all (the rest is dropped).
+
+    Formats: ``.jsonl`` / ``.json`` lines, each an object with ``"token_ids"`` (list of ints) or ``"text"``
+    (string), or a JSON string; any other file is plain text with documents separated by blank lines.
+
+    Raises:
+        ValueError: missing or unreadable file, a bad line (named by number), token ids outside the
+            vocabulary, or text without a tokenizer.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"corpus_path = {str(path)!r}: no such file")
+    with p.open(encoding="utf-8") as f:
+        if p.suffix.lower() in (".jsonl", ".json"):
+            raw_docs = _read_json_docs(f, tokenizer, path, max_tokens)
+        else:
+            raw_docs = _read_text_docs(f, tokenizer, path, max_tokens)
+    return _corpus_arrays(raw_docs, path, max_tokens=max_tokens, vocab_size=vocab_size)
+
+
 _STATIC_CACHE: "OrderedDict[tuple, SuffixIndex]" = OrderedDict()
 _STATIC_CACHE_SIZE = 2
 
@@ -252,7 +291,8 @@ def static_index(path: str, tokenizer: Any, *, max_tokens: int, max_query: int, 
            max_tokens, max_query, vocab_size)
     ix = _STATIC_CACHE.get(key)
     if ix is None:
-        ix = SuffixIndex(load_corpus(path, tokenizer, max_tokens=max_tokens, vocab_size=vocab_size), max_query=max_query)
+        ix = SuffixIndex(load_corpus(path, tokenizer, max_tokens=max_tokens, vocab_size=vocab_size),
+                         max_query=max_query)
         _STATIC_CACHE[key] = ix
         while len(_STATIC_CACHE) > _STATIC_CACHE_SIZE:
             _STATIC_CACHE.popitem(last=False)

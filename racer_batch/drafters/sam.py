@@ -222,7 +222,8 @@ class SamDrafter:
                 self.chain_steps += 1
                 return Draft([root, *chain], list(range(-1, len(chain))), [0] + [SOURCE_SAM] * len(chain))
         builder = TrieBuilder(root=root, capacity=capacity)
-        grow_logits_tree(builder, self.state.store, max_breadth=self.max_breadth, max_depth=max_depth, source=SOURCE_LOGITS)
+        grow_logits_tree(builder, self.state.store, max_breadth=self.max_breadth, max_depth=max_depth,
+                         source=SOURCE_LOGITS)
         return builder.build()
 
     def update(self, verified: Verified) -> None:

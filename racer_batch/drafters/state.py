@@ -1,4 +1,4 @@
-"""Draft state scopes (RACER.md section 7): who shares the automaton and the copy-logit store.
+"""Draft state scopes (docs/method.md section 7): who shares the automaton and the copy-logit store.
 
 * ``job`` (default): one state for the rows of one job on one worker; created at the job's first row,
   freed at its end.

@@ -88,8 +88,9 @@ def drive(stream: Stream) -> Any:
 @dataclass
 class Finished:
     """A stream that ended during a step: its key, its result or the exception it raised, and its share of
-    the forwards' time per runner (``device_ms``: {id(runner): ms}; a forward shared by n streams counts
-    1/n of its wall time for each, a prefill all of it for its stream)."""
+    the actor's time per runner (``device_ms``: {id(runner): ms}; a batched step shared by n streams counts
+    1/n of its forward time for each, on a CPU runner 1/n of the whole step's wall time; a prefill all of its
+    wall time for its stream)."""
 
     key: Hashable
     result: Any = None
@@ -217,10 +218,12 @@ class StreamBatch:
         done, self._done = self._done, []
         return done
 
-    def _count(self, keys: list[Hashable], runner: Any, ms: float, rows: int) -> None:
+    def _count(self, keys: list[Hashable], runner: Any, ms: float, rows: int, charge: Optional[float] = None) -> None:
+        """Count one batched step of ``ms`` forward time over ``keys``; each stream is charged an equal share of
+        ``charge`` (default ``ms``; a CPU step: its whole wall time, host work included)."""
         st = self.stats
         for key in keys:
-            self._charge(key, runner, ms / len(keys))
+            self._charge(key, runner, (ms if charge is None else charge) / len(keys))
         st.verify_ms += ms
         st.steps += 1
         st.streams += len(keys)
@@ -232,6 +235,7 @@ class StreamBatch:
         a token, each row is retried alone so that only a row that fails by itself ends with the error."""
         rows = [self._live[k].request.row for k in keys]
         stepper = self._live[keys[0]].request.stepper
+        t0 = time.perf_counter()
         try:
             ms = stepper.step(rows, self.stats.host_ms)
         except Exception as exc:  # noqa: BLE001 - find the stream that fails by itself
@@ -249,7 +253,8 @@ class StreamBatch:
                 else:
                     self._send(key, None)
             return
-        self._count(keys, stepper.runner, ms, stepper.last_rows)
+        wall = (time.perf_counter() - t0) * 1000.0
+        self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if _on_cpu(stepper.runner) else ms)
         for key in keys:
             self._send(key, None)
 
@@ -281,6 +286,11 @@ class StreamBatch:
             except Exception as exc:  # noqa: BLE001
                 outs.append(exc)
         return outs
+
+
+def _on_cpu(runner: Any) -> bool:
+    """Whether ``runner`` computes on the CPU (its forward and host work then share the same cores)."""
+    return getattr(getattr(runner, "device", None), "type", "cpu") == "cpu"
 
 
 def _own_copy(logits: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Choosing the draft capacity from measured cost (RACER.md sections 5 and 8).
+"""Choosing the draft capacity from measured cost (docs/method.md sections 5 and 8).
 
 speedup ~= MAT * t(1) / (t(T) + t_draft + t_update). At start-up ``measure_cost_curve`` times one
 verification forward over T tree tokens with a warm KV cache for each candidate capacity. During decoding
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: int = 256, repeats: int = 5) -> dict[int, float]:
+def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: int = 256,
+                       repeats: int = 5) -> dict[int, float]:
     """Median milliseconds of one verify forward over T tree tokens after ``context_tokens`` cached ones, on
     the runner the engine actually uses (eager or static, padding and compiled steps included), up to and
     including the argmax copied back to the CPU.
@@ -103,8 +104,8 @@ class CapacityTuner:
             vs 84.47 tokens/s, 4 -> 6 -> 4 ...), each switch a log line and a different tree size.
     """
 
-    def __init__(self, cost_ms: dict[int, float], candidates: list[int], *, warmup_steps: int = 16, explore_every: int = 8,
-                 warmup_cost_ratio: float = 2.0, switch_margin: float = 0.02) -> None:
+    def __init__(self, cost_ms: dict[int, float], candidates: list[int], *, warmup_steps: int = 16,
+                 explore_every: int = 8, warmup_cost_ratio: float = 2.0, switch_margin: float = 0.02) -> None:
         self.cost_ms = dict(cost_ms)
         self.candidates = sorted(candidates)
         base = self.cost_ms.get(1, min(self.cost_ms[c] for c in self.candidates))
@@ -151,7 +152,8 @@ class CapacityTuner:
 
     def observe(self, *, used_capacity: int, accepted_creation_idx: list[int], overhead_ms: float) -> None:
         """Record one step: the creation-order indices of the accepted draft nodes (root excluded)."""
-        self.observe_batch(used_capacity=used_capacity, accepted_creation_idx=np.asarray(accepted_creation_idx, dtype=np.int64),
+        self.observe_batch(used_capacity=used_capacity,
+                           accepted_creation_idx=np.asarray(accepted_creation_idx, dtype=np.int64),
                            streams=1, overhead_ms=overhead_ms)
 
     def observe_batch(self, *, used_capacity: int, accepted_creation_idx: np.ndarray, streams: int,

@@ -1,4 +1,4 @@
-"""The speculative decoding engine: one loop for every drafter (RACER.md section 3).
+"""The speculative decoding engine: one loop for every drafter (docs/method.md section 3).
 
 Per step: the drafter proposes a draft tree rooted at the last committed token; the tree is flattened
 once (tree.py); the target model verifies it in one forward pass; the accepted path's tokens plus the
@@ -29,8 +29,8 @@ from .batch import Decode, Prefill, drive
 from .capacity import CapacityTuner, cost_at, measure_cost_curve
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
-from .stops import StopChecker
 from .step import DecodeRow, Stepper, argmax_and_topk
+from .stops import StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def last_positions(prompt_ids: Sequence[int]) -> np.ndarray:
     """Sorted positions ``[R]`` (int64) of each distinct token's last occurrence in ``prompt_ids``.
 
     The prompt's top-k rows a drafter reads are those of these positions only: a copy-logit store keeps one
-    row per token, the prediction after its most recent occurrence (RACER.md 2.2: later positions overwrite
+    row per token, the prediction after its most recent occurrence (docs/method.md 2.2: later positions overwrite
     earlier ones), and LogitSpec reads the last position's. So the prefill's output layer and top-k run over
     these rows alone, with the store filled exactly as from every position (on the 24 Spec-Bench prompts of
     the throughput benchmark, 3,382 of 6,412 positions: the output layer is ~20% of a prompt forward).
@@ -195,7 +195,7 @@ class Engine:
             self._stream_cost = measure_cost_curve(self.runner, sorted({cap * b for b in choices}))
         return max(choices, key=lambda b: b / cost_at(self._stream_cost, b * cap))
 
-    # ---- state lifecycle (RACER.md section 7) ----
+    # ---- state lifecycle (docs/method.md section 7) ----
     def new_state(self) -> DraftState:
         """Draft state for one scope. With scope ``global`` every call returns the process-wide state."""
         if self.config.scope == "global":

@@ -53,7 +53,8 @@ class Divergence:
     def describe(self) -> str:
         if self.identical:
             return f"identical ({self.len_a} tokens)"
-        head = f"diverge after {self.common_prefix} of {self.len_a}/{self.len_b} tokens: {self.token_a} vs {self.token_b}"
+        head = (f"diverge after {self.common_prefix} of {self.len_a}/{self.len_b} tokens: "
+                f"{self.token_a} vs {self.token_b}")
         if self.logit_gap is None:
             return head
         tol = TIE_TOLERANCE.get(self.dtype or "", 1e-3)

@@ -1,5 +1,5 @@
 """The reference: plain autoregressive decoding with a KV cache, the oracle every drafter is tested
-against (STYLE.md habit 14). Deliberately short and independent of the tree machinery."""
+against (docs/method.md 10.3). Deliberately short and independent of the tree machinery."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Forward passes of the target model: prefill, tree verification, KV-cache pruning.
 
-Uses only public transformers hooks (STYLE.md 15): the decoder's ``cache=`` keyword with a
+Uses only public transformers hooks (docs/method.md 10.4): the decoder's ``cache=`` keyword with a
 ``DynamicCache``, explicit ``position_ids`` and a 4D additive attention mask. Logits are computed by the
 output layer from the decoder's hidden states, so the prefill never materialises ``[prompt_len, vocab]``
-logits at once (RACER.md 9.9): it computes the copy-logit top-k in chunks.
+logits at once (docs/method.md 9.9): it computes the copy-logit top-k in chunks.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every emitted token, autoregressive or speculative, is exactly one call of ``draw`` on the processed target
 distribution p of the position it follows, using one ``torch.rand`` from the row's generator. So with the
 same seed, speculative sampling emits the same tokens as plain autoregressive sampling whenever the logits
-agree (RACER.md section 4: q is a point mass, draw from p and descend while a child carries the draw).
+agree (docs/method.md section 4: q is a point mass, draw from p and descend while a child carries the draw).
 """
 
 from __future__ import annotations

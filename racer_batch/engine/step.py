@@ -127,7 +127,7 @@ class Telemetry:
 
 
 def greedy_paths(flat: FlatTrees, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Greedy acceptance of every tree of a flat batch at once (RACER.md 4: the longest path whose every
+    """Greedy acceptance of every tree of a flat batch at once (docs/method.md 4: the longest path whose every
     drafted token equals the target's argmax at its parent).
 
     A trie node has at most one child per token, so the nodes whose whole ancestry matches form one chain per
@@ -318,7 +318,8 @@ class Stepper:
             if not lossless:
                 path, bonus[i] = accept_relaxed(tree, row_logits, config=self.config, params=r.params, generator=r.gen)
             else:
-                path, bonus[i] = accept_sampling(tree, lambda n: processed_probs(row_logits[n], r.params), r.gen)
+                path, bonus[i] = accept_sampling(
+                    tree, lambda n, lg=row_logits, p=r.params: processed_probs(lg[n], p), r.gen)
             paths[i] = np.asarray(path, dtype=np.int64)
         cu_paths = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in paths], out=cu_paths[1:])

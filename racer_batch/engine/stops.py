@@ -1,4 +1,4 @@
-"""Exact stopping rules shared by the reference and the speculative engine (RACER.md section 4, 9.11)."""
+"""Exact stopping rules shared by the reference and the speculative engine (docs/method.md section 4, 9.11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one place where a draft tree becomes model inputs, and the acceptance rules (RACER.md 3.6-3.8, 4).
+"""The one place where a draft tree becomes model inputs, and the acceptance rules (docs/method.md 3.6-3.8, 4).
 
 Worked example. Draft (root 5) with nodes 0:5, 1:7 (parent 0), 2:8 (parent 0), 3:9 (parent 1), committed
 length L = 10. Breadth-first order is 0, 1, 2, 3; position ids are [10, 11, 11, 12]; the tree attention
@@ -22,9 +22,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .sampling import draw, processed_probs
 from ..drafters.base import Draft
 from ..values import DecodingConfig, GenerationParams
+from .sampling import draw, processed_probs
 
 
 @dataclass
@@ -201,7 +201,7 @@ def flatten_tree(draft: Draft, *, committed_len: int, device: torch.device | str
 
 
 def accept_greedy(tree: TreeInputs, choices: np.ndarray) -> tuple[list[int], int]:
-    """Greedy acceptance (RACER.md 4): the longest path whose every drafted token equals the target's
+    """Greedy acceptance (docs/method.md 4): the longest path whose every drafted token equals the target's
     argmax at its parent.
 
     Args:
@@ -223,7 +223,7 @@ def accept_greedy(tree: TreeInputs, choices: np.ndarray) -> tuple[list[int], int
 
 
 def accept_sampling(tree: TreeInputs, probs_of, generator: torch.Generator) -> tuple[list[int], int]:
-    """Lossless sampling acceptance for deterministic drafts (RACER.md 4).
+    """Lossless sampling acceptance for deterministic drafts (docs/method.md 4).
 
     At each node draw one token from the processed target distribution p of that node; if a child
     carries it, descend and repeat, else stop and emit the draw as the bonus token.

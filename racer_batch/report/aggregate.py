@@ -2,12 +2,13 @@
 
 Definitions (every row counts, whatever its status, because its compute was spent):
 
-- ``device_s``: generation time of the rows (prefill + decode) times the devices per actor (the job's
-  ``gpus_per_actor`` on GPUs; 1 for a CPU actor). This is what a device was busy for.
+- ``device_s``: the actor time of the rows (``RowRecord.busy_ms``: a row alone, its generation time, prefill +
+  decode; rows batched on one actor, each its share of the batched steps, ``device_ms``) times the devices per
+  actor (the job's ``gpus_per_actor`` on GPUs; 1 for a CPU actor). This is what a device was busy for.
 - ``wall_s``: the span from the first row's start (its ``finished_at`` minus its generation time) to the last
   row's ``finished_at``. With several actors wall time is shorter than device time.
 - ``tokens_per_device_s`` = output tokens / device_s; ``tokens_per_wall_s`` = output tokens / wall_s.
-- ``mat`` = output tokens / steps (RACER.md section 1: the prefill counts as one step that emits one token).
+- ``mat`` = output tokens / steps (docs/method.md section 1: the prefill counts as one step that emits one token).
 - ``accepted_hist[k]``: steps that accepted k draft tokens, summed over rows (index 0 includes the prefill).
 - shares of accepted draft tokens by source: retrieval only, logits only, both, other (PLD).
 - ``cost_usd`` = price per device-hour x device_s / 3600; ``cost_per_m_tokens`` = cost / output tokens x 1e6.

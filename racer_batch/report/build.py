@@ -236,7 +236,10 @@ def sampling_lines(rep: Report) -> list[str]:
 
 
 DEFINITIONS = [
-    "device s: generation time (prefill + decode) of the rows times devices per actor (a GPU, or one CPU actor).",
+    "device s: the actor time the rows used, times devices per actor (GPUs per actor; 1 for a CPU actor). A row "
+    "that ran alone counts its generation time (prefill + decode); rows batched on one actor each count their "
+    "share of every batched step (on a CPU the whole step, host work and forward; on a GPU the verify forward) "
+    "and their prefills.",
     "wall s: from the first row's start to the last row's end; tokens/device-s = output tokens / device s.",
     "MAT: output tokens / steps (the prefill is step 0 and emits one token, so autoregressive MAT = 1).",
     "from retrieval / logits / both: share of accepted draft tokens proposed by that source.",
@@ -262,7 +265,8 @@ def _md_table(head: list[str], body: list[list[str]]) -> str:
 def render_md(rep: Report) -> str:
     j = rep.job
     parts = [f"# {rep.title}", "",
-             f"Model `{j['model']}` ({j.get('dtype', 'default')} weights), method `{j['method']}` (config {j['config_hash']}), state {j['state']}, "
+             f"Model `{j['model']}` ({j.get('dtype', 'default')} weights), method `{j['method']}` "
+             f"(config {j['config_hash']}), state {j['state']}, "
              f"{j['rows']} rows, max_new_tokens {j['max_new_tokens']}, devices {', '.join(j['devices']) or '-'}. "
              f"Output: `{j['output']}`."
              + (f" Price: {rep.price_per_device_hour:g} USD per device-hour." if rep.price_per_device_hour is not None
@@ -295,7 +299,8 @@ margin:8px 0}.note{background:#fff6e0;border-left:4px solid #e0a000;padding:8px 
 def _html_text(text: str) -> str:
     """Escape text for HTML and show Markdown `code` spans as <code>."""
     parts = html.escape(text).split("`")
-    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts)) if len(parts) % 2 else html.escape(text)
+    return ("".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts)) if len(parts) % 2
+            else html.escape(text))
 
 
 def _html_table(head: list[str], body: list[list[str]]) -> str:
@@ -325,7 +330,8 @@ def render_html(rep: Report) -> str:
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(rep.title)}</title>
 <style>{_CSS}</style></head><body>
 <h1>{html.escape(rep.title)}</h1>
-<p>Model <code>{html.escape(str(j['model']))}</code> ({html.escape(str(j.get('dtype', 'default')))} weights), method <code>{html.escape(str(j['method']))}</code>
+<p>Model <code>{html.escape(str(j['model']))}</code> ({html.escape(str(j.get('dtype', 'default')))} weights), \
+method <code>{html.escape(str(j['method']))}</code>
 (config {html.escape(str(j['config_hash']))}), state {html.escape(str(j['state']))}, {j['rows']} rows,
 max_new_tokens {j['max_new_tokens']}, devices {html.escape(', '.join(j['devices']) or '-')}. {html.escape(price)}<br>
 <small>output folder {html.escape(j['output'])}; generated {generated}</small></p>

@@ -9,9 +9,9 @@ from typing import Optional
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+import matplotlib.pyplot as plt
 
-from racer_batch.report.aggregate import OVERALL  # noqa: E402
+from racer_batch.report.aggregate import OVERALL
 
 DPI = 110
 

@@ -24,7 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from racer_batch.report.load import JobData, ReportError
-from racer_batch.service.job.inputs import RowTask, iter_raw_rows, parse_row
+from racer_batch.service.job.inputs import iter_raw_rows
+from racer_batch.service.job.rows import RowTask, parse_row
 from racer_batch.service.results.output import SHARD_META_KEY
 from racer_batch.service.results.schema import OUTPUT_SCHEMA
 

@@ -10,9 +10,9 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from racer_batch.service.job.inputs import InputPlan
+from racer_batch.service.job.spec import JobSpec
 from racer_batch.service.results.output import read_manifest, read_output
 from racer_batch.service.results.shadow import read_shadow
-from racer_batch.service.job.spec import JobSpec
 
 
 class ReportError(ValueError):

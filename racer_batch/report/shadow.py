@@ -8,7 +8,7 @@ Input: shadow records (service/results/shadow.py SHADOW_SCHEMA), two per sampled
   match 100%; sampled pairs are not expected to match token for token (the methods draw from the generator
   at different points), so for them the report compares output lengths and finish reasons instead.
 - first divergence of a mismatch: (turn, character offset) of the first differing character.
-- speed ratio (RACER.md section 1): (baseline total ms / baseline tokens) / (method total ms / method tokens),
+- speed ratio (docs/method.md section 1): (baseline total ms / baseline tokens) / (method total ms / method tokens),
   token-weighted, generation time with prefill; > 1 means the method is faster. Confidence interval by a
   percentile bootstrap over rows (pairs resampled with replacement, the ratio recomputed each time).
 - MAT of each side: output tokens / steps.

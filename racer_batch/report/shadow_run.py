@@ -18,15 +18,16 @@ from typing import Callable, Optional
 import yaml
 
 from racer_batch.report.load import JobData, ReportError
-from racer_batch.service.job.inputs import InputPlan, RowTask, iter_raw_rows, parse_row
 from racer_batch.service.execution.runner import RowRunner
-from racer_batch.service.results.shadow import shadow_path, shadow_selected, write_shadow
+from racer_batch.service.job.inputs import InputPlan, iter_raw_rows
+from racer_batch.service.job.rows import RowTask, parse_row
 from racer_batch.service.job.spec import JobSpec, ShadowSpec, SpecError, resolve_preset
+from racer_batch.service.results.shadow import shadow_path, shadow_selected, write_shadow
 from racer_batch.values import DecodingConfig
 
 
 def baseline_config(name_or_path: str) -> DecodingConfig:
-    """The ``decoding`` section of a preset (configs/<name>.yaml or a YAML path). Raises ReportError."""
+    """The ``decoding`` section of a preset (a preset name, e.g. ar, or a YAML path). Raises ReportError."""
     try:
         path = resolve_preset(name_or_path, None)
     except SpecError as exc:

@@ -12,17 +12,18 @@ import json
 import os
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import pyarrow as pa
 
+from racer_batch.service.execution.queue import JobQueue
 from racer_batch.service.job.inputs import InputError, InputPlan, check_ids, plan_input
+from racer_batch.service.job.spec import JobSpec
 from racer_batch.service.results.manifest import job_manifest
 from racer_batch.service.results.output import OutputError, check_output_folder, read_manifest, write_manifest
-from racer_batch.service.execution.queue import JobQueue
 from racer_batch.service.results.resume import ResumePlan, plan_resume
 from racer_batch.service.results.shadow import shadow_selected
-from racer_batch.service.job.spec import JobSpec
 
 
 @dataclass
@@ -81,6 +82,29 @@ def _resources_not_applied(fields: dict, spec: JobSpec, state: str) -> list[str]
             for key in sorted(now) if key in had and had[key] != now[key]]
 
 
+def job_name(spec: JobSpec) -> str:
+    """The name ``list`` shows for a job whose spec names none (``submit --input FILE``): its input's file or
+    folder name, e.g. ``prompts.jsonl``."""
+    return Path(spec.input.path.rstrip("/")).name or spec.input.path
+
+
+def _pick_job_id(spec: JobSpec, prior: Optional[str], job_id: Optional[str]) -> str:
+    """The job id to submit under: the one asked for, else the output folder's earlier job (``prior``), else a
+    new one. Raises OutputError when the folder belongs to another job than the one asked for."""
+    if prior and job_id and job_id != prior:
+        raise OutputError(f"output.path = {spec.output.path!r} belongs to job {prior}, not {job_id}")
+    return job_id or prior or new_job_id()
+
+
+def _plan_resume(spec: JobSpec, plan: InputPlan, prior: Optional[str]) -> ResumePlan:
+    """Which shards the output folder already holds for these input rows (none unless resuming ``prior``).
+    Raises InputError when the input cannot be read back to compare."""
+    try:
+        return plan_resume(spec, plan) if prior else ResumePlan()
+    except (OSError, AssertionError, pa.ArrowException) as exc:
+        raise InputError(f"cannot read the input to compare it with {spec.output.path!r}: {exc}") from None
+
+
 def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) -> SubmitOutcome:
     """Validate and queue. On a resume the input is compared with the folder's part files, and the outcome
     says how many shards are kept and which are redone (the worker decides again when it runs the job).
@@ -89,19 +113,14 @@ def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) 
     plan = validate_job(spec)
     spec_hash = spec.spec_hash()
     prior = check_output_folder(spec.output.path, spec_hash=spec_hash, spec=spec.stored())
-    if prior and job_id and job_id != prior:
-        raise OutputError(f"output.path = {spec.output.path!r} belongs to job {prior}, not {job_id}")
-    job_id = job_id or prior or new_job_id()
+    job_id = _pick_job_id(spec, prior, job_id)
     num_shards = plan.num_shards(spec.output.shard_rows)
     fields = queue.job_fields(job_id) if queue.job_exists(job_id) else {}
     state = fields.get("state")  # None: Redis does not know the job
     if state in ("queued", "running"):
         return SubmitOutcome(job_id=job_id, plan=plan, action=f"already {state}", shards_total=num_shards,
                              notes=_resources_not_applied(fields, spec, state))
-    try:
-        resume = plan_resume(spec, plan) if prior else ResumePlan()
-    except (OSError, AssertionError, pa.ArrowException) as exc:
-        raise InputError(f"cannot read the input to compare it with {spec.output.path!r}: {exc}") from None
+    resume = _plan_resume(spec, plan, prior)
     if prior and state == "done" and len(resume.done) >= num_shards:
         # finished, and the folder still holds every shard for these rows: nothing to queue, and the job keeps
         # its run's figures (queueing it again would start a new, empty run's clock)
@@ -112,6 +131,7 @@ def submit_job(queue: JobQueue, spec: JobSpec, *, job_id: Optional[str] = None) 
     # status counts the kept shards from now on, not only once a worker has taken the job (before the enqueue:
     # a worker may take it at once and commit shards of its own)
     queue.sync_committed(job_id, resume.done)
-    queue.enqueue(job_id=job_id, spec=spec.stored(), plan=plan.to_dict(), priority=spec.priority, name=spec.name)
+    queue.enqueue(job_id=job_id, spec=spec.stored(), plan=plan.to_dict(), priority=spec.priority,
+                  name=spec.name or job_name(spec))
     return SubmitOutcome(job_id=job_id, plan=plan, action="resumed" if prior else "queued",
                          shards_total=num_shards, shards_kept=len(resume.done), notes=resume.describe())

@@ -10,15 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import tiny_bundle
+from test_static_runner import bundle_of, make_model, rand_tokens
+
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
 from racer_batch.engine.batch import Decode, Prefill, StreamBatch, drive, run_one
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.static_runner import StaticRunner
 from racer_batch.engine.tree import flatten_tree
-from test_static_runner import bundle_of, make_model, rand_tokens
 
 needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="the batched forward runs on our CPU kernels")
 
@@ -128,7 +128,8 @@ def test_seeded_sample_is_independent_of_batch_mates():
 
 
 def test_a_failing_stream_ends_alone():
-    """A prompt that fills the context (ValueError at its start) and a stream cancelled mid-way end alone; their batch-mates' outputs are those of a run without them."""
+    """A prompt that fills the context (ValueError at its start) and a stream cancelled mid-way end alone; their
+    batch-mates' outputs are those of a run without them."""
     bundle = tiny_bundle(seed=1, head_scale=60.0, context_length=128)
     good = ["abcabcabd", "hello world, hello", "0123012301"]
     engine = Engine(bundle, DecodingConfig(method="racer", capacity=8), streams=6)

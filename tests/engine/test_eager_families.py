@@ -12,12 +12,12 @@ import logging
 
 import pytest
 import torch
+from test_static_runner import _BASE, bundle_of, rand_tokens, run_scenario
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from racer_batch.engine.runner import ModelRunner, check_tree_verify, layer_windows, make_runner
 from racer_batch.models import EAGER_TESTED_ARCHITECTURES
-from test_static_runner import _BASE, bundle_of, rand_tokens, run_scenario
 
 WINDOW = 8
 # per family: settings on top of the tiny base (a window of 8 where the family has sliding layers; MoE with 4

@@ -4,9 +4,9 @@
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_bundle
 from scipy.stats import chisquare
 
-from helpers import tiny_bundle
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
 from racer_batch.engine.batch import drive
@@ -34,7 +34,8 @@ def test_greedy_equals_reference(tiny, method, capacity):
 
 
 def test_speculation_actually_accepts_drafts(tiny):
-    out = Engine(tiny, DecodingConfig(method="racer", capacity=32)).generate("abcabcabd", GenerationParams(max_new_tokens=120))
+    out = Engine(tiny, DecodingConfig(method="racer", capacity=32)).generate(
+        "abcabcabd", GenerationParams(max_new_tokens=120))
     assert out.stats.mat > 1.2
     assert out.stats.steps < out.output_tokens
 
@@ -101,7 +102,8 @@ def test_max_new_tokens_exact_including_one(tiny, method):
 def test_context_limit_stops_before_the_model_runs_out_of_positions(method):
     bundle = tiny_bundle(context_length=24, eos=False)
     prompt = "abcabcabcabcabcabcab"  # 20 tokens: 4 free positions, max_new_tokens 10
-    out = Engine(bundle, DecodingConfig(method=method, capacity=16)).generate(prompt, GenerationParams(max_new_tokens=10))
+    out = Engine(bundle, DecodingConfig(method=method, capacity=16)).generate(
+        prompt, GenerationParams(max_new_tokens=10))
     ref = generate_reference(bundle, prompt, GenerationParams(max_new_tokens=10))
     assert out.finish_reason == "context" and ref.finish_reason == "context"
     assert out.output_tokens == 4 and out.token_ids == ref.token_ids
@@ -152,7 +154,8 @@ class FixedTreeDrafter:
             if depth[i] <= max_depth:
                 keep.append(i)
         remap = {old: new for new, old in enumerate(keep)}
-        return Draft([tokens[i] for i in keep], [-1] + [remap[parents[i]] for i in keep[1:]], [0] + [2] * (len(keep) - 1))
+        return Draft([tokens[i] for i in keep], [-1] + [remap[parents[i]] for i in keep[1:]],
+                     [0] + [2] * (len(keep) - 1))
 
     def update(self, verified):
         pass

@@ -4,11 +4,11 @@ import json
 
 import numpy as np
 import pytest
-
 from helpers import tiny_bundle
+
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
-from racer_batch.drafters.base import Draft
 from racer_batch.drafters import make_drafter
+from racer_batch.drafters.base import Draft
 
 NEW_METHODS = ["tr", "logitspec", "rest", "sam", "graft"]
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat"]
@@ -73,7 +73,8 @@ def _corpus_file(tmp_path, bundle, prompts, max_new):
     path = tmp_path / "route.jsonl"
     lines = []
     for p in prompts:
-        ids = bundle.tokenizer(p)["input_ids"] + generate_reference(bundle, p, GenerationParams(max_new_tokens=max_new)).token_ids
+        ids = (bundle.tokenizer(p)["input_ids"]
+               + generate_reference(bundle, p, GenerationParams(max_new_tokens=max_new)).token_ids)
         lines.append(json.dumps({"token_ids": ids}))
     lines.append(json.dumps({"text": "some unrelated text."}))
     path.write_text("\n".join(lines) + "\n")
@@ -165,7 +166,8 @@ def test_lossless_default_is_unchanged(tiny):
         for prompt in PROMPTS[:2]:
             a = plain.generate(prompt, GenerationParams(max_new_tokens=60), keep_steps=True)
             b = explicit.generate(prompt, GenerationParams(max_new_tokens=60), keep_steps=True)
-            assert a.token_ids == b.token_ids == generate_reference(tiny, prompt, GenerationParams(max_new_tokens=60)).token_ids
+            assert a.token_ids == b.token_ids == generate_reference(
+                tiny, prompt, GenerationParams(max_new_tokens=60)).token_ids
             assert [(r.tree_size, r.accepted_length) for r in a.stats.step_records] == \
                    [(r.tree_size, r.accepted_length) for r in b.stats.step_records]
 
@@ -202,7 +204,8 @@ def test_relaxed_acceptance_accepts_more_and_changes_outputs(tiny):
     params = GenerationParams(max_new_tokens=30)
     ref = generate_reference(tiny, "hello world", params)
     mats = {}
-    for acceptance, extra in [("lossless", {}), ("topk", {"relaxed_topk": 2}), ("threshold", {"relaxed_threshold": 1e-4})]:
+    for acceptance, extra in [("lossless", {}), ("topk", {"relaxed_topk": 2}),
+                              ("threshold", {"relaxed_threshold": 1e-4})]:
         cfg = DecodingConfig(method="pld", capacity=8, acceptance=acceptance, **extra)
         engine = Engine(tiny, cfg, drafter_factory=lambda c, st: SecondChoiceDrafter(tiny))
         out = engine.generate("hello world", params)

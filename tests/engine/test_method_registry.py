@@ -10,14 +10,14 @@ from pydantic import ValidationError
 import racer_batch.values as values_mod
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters import (
+    DecodingMethod,
     Draft,
     DraftState,
-    DecodingMethod,
     Verified,
+    get_method,
     make_drafter,
     make_state,
     method_names,
-    get_method,
     register_method,
     unregister_method,
 )

@@ -1,4 +1,4 @@
-"""Regression tests for the pitfalls of public implementations (RACER.md section 9) not covered elsewhere.
+"""Regression tests for the pitfalls of public implementations (docs/method.md section 9) not covered elsewhere.
 
 Covered elsewhere: 9.3 lossy sampling (test_engine_tiny::test_lossless_sampling...), 9.4/9.5 LRU order and
 failure links (tests/unit/test_automaton.py), 9.6 shared state (test_engine_tiny::test_state_scopes),
@@ -9,8 +9,8 @@ failure links (tests/unit/test_automaton.py), 9.6 shared state (test_engine_tiny
 import numpy as np
 import pytest
 import torch
-
 from helpers import tiny_bundle
+
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
 from racer_batch.engine.runner import PREFILL_TOPK_CHUNK, ModelRunner

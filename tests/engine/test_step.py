@@ -3,8 +3,8 @@ observation against their one-tree-at-a-time definitions."""
 
 import numpy as np
 import pytest
-
 from helpers import tiny_bundle
+
 from racer_batch import DecodingConfig, Engine, GenerationParams
 from racer_batch.drafters.base import Draft, TrieBuilder
 from racer_batch.engine.batch import StreamBatch
@@ -12,7 +12,6 @@ from racer_batch.engine.capacity import CapacityTuner
 from racer_batch.engine.step import HOST_PARTS, SCORES_PART, _accepted_by_source, flat_of_drafts, greedy_paths
 from racer_batch.engine.tree import FlatTrees, accept_greedy, flatten_tree
 from racer_batch.values import SOURCE_LOGITS, SOURCE_PLD, SOURCE_RETRIEVAL
-
 
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301"]
 
@@ -47,7 +46,8 @@ def test_greedy_paths_equal_accept_greedy_tree_by_tree():
             path, bon = accept_greedy(tree, choices[lo:hi])
             assert nodes[cu[b]: cu[b + 1]].tolist() == path and bonus[b] == bon
         got = native.accept_greedy_batch(flat.cu, flat.parents, flat.tokens, choices.astype(np.int64))
-        assert got[0].tolist() == nodes.tolist() and got[1].tolist() == cu.tolist() and got[2].tolist() == bonus.tolist()
+        assert (got[0].tolist() == nodes.tolist() and got[1].tolist() == cu.tolist()
+                and got[2].tolist() == bonus.tolist())
 
 
 def test_flat_of_drafts_orders_each_tree_as_flatten_tree():

@@ -35,8 +35,8 @@ def test_generate_exit_codes():
 def test_generate_gives_a_job_rows_answer(tmp_path):
     """Issue 13, part 5: the same messages give the same answer in `generate` and in a job (the demo's
     preset), because neither injects a system prompt: both use the model's own chat template."""
-    from racer_batch.service.job.inputs import parse_row
     from racer_batch.service.execution.runner import RowRunner
+    from racer_batch.service.job.rows import parse_row
     from racer_batch.service.job.spec import load_spec
 
     prompt = "Name three colours."

@@ -19,7 +19,6 @@ from click.testing import CliRunner
 
 from racer_batch.service.results.output import read_manifest, read_output
 from racer_batch.service.results.schema import OUTPUT_SCHEMA
-
 from tests.fixtures import ROOT, base_overrides, write_parquet
 
 pytestmark = pytest.mark.service
@@ -82,7 +81,8 @@ def test_invalid_utf8_in_a_prompt_is_a_row_error(cli, tmp_path, redis_url, prefi
     out = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
     assert out["good"]["status"] == "ok" and out["also-good"]["status"] == "ok"
     assert out["bad"]["status"] == "error"
-    assert out["bad"]["error"].startswith("row 'bad'") and "'prompt'" in out["bad"]["error"] and "UTF-8" in out["bad"]["error"]
+    assert (out["bad"]["error"].startswith("row 'bad'") and "'prompt'" in out["bad"]["error"]
+            and "UTF-8" in out["bad"]["error"])
     job_id = res.stdout.splitlines()[0]
     errs = json.loads(_invoke(cli, ["errors", job_id, "--json"], redis_url, prefix).stdout)
     assert [e["id"] for e in errs] == ["bad"]
@@ -169,7 +169,8 @@ def test_100k_rows_plan_in_bounded_memory(cli, tmp_path, redis_url, prefix):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     m = json.loads(out.stdout)
-    print("100k-row planning memory:", json.dumps({k: round(v, 1) for k, v in m.items()}), f"prompts {prompt_mb:.0f} MB")
+    print("100k-row planning memory:", json.dumps({k: round(v, 1) for k, v in m.items()}),
+          f"prompts {prompt_mb:.0f} MB")
     assert m["rows"] == m["read"] == n and m["shards"] == 1563
     assert prompt_mb > 90
     assert m["plan_traced_mb"] < 24, m  # the id set (100k short strings) dominates
@@ -209,9 +210,9 @@ def test_output_folder_turns_read_only_after_submit(tmp_path, queue, redis_url):
     """The folder was writable at submit but not when the worker starts: the job fails with a message that
     names the folder; the worker lives on."""
     from racer_batch.service.execution.actors import ThreadExecutor
-    from racer_batch.service.job.spec import load_spec
-    from racer_batch.service.job.submit import submit_job
     from racer_batch.service.execution.worker import Worker
+    from racer_batch.service.job.spec import load_spec
+    from racer_batch.service.submit import submit_job
 
 
     if shutil.which("chattr") is None:

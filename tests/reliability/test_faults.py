@@ -18,11 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from racer_batch.service.execution.local import make_executor
-from racer_batch.service.results.output import part_path, read_manifest, read_output
 from racer_batch.service.execution.queue import JobQueue, connect
-from racer_batch.service.job.submit import submit_job
 from racer_batch.service.execution.worker import Worker
-
+from racer_batch.service.results.output import part_path, read_manifest, read_output
+from racer_batch.service.submit import submit_job
 from tests.fixtures import submit_standin_job
 
 from .util import BackgroundWorker, assert_each_id_once, wait_for

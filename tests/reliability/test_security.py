@@ -19,14 +19,12 @@ from click.testing import CliRunner
 
 from racer_batch.service.execution.actors import ThreadExecutor
 from racer_batch.service.execution.local import make_executor
-from racer_batch.service.results.output import read_output
 from racer_batch.service.execution.queue import JobQueue, connect, redact_url
-from racer_batch.service.job.spec import load_spec
-from racer_batch.service.job.submit import submit_job
 from racer_batch.service.execution.worker import Worker
-
-from tests.fixtures import ROOT
-from tests.fixtures import base_overrides, write_parquet
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.output import read_output
+from racer_batch.service.submit import submit_job
+from tests.fixtures import ROOT, base_overrides, write_parquet
 
 pytestmark = pytest.mark.service
 
@@ -59,7 +57,8 @@ def test_override_with_python_tag_is_refused(cli, tmp_path, redis_url, prefix):
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
     spec = tmp_path / "job.yaml"
     spec.write_text("input: {path: in.parquet}\noutput: {path: out}\nmodel: {name: stand-in}\n")
-    res = CliRunner().invoke(cli, ["submit", str(spec), "--set", f"name=!!python/object/apply:os.system ['touch {marker}']",
+    res = CliRunner().invoke(cli, ["submit", str(spec), "--set",
+                                   f"name=!!python/object/apply:os.system ['touch {marker}']",
                                    "--redis-url", redis_url, "--prefix", prefix])
     _clean(res)
     assert res.exit_code == 2 and "override name: cannot read value" in res.output, res.output
@@ -73,7 +72,8 @@ _FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
 def test_service_code_has_no_pickle_eval_or_unsafe_yaml():
     """Static check of the service and its CLI: values are JSON, YAML is safe_load, nothing is evaluated.
     (Ray pickles task arguments between our own processes; nothing a user submits is unpickled.)"""
-    files = sorted((ROOT / "racer_batch" / "service").glob("*.py")) + sorted((ROOT / "racer_batch" / "cli").glob("*.py"))
+    files = (sorted((ROOT / "racer_batch" / "service").glob("*.py"))
+             + sorted((ROOT / "racer_batch" / "cli").glob("*.py")))
     problems = []
     for f in files:
         tree = ast.parse(f.read_text(), filename=str(f))
@@ -276,8 +276,8 @@ def test_engine_job_states_are_isolated():
     already answered gets no retrieval help in the second job (same steps and acceptance as on a fresh
     engine), while inside the first job the repeat is drafted from its own earlier answer (the control)."""
     import torch
-
     from helpers import tiny_bundle
+
     from racer_batch import DecodingConfig, Engine, GenerationParams
 
     torch.set_num_threads(1)

@@ -10,7 +10,6 @@ import pytest
 
 from racer_batch.service.execution.queue import ROW_STREAM_MAXLEN
 from racer_batch.service.results.tally import Tally
-
 from tests.fixtures import ROOT
 
 pytestmark = pytest.mark.service

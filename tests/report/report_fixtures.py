@@ -1,11 +1,10 @@
 """Report-test helpers (re-exported from tests/helpers.py; a conftest.py cannot be imported by name)."""
 
-from tests.fixtures import base_overrides, write_parquet
-
-from racer_batch.service.job.inputs import plan_input
-from racer_batch.service.results.output import write_manifest
 from racer_batch.service.execution.runner import RowRunner, ShardTask
+from racer_batch.service.job.inputs import plan_input
 from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.output import write_manifest
+from tests.fixtures import base_overrides, write_parquet
 
 __all__ = ["base_overrides", "finished_job", "write_parquet"]
 

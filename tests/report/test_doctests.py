@@ -10,8 +10,8 @@ import racer_batch.service.job.inputs
 import racer_batch.service.results.shadow
 
 
-@pytest.mark.parametrize("module", [racer_batch.report.shadow, racer_batch.report.export, racer_batch.service.results.shadow,
-                                    racer_batch.service.job.inputs])
+@pytest.mark.parametrize("module", [racer_batch.report.shadow, racer_batch.report.export,
+                                    racer_batch.service.results.shadow, racer_batch.service.job.inputs])
 def test_docstring_examples(module):
     res = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert res.attempted > 0 and res.failed == 0

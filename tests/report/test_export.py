@@ -11,11 +11,11 @@ from report_fixtures import base_overrides, write_parquet
 
 from racer_batch.report.export import CHAT_SCHEMA, export_chat
 from racer_batch.report.load import load_output
-from racer_batch.service.job.inputs import plan_input
-from racer_batch.service.results.output import read_output, write_manifest
 from racer_batch.service.execution.runner import RowRunner, ShardTask
-from racer_batch.service.results.shadow import sample_seed
+from racer_batch.service.job.inputs import plan_input
 from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.output import read_output, write_manifest
+from racer_batch.service.results.shadow import sample_seed
 
 ROWS = [
     {"id": "p", "prompt": "a plain prompt", "messages": None, "turns": None},

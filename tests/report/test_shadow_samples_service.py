@@ -9,12 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 from report_fixtures import base_overrides, write_parquet
 
-from racer_batch.service.job.inputs import plan_input
-from racer_batch.service.results.output import read_output
 from racer_batch.service.execution.runner import RowRunner, ShardTask
+from racer_batch.service.job.inputs import plan_input
+from racer_batch.service.job.spec import SpecError, load_spec
+from racer_batch.service.results.output import read_output
 from racer_batch.service.results.schema import OUTPUT_SCHEMA
 from racer_batch.service.results.shadow import SHADOW_SCHEMA, read_shadow, sample_seed, shadow_selected
-from racer_batch.service.job.spec import SpecError, load_spec
 
 
 def _run(tmp_path, rows, **over):
@@ -69,7 +69,7 @@ def test_shadow_rows_run_on_the_same_worker_interleaved(tmp_path):
         assert m[0]["text"] == main[rid]["text"] == b[0]["text"]  # the stand-in is deterministic per seed
         assert b[0]["seed"] == main[rid]["seed"]
     assert {r["ran_first"] for r in recs if r["side"] == "baseline"} == {True, False}  # both orders occur
-    assert out["rows"] == 12 and out["shadow_rows"] == len(expected)  # shadow rows are not job rows
+    assert out.summary["rows"] == 12 and out.summary["shadow_rows"] == len(expected)  # shadow rows: not job rows
     runner.end_job("job-x")
     assert runner._states == {}  # the shadow state is freed with the job's
 
@@ -80,7 +80,7 @@ def test_n_samples_distinct_recorded_seeds(tmp_path):
     table = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=False)
     got = table.to_pylist()
-    assert len(got) == 3 and out["rows"] == 3  # one output row per input row
+    assert len(got) == 3 and out.summary["rows"] == 3  # one output row per input row
     for r in got:
         seeds = [s["seed"] for s in r["samples"]]
         assert [s["sample"] for s in r["samples"]] == [0, 1, 2, 3]

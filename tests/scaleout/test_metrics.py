@@ -18,14 +18,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from racer_batch.service.execution.actors import ThreadExecutor
 from racer_batch.service.execution.local import free_port
+from racer_batch.service.execution.worker import Worker
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.job.task import ShardResult
 from racer_batch.service.results.metrics import MeteredExecutor, WorkerMetrics
 from racer_batch.service.results.output import read_output
 from racer_batch.service.results.record import RowRecord
-from racer_batch.service.job.spec import load_spec
-from tests.standin import RAISE_MARKER
-from racer_batch.service.job.submit import submit_job
 from racer_batch.service.results.tally import Tally
-from racer_batch.service.execution.worker import Worker
+from racer_batch.service.submit import submit_job
+from tests.standin import RAISE_MARKER
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,13 +61,13 @@ def test_tally_routes_on_hand_made_records():
         c.observe_row(_rec("x", "weird"))
 
 
-def _shard_result(**extra):
+def _shard_result(*, written: bool, stopped, elapsed_s=None) -> ShardResult:
     t = Tally()
     for _ in range(2):
         t.observe_row(_rec("chat", "ok", output_tokens=5, steps=3, accepted_hist=[1, 1, 1], decode_ms=500.0))
     t.observe_row(_rec("chat", "error", output_tokens=2, steps=1, accepted_hist=[1], decode_ms=500.0))
     assert (t.output_tokens, t.accepted_tokens, t.steps, t.gen_ms) == (12, 6, 7, 1500.0)
-    return dict(t.to_dict(), **extra)
+    return ShardResult(summary=dict(t.to_dict(), elapsed_s=elapsed_s), stopped=stopped, written=written)
 
 
 def test_registry_counts_and_forgets_old_jobs():

@@ -13,11 +13,11 @@ import pytest
 
 from racer_batch.service.execution.actors import ThreadExecutor
 from racer_batch.service.execution.local import start_private_redis
-from racer_batch.service.results.output import read_output
 from racer_batch.service.execution.queue import JobQueue, QueueUnavailable, connect
-from racer_batch.service.job.spec import load_spec
-from racer_batch.service.job.submit import submit_job
 from racer_batch.service.execution.worker import Worker
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.output import read_output
+from racer_batch.service.submit import submit_job
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -135,7 +135,8 @@ def test_a_worker_paused_past_its_lease_writes_nothing_after_the_take_over(queue
             if a.poll() is None:
                 os.kill(a.pid, signal.SIGCONT)
     history = queue.lease_history(sub.job_id)
-    print([(e["event"], e["owner"], round(e["at"] - t_stop, 2)) for e in history], f"A resumed at +{t_cont - t_stop:.1f} s")
+    print([(e["event"], e["owner"], round(e["at"] - t_stop, 2)) for e in history],
+          f"A resumed at +{t_cont - t_stop:.1f} s")
     assert [(e["event"], e["owner"], e.get("reclaimed")) for e in history] == [
         ("taken", "A", "0"), ("taken", "B", "1"), ("done", "B", None)]
     rows = assert_each_id_once(spec.output.path, ids)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tests.fixtures import write_parquet
 
 from racer_batch.service.execution.queue import redact_url
+from tests.fixtures import write_parquet
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,8 @@ def test_redact_url():
 
 
 def test_service_layer_does_not_import_click():
-    code = ("import sys; import racer_batch.service, racer_batch.service.execution.local, racer_batch.service.execution.worker; "
+    code = ("import sys; import racer_batch.service, racer_batch.service.execution.local, "
+            "racer_batch.service.execution.worker; "
             "print('click' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
@@ -142,7 +143,7 @@ def test_a_job_whose_rows_all_failed_fails_and_points_to_errors(cli, tmp_path, r
 def _six_rows_claimed(tmp_path: Path, queue):
     """A stand-in job of 6 rows in 2 shards, submitted and claimed by worker ``w``: (submit outcome, lease)."""
     from racer_batch.service.job.spec import load_spec
-    from racer_batch.service.job.submit import submit_job
+    from racer_batch.service.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(6)])
     spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
@@ -164,7 +165,7 @@ def test_status_says_when_the_owner_stopped_renewing(cli, tmp_path, redis_url, p
     import time
 
     from racer_batch.service.job.spec import load_spec
-    from racer_batch.service.job.submit import submit_job
+    from racer_batch.service.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
     spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
@@ -214,7 +215,7 @@ def test_list_and_errors_tables_are_not_cut_in_a_pipe(cli, tmp_path, redis_url, 
 
 def test_worker_shows_activity_at_the_default_log_level(cli, tmp_path, redis_url, prefix, queue):
     from racer_batch.service.job.spec import load_spec
-    from racer_batch.service.job.submit import submit_job
+    from racer_batch.service.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(4)])
     spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
@@ -278,6 +279,10 @@ def test_submit_without_a_spec_file(cli, tmp_path, redis_url, prefix, monkeypatc
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout.strip().splitlines()[-1])["rows_done"] == 2
     assert (tmp_path / "out" / "prompts" / "part-00000.parquet").exists()  # the documented default output
+    res = CliRunner().invoke(cli, ["list", "--json", *common])
+    assert [j["name"] for j in json.loads(res.stdout)] == ["prompts.parquet"]  # named after its input
+    res = CliRunner().invoke(cli, ["list", *common])
+    assert "prompts.parquet" in res.stdout
     res = CliRunner().invoke(cli, ["submit", "--model", "stand-in", *common])
     assert res.exit_code == 2 and "--input is required" in res.output
 
@@ -313,8 +318,8 @@ def test_status_after_a_cancel_counts_a_partial_shards_answered_rows(cli, tmp_pa
     """Found in a new user's trial: a cancel mid-shard left that shard's part file with one answered row, but
     status dropped it (the in-flight tally was deleted) and counted it as cancelled."""
     from racer_batch.service.job.spec import load_spec
-    from racer_batch.service.job.submit import submit_job
     from racer_batch.service.results.tally import Tally
+    from racer_batch.service.submit import submit_job
 
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": f"p {i}"} for i in range(9)])
     spec = load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / "out"),
@@ -367,5 +372,57 @@ def test_actors_get_the_workers_racer_and_hf_variables(monkeypatch):
     local.init_local_ray(address="10.0.0.1:6379")
     env = calls[0]["runtime_env"]["env_vars"]
     assert env["RACER_KERNEL_ISA"] == "avx2-test" and env["HF_HUB_OFFLINE"] == "1"
-    assert "NOT_RACER_VAR" not in env and env["PYTHONPATH"].split(":")[0] == str(local.PROJECT_ROOT)
+    assert ("NOT_RACER_VAR" not in env
+            and (Path(env["PYTHONPATH"].split(":")[0]) / "racer_batch" / "__init__.py").is_file())
     assert calls[0]["address"] == "10.0.0.1:6379"
+
+
+def test_ctrl_c_of_submit_local_queues_the_job_and_the_rerun_times_itself(tmp_path, queue, redis_url, prefix):
+    """One SIGINT to a running ``submit --local`` (a real process, as a terminal's Ctrl-C): it exits 130 saying
+    the job went back to the queue, quietly (no traceback), ``status`` then says queued with no owner, and the
+    resumed run finishes every row once and reports its own wall time, not the first run's plus its own."""
+    import os
+    import signal
+    import time
+
+    import pyarrow.parquet as pq
+
+    rows = [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(8)]
+    write_parquet(tmp_path / "in.parquet", rows)
+    spec = tmp_path / "job.yaml"
+    spec.write_text("input: {path: in.parquet}\noutput: {path: out, shard_rows: 2}\n"
+                    "model: {name: 'stand-in?ms_per_step=120&mat=1'}\ngeneration: {max_new_tokens: 4}\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RACER_BATCH_ENGINE_HOOK="tests.standin:STANDIN_HOOK")
+    cmd = [sys.executable, "-m", "racer_batch", "submit", str(spec), "--local", "--executor", "thread", "--json",
+           "--redis-url", redis_url, "--prefix", prefix]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        jobs = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            jobs = queue.list_jobs()
+            if jobs and queue.status(jobs[0].job_id).shards_done >= 1:
+                break
+            time.sleep(0.05)
+        assert jobs and queue.status(jobs[0].job_id).shards_done >= 1, "the job never got going"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first_s = time.monotonic() - t0
+    job_id = jobs[0].job_id
+    assert proc.returncode == 130, err
+    assert "handed back to the queue" in err and "Traceback" not in err, err
+    st = queue.status(job_id)
+    assert st.state == "queued" and st.owner is None and st.shards_done < 4, (st.to_dict(), err,
+                                                                              queue.lease_history(job_id))
+    time.sleep(1.0)  # a gap between the two runs: a wall time spanning both would hold it
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    final = json.loads(res.stdout.strip().splitlines()[-1])
+    assert final["state"] == "done" and final["rows_done"] == 8
+    assert final["elapsed_s"] < first_s + 1.0 and final["elapsed_s"] < time.monotonic() - t0 - 1.0, final
+    ids = [r["id"] for r in pq.read_table(tmp_path / "out").to_pylist()]
+    assert sorted(ids) == sorted(r["id"] for r in rows)

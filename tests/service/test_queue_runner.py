@@ -8,16 +8,16 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from tests.fixtures import base_overrides, queue_url, submit_standin_job, write_parquet
 
 from racer_batch.service.execution.actors import RedisSink
 from racer_batch.service.execution.local import run_until_done
-from racer_batch.service.results.output import OutputError, part_path, read_manifest, read_output
 from racer_batch.service.execution.runner import RowRunner, ShardTask
-from racer_batch.service.results.schema import OUTPUT_SCHEMA
 from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.output import OutputError, part_path, read_manifest, read_output
+from racer_batch.service.results.schema import OUTPUT_SCHEMA
+from racer_batch.service.submit import submit_job
+from tests.fixtures import base_overrides, queue_url, submit_standin_job, write_parquet
 from tests.standin import RAISE_MARKER
-from racer_batch.service.job.submit import submit_job
 
 pytestmark = pytest.mark.service
 
@@ -42,9 +42,12 @@ def test_lease_claim_renew_reclaim(queue, tmp_path):
 
 def test_priority_and_cancel_queued(queue, tmp_path):
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
-    low = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=1, **{"output.path": str(tmp_path / "o1")})))
-    high = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=8, **{"output.path": str(tmp_path / "o2")})))
-    mid = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o3")})))
+    low = submit_job(queue, load_spec(
+        None, base_overrides(tmp_path, priority=1, **{"output.path": str(tmp_path / "o1")})))
+    high = submit_job(queue, load_spec(
+        None, base_overrides(tmp_path, priority=8, **{"output.path": str(tmp_path / "o2")})))
+    mid = submit_job(queue, load_spec(
+        None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o3")})))
     assert queue.cancel(mid.job_id) == "cancelled"
     first = queue.claim(consumer="A", lease_ms=10_000, block_ms=0)
     second = queue.claim(consumer="A", lease_ms=10_000, block_ms=0)
@@ -70,7 +73,8 @@ def test_bad_rows_never_kill_the_job(queue, tmp_path):
     out = {r["id"]: r for r in read_output(spec.output.path).to_pylist()}
     assert sorted(out) == sorted(r["id"] for r in rows)
     expect = {"null": "all null", "empty": "prompt is empty", "too-long": "context is 500",
-              "bad-param": "max_new_tokens = -3", "bad-top-p": "top_p = 7.0", "model-error": "model error: RuntimeError"}
+              "bad-param": "max_new_tokens = -3", "bad-top-p": "top_p = 7.0",
+              "model-error": "model error: RuntimeError"}
     for rid, msg in expect.items():
         assert out[rid]["status"] == "error" and msg in out[rid]["error"], (rid, out[rid]["error"])
         assert out[rid]["error"].startswith(f"row {rid!r}")
@@ -113,7 +117,7 @@ def test_runner_reuses_model_and_frees_job_state(tmp_path):
         task = ShardTask(job_id=job, shard=0, row_start=0, row_stop=4, spec=spec.stored(), plan=plan.to_dict(),
                          spec_hash=spec.spec_hash(), owner="t")
         out = runner.run_shard(task.to_dict())
-        assert out["rows"] == 4 and out["ok"] == 4 and out["written"]
+        assert out.summary["rows"] == 4 and out.summary["ok"] == 4 and out.committed
     assert runner.models_loaded == 1
     assert sorted(runner.active_jobs) == ["job-a", "job-b"]
     engine, state = runner._states["job-a"]
@@ -233,13 +237,13 @@ def test_turns_see_earlier_answers(tmp_path):
     seen: list = []
 
     class Recording(StandInEngine):
-        def generate(self, prompt, params=None, **kw):
+        def stream(self, prompt, params=None, **kw):
             seen.append([dict(m) for m in prompt])
-            return super().generate(prompt, params, **kw)
+            return (yield from super().stream(prompt, params, **kw))
 
     write_parquet(tmp_path / "in.parquet", [{"id": "m", "turns": ["q1", "q2"]}])
     spec = load_spec(None, base_overrides(tmp_path, **{"generation.system_prompt": "sys"}))
-    runner = RowRunner(worker_name="t", engine_factory=lambda bundle, cfg: Recording(bundle, cfg))
+    runner = RowRunner(worker_name="t", engine_factory=lambda bundle, cfg, **kw: Recording(bundle, cfg, **kw))
     task = ShardTask(job_id="j", shard=0, row_start=0, row_stop=1, spec=spec.stored(),
                      plan=plan_input(spec.input).to_dict(), spec_hash=spec.spec_hash(), owner="t")
     runner.run_shard(task.to_dict())
@@ -293,8 +297,8 @@ def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_pat
     """A fault that is not a row's (here: the engine cannot make a draft state) fails the job with its
     message after retries; no row is marked as an error for it."""
     from racer_batch.service.execution.actors import ThreadExecutor
-    from tests.standin import StandInEngine
     from racer_batch.service.execution.worker import Worker
+    from tests.standin import StandInEngine
 
     class Broken(StandInEngine):
         def new_state(self):
@@ -302,7 +306,7 @@ def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_pat
 
     spec, sub = submit_standin_job(queue, tmp_path, [{"id": i, "prompt": "p"} for i in range(3)])
     ex = ThreadExecutor(redis_url, prefix=queue.prefix,
-                        runner_options={"engine_factory": lambda bundle, cfg: Broken(bundle, cfg)})
+                        runner_options={"engine_factory": lambda bundle, cfg, **kw: Broken(bundle, cfg, **kw)})
     w = Worker(queue, ex, name="w", lease_s=5)
     assert w.run(max_jobs=1, idle_exit_s=5) == 1
     ex.shutdown()
@@ -314,9 +318,12 @@ def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_pat
 def test_embedded_worker_runs_only_its_own_job(queue, redis_url, tmp_path):
     """`submit --local` must not run (or hold) other jobs waiting in the same queue, even ones ahead of it."""
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}, {"id": 2, "prompt": "y"}])
-    other = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=9, **{"output.path": str(tmp_path / "o1")})))
-    older = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o2")})))
-    mine = submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o3")})))
+    other = submit_job(queue, load_spec(
+        None, base_overrides(tmp_path, priority=9, **{"output.path": str(tmp_path / "o1")})))
+    older = submit_job(queue, load_spec(
+        None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o2")})))
+    mine = submit_job(queue, load_spec(
+        None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o3")})))
     run = run_until_done(queue, mine.job_id, url=redis_url, prefix=queue.prefix, executor_kind="thread", lease_s=5)
     assert run.state == "done"
     for job in (other, older):

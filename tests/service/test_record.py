@@ -12,18 +12,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.fixtures import base_overrides, write_parquet
 from racer_batch.service.execution import runner as runner_mod
-from racer_batch.service.results import sinks
-from racer_batch.service.job.inputs import plan_input
-from racer_batch.service.results.output import read_output
-from racer_batch.service.results.record import (OUTPUT_SCHEMA, SAMPLE_TYPE, SHADOW_SCHEMA, RowOrigin, RowRecord,
-                                        ShadowRecord, records_table)
 from racer_batch.service.execution.runner import RowRunner, ShardTask
-from racer_batch.service.results.shadow import read_shadow, shadow_path, write_shadow
+from racer_batch.service.job.inputs import plan_input
 from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results import sinks
+from racer_batch.service.results.output import read_output
+from racer_batch.service.results.record import (
+    OUTPUT_SCHEMA,
+    SAMPLE_TYPE,
+    SHADOW_SCHEMA,
+    RowOrigin,
+    RowRecord,
+    ShadowRecord,
+    records_table,
+)
+from racer_batch.service.results.shadow import read_shadow, shadow_path, write_shadow
 from racer_batch.service.results.tally import Tally
 from racer_batch.values import GenerationResult, RowStats
+from tests.fixtures import base_overrides, write_parquet
 
 SCHEMA_VERSION = 1
 # The schemas as they were written out by hand before issue 13: folders written then must still read.
@@ -230,7 +237,7 @@ def test_dict_tasks_validate_the_spec_once_per_job(tmp_path, monkeypatch):
         task = ShardTask(job_id="j", shard=shard, row_start=lo, row_stop=hi, spec=spec, plan=plan,
                          spec_hash=spec.spec_hash(), owner="t")
         out = runner.run_shard(task.to_dict())  # as a Ray actor gets it
-        assert out["written"] and out["rows"] == 2 and out["routes"]["default"]["ok"] == 2
+        assert out.committed and out.summary["rows"] == 2 and out.summary["routes"]["default"]["ok"] == 2
     assert len(calls) == 1
     same = ShardTask(job_id="j", shard=0, row_start=0, row_stop=2, spec=spec, plan=plan,
                      spec_hash=spec.spec_hash(), owner="t")

@@ -28,11 +28,10 @@ def test_relaxed_with_lossless_shadow_is_accepted_and_lossless_needs_nothing():
 
 
 def test_relaxed_with_an_empty_shadow_sample_is_refused_at_submit(tmp_path):
-    from tests.fixtures import write_parquet
-
     from racer_batch.service.job.inputs import InputError
     from racer_batch.service.results.shadow import shadow_selected
-    from racer_batch.service.job.submit import validate_job
+    from racer_batch.service.submit import validate_job
+    from tests.fixtures import write_parquet
 
     ids = [f"r{i}" for i in range(6)]
     write_parquet(tmp_path / "in.parquet", [{"id": i, "prompt": "p"} for i in ids])
@@ -51,11 +50,10 @@ def test_relaxed_with_an_empty_shadow_sample_is_refused_at_submit(tmp_path):
 
 
 def test_corpus_path_is_resolved_from_the_job_file_and_checked_at_submit(tmp_path):
-    from tests.fixtures import write_parquet
-
     from racer_batch.service.job.inputs import InputError
     from racer_batch.service.job.spec import load_spec
-    from racer_batch.service.job.submit import validate_job
+    from racer_batch.service.submit import validate_job
+    from tests.fixtures import write_parquet
 
     write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "p"}])
     job = tmp_path / "job.yaml"

@@ -10,13 +10,17 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from tests.fixtures import base_overrides, queue_url, write_parquet
 
 from racer_batch.service.execution.local import run_until_done
-from racer_batch.service.results.output import LEGACY_MANIFEST, MANIFEST, ROWS_META_KEY, SHARD_META_KEY, part_path, read_output
-from racer_batch.service.results.shadow import read_shadow, shadow_path, write_shadow
 from racer_batch.service.job.spec import load_spec
-from racer_batch.service.job.submit import submit_job
+from racer_batch.service.results.output import (
+    ROWS_META_KEY,
+    SHARD_META_KEY,
+    part_path,
+    read_output,
+)
+from racer_batch.service.submit import submit_job
+from tests.fixtures import base_overrides, queue_url, write_parquet
 
 pytestmark = pytest.mark.service
 
@@ -97,17 +101,15 @@ def test_part_files_carry_the_input_fingerprint(queue, tmp_path):
     assert [r[0] for r in rows] == ["4"]
 
 
-def test_old_layout_folder_resumes_and_becomes_a_dataset(queue, tmp_path):
-    """A folder as written before issue 13: manifest.json and shadow-*.parquet inside the dataset path and
-    part files without input fingerprints. Re-submitting resumes the same job: the files are renamed, the
-    unverifiable shards are redone, and the folder then reads as a dataset."""
+def test_part_files_without_input_fingerprints_are_redone(queue, tmp_path):
+    """Part files whose footers carry no input fingerprints (nothing to check them against the input) are not
+    kept: re-submitting resumes the same job, notes them, redoes them, and every row is answered once."""
     spec = load_spec(None, base_overrides(tmp_path))
     rows = [{"id": str(i), "prompt": f"p {i}"} for i in range(6)]
     write_parquet(tmp_path / "in.parquet", rows)
     first = _run(queue, spec)
     out = tmp_path / "out"
-    (out / MANIFEST).rename(out / LEGACY_MANIFEST)
-    for shard in (0, 1):  # strip the fingerprints, as an older version wrote them
+    for shard in (0, 1):  # strip the fingerprints
         p = part_path(out, shard)
         table = pq.read_table(p)
         md = dict(table.schema.metadata)
@@ -116,19 +118,10 @@ def test_old_layout_folder_resumes_and_becomes_a_dataset(queue, tmp_path):
         md.pop(ROWS_META_KEY)
         md[SHARD_META_KEY] = json.dumps(meta).encode()
         pq.write_table(table.replace_schema_metadata(md), p)
-    legacy_shadow = out / "shadow-00000.parquet"
-    write_shadow(legacy_shadow, [])
-    with pytest.raises(Exception):
-        pq.read_table(out)  # what the old layout did to a dataset reader
 
     again = submit_job(queue, spec)
     assert again.job_id == first.job_id and again.action == "resumed"
     assert again.shards_kept == 0 and any("before input fingerprints" in n for n in again.notes), again.notes
-    assert (out / MANIFEST).exists() and not (out / LEGACY_MANIFEST).exists()
-    assert not legacy_shadow.exists() and shadow_path(out, "00000").exists()
-    assert read_shadow(out).num_rows == 0
     assert run_until_done(queue, again.job_id, url=queue_url(queue), prefix=queue.prefix,
                           executor_kind="thread").state == "done"
     assert sorted(_texts(out), key=int) == [str(i) for i in range(6)]
-    assert pq.read_table(out).num_rows == 6
-    assert json.loads(pq.read_schema(part_path(out, 0)).metadata[SHARD_META_KEY])["input_fingerprint"]

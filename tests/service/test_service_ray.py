@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from tests.fixtures import submit_standin_job
 
 from racer_batch.service.execution.local import make_executor, run_until_done
+from racer_batch.service.execution.worker import Worker
 from racer_batch.service.results.output import read_output
 from racer_batch.service.results.schema import OUTPUT_SCHEMA
-from racer_batch.service.execution.worker import Worker
+from tests.fixtures import submit_standin_job
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]

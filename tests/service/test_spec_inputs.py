@@ -5,17 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tests.fixtures import base_overrides, write_parquet
 
-from racer_batch.service.job.inputs import InputError, InvalidText, check_ids, parse_row, plan_input
+from racer_batch.service.job.inputs import InputError, InvalidText, check_ids, plan_input
+from racer_batch.service.job.rows import parse_row
 from racer_batch.service.job.spec import SpecError, load_spec
+from tests.fixtures import base_overrides, write_parquet
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_spec_and_presets_load():
     spec = load_spec(ROOT / "jobs" / "demo.yaml")
-    assert spec.decoding.method == "racer" and spec.decoding.capacity == 16  # from configs/racer-cpu.yaml
+    assert spec.decoding.method == "racer" and spec.decoding.capacity == 16  # from the shipped preset racer-cpu
     assert spec.generation.max_new_tokens == 96  # the job file beats the preset
     assert Path(spec.input.path) == ROOT / "jobs" / "demo_prompts.jsonl"  # relative to the job file
     for preset, method, capacity in (("racer-paper", "racer", 64), ("racer-cpu", "racer", 16), ("ar", "ar", 1),
@@ -24,7 +25,8 @@ def test_demo_spec_and_presets_load():
         assert (s.decoding.method, s.decoding.capacity) == (method, capacity)
         # issue 13: no preset injects a system prompt (the model's chat template alone, as `generate`)
         assert s.generation.system_prompt is None, preset
-    assert sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")) == ["ar", "pld", "racer-cpu", "racer-paper"]
+    assert sorted(p.stem for p in (ROOT / "racer_batch" / "presets").glob("*.yaml")) == [
+        "ar", "pld", "racer-cpu", "racer-paper"]
 
 
 def test_a_changed_default_names_the_key_that_keeps_a_folder_from_resuming(tmp_path):
@@ -257,7 +259,7 @@ def test_prompt_rows_follow_the_models_chat_template_under_auto():
     from types import SimpleNamespace
 
     from racer_batch.service.execution.runner import _prompt_of
-    from racer_batch.service.job.inputs import parse_row
+    from racer_batch.service.job.rows import parse_row
     from racer_batch.service.job.spec import JobSpec
 
     def engine(template):
@@ -283,3 +285,41 @@ def test_the_auto_prompt_format_keeps_the_spec_hash_of_the_old_chat_default():
         return JobSpec.model_validate({"input": {"path": "x.jsonl", **inp}, "output": {"path": "o"}}).spec_hash()
 
     assert h() == h(prompt_format="auto") == h(prompt_format="chat") != h(prompt_format="raw")
+
+
+def test_shipped_presets_resolve_from_any_folder(tmp_path, monkeypatch):
+    """The presets ship inside the package: ``ar`` (the shadow baseline) resolves with the working folder far from
+    the repository, a user's own ``./configs/<name>.yaml`` still wins, and an unknown name lists the shipped
+    ones."""
+    from racer_batch.report.shadow_run import baseline_config
+    from racer_batch.service.job.spec import SpecError, resolve_preset, shipped_presets
+
+    monkeypatch.chdir(tmp_path)
+    assert {"ar", "pld", "racer-cpu", "racer-paper"} <= set(shipped_presets())
+    assert resolve_preset("ar", None).parent.name == "presets"
+    assert baseline_config("ar").method == "ar"
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "ar.yaml").write_text("decoding: {method: pld}\n")
+    assert resolve_preset("ar", None) == tmp_path / "configs" / "ar.yaml"
+    with pytest.raises(SpecError, match="shipped: ar, pld, racer-cpu, racer-paper"):
+        resolve_preset("no-such-preset", None)
+
+
+def test_an_input_of_an_unsupported_kind_names_the_supported_ones(tmp_path):
+    """A CSV file (the trial's case) is refused with the formats that are read and a way to convert it, not an
+    opaque list holding None; Parquet and JSON Lines mixed in one folder are told apart from that."""
+    from racer_batch.service.job.inputs import InputError, plan_input
+    from racer_batch.service.job.spec import InputSpec
+
+    (tmp_path / "rows.csv").write_text("id,prompt\na,hello\n")
+    with pytest.raises(InputError) as err:
+        plan_input(InputSpec(path=str(tmp_path / "rows.csv")))
+    msg = str(err.value)
+    assert ".csv" in msg and "Parquet" in msg and "JSON Lines" in msg and "None" not in msg, msg
+    assert "to_parquet" in msg
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    write_parquet(mixed / "b.parquet", [{"id": "b", "prompt": "y"}])
+    with pytest.raises(InputError, match="mix Parquet and JSON Lines"):
+        plan_input(InputSpec(path=str(mixed)))

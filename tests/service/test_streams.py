@@ -27,9 +27,9 @@ from racer_batch.service.execution.runner import NullSink, RowRunner, ShardTask,
 from racer_batch.service.execution.worker import Worker
 from racer_batch.service.job.inputs import plan_input
 from racer_batch.service.job.spec import SpecError, load_spec
-from racer_batch.service.job.submit import submit_job
 from racer_batch.service.results.output import part_path, read_output
 from racer_batch.service.results.shadow import read_shadow
+from racer_batch.service.submit import submit_job
 from tests.fixtures import base_overrides, queue_url, submit_standin_job, write_parquet
 from tests.standin import RAISE_MARKER, StandInEngine
 
@@ -145,8 +145,8 @@ def test_runner_batches_rows_and_keeps_row_order(tmp_path):
                                                            "resources.streams_per_actor": b}))
         sink = RecordingSink()
         res = RowRunner(worker_name="t", sink=sink).run_shard(_task(spec, job_id=f"j{b}", hi=11))
-        assert res["written"] and res["rows"] == 11 and (res["ok"], res["error"]) == (9, 2)
-        assert res["streams"] == b
+        assert res.committed and res.summary["rows"] == 11 and (res.summary["ok"], res.summary["error"]) == (9, 2)
+        assert res.streams == b
         assert sorted(sink.seen) == [r["id"] for r in rows]
         out[b] = read_output(spec.output.path).to_pylist()
         assert [r["id"] for r in out[b]] == [r["id"] for r in rows]  # row order
@@ -154,7 +154,7 @@ def test_runner_batches_rows_and_keeps_row_order(tmp_path):
     assert "all null" in _content(out[4])["r02"]["error"] and "model error" in _content(out[4])["r05"]["error"]
     meta = _shard_meta(tmp_path / "b4", 0)
     assert max(int(k) for k in meta["batch_sizes"]) == 4 and meta["streams"] == 4
-    assert _shard_meta(tmp_path / "b1", 0)["batch_sizes"] == {}  # B = 1: each row by engine.generate
+    assert set(_shard_meta(tmp_path / "b1", 0)["batch_sizes"]) == {"1"}  # B = 1: one stream per step
 
 
 def test_auto_is_bounded_by_the_shards_rows_and_engines_grow(tmp_path):
@@ -164,39 +164,29 @@ def test_auto_is_bounded_by_the_shards_rows_and_engines_grow(tmp_path):
     runner = RowRunner(worker_name="t")
     spec = load_spec(None, base_overrides(tmp_path, **{"output.path": str(tmp_path / "a"),
                                                        "resources.streams_per_actor": "auto"}))
-    assert runner.run_shard(_task(spec, job_id="a", hi=3))["streams"] == 2
+    assert runner.run_shard(_task(spec, job_id="a", hi=3)).streams == 2
     engine = runner._states["a"][0]
     assert engine.streams == 4  # shard_rows = 4 bounds the room made
     spec8 = load_spec(None, base_overrides(tmp_path, **{"output.path": str(tmp_path / "b"), "output.shard_rows": 16,
                                                         "resources.streams_per_actor": 8}))
-    assert runner.run_shard(_task(spec8, job_id="b", hi=3))["streams"] == 3
+    assert runner.run_shard(_task(spec8, job_id="b", hi=3)).streams == 3
     assert runner._states["a"][0] is runner._states["b"][0] and runner._states["a"][0].streams == 8
 
 
-def test_an_engine_without_stream_runs_one_row_at_a_time(tmp_path):
-    """An engine that only has ``generate`` (an older hook's) still serves a job asking for 4 streams."""
-
-    class OldEngine:
-        def __init__(self, bundle, cfg) -> None:
-            self._inner, self.bundle = StandInEngine(bundle, cfg), bundle
-
-        def new_state(self):
-            return self._inner.new_state()
-
-        def free_state(self, state) -> None:
-            self._inner.free_state(state)
-
-        def generate(self, *args, **kw):
-            return self._inner.generate(*args, **kw)
-
+def test_the_engine_factory_is_asked_for_room_once_whatever_b(tmp_path):
+    """The runner asks its engine factory for an engine with room for the job's streams, B = 1 included (no
+    branch on what the engine looks like), once per decoding config, and streams every row through it."""
     made = []
     write_parquet(tmp_path / "in.parquet", _rows(4))
-    spec = load_spec(None, base_overrides(tmp_path, **{"resources.streams_per_actor": 4}))
-    runner = RowRunner(worker_name="t", engine_factory=lambda bundle, cfg, **kw: made.append(kw) or OldEngine(bundle, cfg))
-    for _ in range(2):
-        res = runner.run_shard(_task(spec, job_id="j", hi=4))
-        assert res["streams"] == 1 and res["ok"] == 4
-    assert made == [{"streams": 4}]  # made once, with room for 4 (it ignores it)
+    for b in (1, 4):
+        spec = load_spec(None, base_overrides(tmp_path, **{"resources.streams_per_actor": b,
+                                                           "output.path": str(tmp_path / f"out{b}")}))
+        runner = RowRunner(worker_name="t",
+                           engine_factory=lambda bundle, cfg, **kw: made.append(kw) or StandInEngine(bundle, cfg, **kw))
+        for _ in range(2):
+            res = runner.run_shard(_task(spec, job_id="j", hi=4))
+            assert res.streams == b and res.summary["ok"] == 4
+    assert made == [{"streams": 1}, {"streams": 4}]
 
 
 # ---- a real tiny model (the engine's StreamBatch under the runner)
@@ -247,12 +237,13 @@ def test_tiny_model_b4_equals_b1_with_turns_samples_and_shadow(tmp_path, scope):
         spec = load_spec(None, {
             "input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / f"b{b}"),
             "output.shard_rows": len(rows), "model.name": "tiny-test", "decoding.method": "racer",
-            "decoding.capacity": 8, "decoding.scope": scope, "generation.max_new_tokens": 14, "generation.temperature": 0.8,
+            "decoding.capacity": 8, "decoding.scope": scope, "generation.max_new_tokens": 14,
+            "generation.temperature": 0.8,
             "n_samples": 2, "shadow.config": {"method": "ar"}, "shadow.fraction": 1.0,
             "resources.streams_per_actor": b})
         runner = RowRunner(worker_name="t", loader=lambda model, **kw: bundle, engine_factory=default_engine)
         res = runner.run_shard(_task(spec, job_id="tiny", hi=len(rows)))
-        assert res["written"] and (res["ok"], res["error"]) == (6, 1), res
+        assert res.committed and (res.summary["ok"], res.summary["error"]) == (6, 1), res
         out[b] = read_output(spec.output.path).to_pylist()
         shadow[b] = sorted(((r["id"], r["side"], r["ran_first"], r["text"], r["status"])
                             for r in read_shadow(spec.output.path).to_pylist()))
@@ -414,3 +405,36 @@ def test_streams_per_actor_values():
     for bad in (True, "fast", 4.5, None, 0, 65, -1):
         with pytest.raises(ValueError, match="streams_per_actor must be"):
             Resources(streams_per_actor=bad)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_a_cpu_job_reports_device_time_per_route(streams, cli, tmp_path, redis_url, prefix):
+    """A job on the CPU (tiny-random, a real engine) counts device time on every route: each row its share of the
+    actor's time (every step's wall time split among the rows in it, its prefill whole): a row alone, its
+    generation time; the report's device s and tokens per device-second are positive per route."""
+    import json
+
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from racer_batch.report.build import build_report
+    from racer_batch.report.load import load_output
+
+    rows = [{"id": f"r{i}", "prompt": f"Say {i} things.", "route": "ab"[i % 2]} for i in range(4)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "job.yaml").write_text("input: {path: in.jsonl}\noutput: {path: out}\nmodel: {name: tiny-random}\n"
+                                       "generation: {max_new_tokens: 12}\n"
+                                       f"resources: {{streams_per_actor: {streams}}}\n")
+    res = CliRunner().invoke(cli, ["submit", str(tmp_path / "job.yaml"), "--local", "--executor", "thread", "--json",
+                                   "--redis-url", redis_url, "--prefix", prefix])
+    assert res.exit_code == 0, res.output
+    out = pq.read_table(tmp_path / "out").to_pylist()
+    assert len(out) == 4 and all(r["status"] == "ok" for r in out)
+    for r in out:
+        assert r["device_ms"] > 0, r
+        if streams == 1:
+            assert r["device_ms"] <= r["prefill_ms"] + r["decode_ms"] + 1.0, r
+    rep = build_report(load_output(tmp_path / "out"), n_boot=10, with_charts=False)
+    for route in ("a", "b"):
+        d = rep.routes[route]
+        assert d["device_s"] > 0 and d["tokens_per_device_s"] > 0, (route, d)

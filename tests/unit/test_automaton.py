@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from racer_batch.drafters.automaton import Automaton, RetrievalCandidates, prefill_automaton
 
-
 # ---------------------------------------------------------------- brute force
 
 

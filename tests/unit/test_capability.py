@@ -3,7 +3,8 @@
 import doctest
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import racer_batch.capability as cap
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from racer_batch.drafters import make_drafter, make_state
 from racer_batch.drafters.base import TrieBuilder, Verified
 from racer_batch.drafters.copy_logits import CopyLogitStore, grow_logits_tree
 from racer_batch.drafters.graft import (
@@ -20,7 +21,6 @@ from racer_batch.drafters.graft import (
 )
 from racer_batch.drafters.literature_state import LiteratureState
 from racer_batch.drafters.logitspec import NgramIndex, logitspec_tree, rank_cut
-from racer_batch.drafters import make_drafter, make_state
 from racer_batch.drafters.rest import (
     RestDatastore,
     SuffixIndex,
@@ -36,6 +36,7 @@ from racer_batch.drafters.token_recycling import (
     expand_template,
     template_parents,
 )
+from racer_batch.service.job.spec import check_relaxed_allowed
 from racer_batch.values import (
     METHODS,
     SOURCE_CORPUS,
@@ -44,7 +45,6 @@ from racer_batch.values import (
     SOURCE_RETRIEVAL,
     DecodingConfig,
 )
-from racer_batch.service.job.spec import check_relaxed_allowed
 
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=40)
 

@@ -359,7 +359,8 @@ def test_the_random_scenarios_cover_ten_thousand_steps():
     assert TOTAL_STEPS >= 10_000
 
 
-@pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: f"{s.method}-{s.scope}-v{s.vocab}-n{s.max_nodes}-g{s.ngram}-s{s.seed}")
+@pytest.mark.parametrize("sc", SCENARIOS,
+                         ids=lambda s: f"{s.method}-{s.scope}-v{s.vocab}-n{s.max_nodes}-g{s.ngram}-s{s.seed}")
 def test_native_core_matches_python_tree_drafter(sc: Scenario):
     tally = run_random(sc)
     assert tally.steps == sc.steps and tally.streams >= sc.steps

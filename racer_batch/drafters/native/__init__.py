@@ -358,7 +358,8 @@ def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:
     """``(numpy view of mask's memory, bit pattern of neg in mask's dtype)``; raises ValueError."""
     if isinstance(mask, torch.Tensor):
         if mask.device.type != "cpu" or not mask.is_contiguous():
-            raise ValueError(f"mask must be a contiguous CPU tensor, got {mask.device} (contiguous: {mask.is_contiguous()})")
+            raise ValueError(f"mask must be a contiguous CPU tensor, got {mask.device} "
+                             f"(contiguous: {mask.is_contiguous()})")
         if mask.dtype == torch.float32:
             return mask.detach().numpy(), int(np.float32(neg).view(np.uint32))
         if mask.dtype in (torch.float16, torch.bfloat16):

@@ -10,6 +10,7 @@ import collections
 import concurrent.futures as cf
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 from racer_batch.service.execution.queue import JobQueue, connect
-from racer_batch.service.results.record import RowRecord
 from racer_batch.service.execution.runner import CANCELLED, KEEP_GOING, LEASE_LOST, RowRunner, ShardTask
 from racer_batch.service.job.spec import Resources
+from racer_batch.service.job.task import ShardResult
+from racer_batch.service.results.record import RowRecord
 from racer_batch.service.results.tally import Tally
 
 log = logging.getLogger(__name__)
@@ -228,11 +230,31 @@ class ThreadExecutor:
             self._threads_before = None
 
 
+def _ignore_sigint() -> None:
+    """A Ctrl-C at the terminal reaches every process of its group, the actors of a ``submit --local`` too: the
+    worker stops them itself (hands the job back, ends its Ray), so an actor ignores SIGINT instead of dying
+    mid-shard with a traceback."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the process's main thread (a threaded actor): Ray's own handling stays
+        pass
+
+
+def _actors_that_fit(resources: dict, placed: int, shape: "PoolShape") -> int:
+    """How many more actors of ``shape`` a node with ``resources`` ({"CPU": n, "GPU": n}) holds beside the
+    ``placed`` ones there (1 for a shape that asks for no CPU and no GPU)."""
+    cpus, gpus = shape.cpus_per_actor, shape.gpus_per_actor
+    fit = [int((resources.get("CPU", 0.0) - placed * cpus) / cpus + 1e-9)] if cpus > 0 else []
+    fit += [int((resources.get("GPU", 0.0) - placed * gpus) / gpus + 1e-9)] if gpus > 0 else []
+    return max(0, min(fit)) if fit else 1
+
+
 class GenerationActor:
     """The Ray actor: a thin shell around RowRunner (tests use RowRunner directly)."""
 
     def __init__(self, *, worker_name: str, redis_url: str, prefix: str, torch_threads: int,
                  allow_remote_code: bool = False) -> None:
+        _ignore_sigint()
         self._threads = torch_threads
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         if "torch" in sys.modules:
@@ -241,7 +263,7 @@ class GenerationActor:
         self.runner = RowRunner(worker_name=f"{worker_name}@{socket.gethostname()}:{os.getpid()}", sink=sink,
                                 node=_ray_node_id(), allow_remote_code=allow_remote_code)
 
-    def run_shard(self, task: dict) -> dict:
+    def run_shard(self, task: dict) -> ShardResult:
         torch = sys.modules.get("torch")  # imported by the model loader; set its thread count once loaded
         if torch is not None and torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
@@ -401,7 +423,6 @@ class RayExecutor:
         """({node id: how many more actors of the pool's shape it holds} over the live, not suspect nodes with
         room, the number of this pool's actors not placed yet)."""
         assert self.shape is not None
-        cpus, gpus = self.shape.cpus_per_actor, self.shape.gpus_per_actor
         used: collections.Counter[str] = collections.Counter()
         unplaced = 0
         for slot, actor in enumerate(self.actors):
@@ -418,10 +439,7 @@ class RayExecutor:
         for node in nodes:
             if not node.get("Alive") or node.get("NodeID") in suspect:
                 continue
-            res, k = node.get("Resources", {}), used[node.get("NodeID")]
-            fit = [int((res.get("CPU", 0.0) - k * cpus) / cpus + 1e-9)] if cpus > 0 else []
-            fit += [int((res.get("GPU", 0.0) - k * gpus) / gpus + 1e-9)] if gpus > 0 else []
-            room = max(0, min(fit)) if fit else 1
+            room = _actors_that_fit(node.get("Resources", {}), used[node.get("NodeID")], self.shape)
             if room:
                 rooms[node.get("NodeID")] = room
         return rooms, unplaced

@@ -11,10 +11,10 @@ be importable there (on ``PYTHONPATH``). The object implements ``EngineHook``::
     hook.owns(bundle)              -> True     # a bundle this hook loaded
     hook.engine(bundle, decoding, streams=4)  -> engine   # instead of Engine(bundle, decoding, streams=4)
 
-The engine needs the methods the service calls on an Engine: ``encode``, ``generate``, ``new_state``,
-``free_state`` and the ``bundle`` attribute; for ``resources.streams_per_actor`` above 1 also ``stream`` (a
-generator yielding ``engine.batch.Prefill``/``Verify`` requests, as ``Engine.stream``) and, for ``auto``,
-``choose_streams``. ``streams`` is passed only when above 1, so a hook without it serves one-stream jobs.
+The engine has what the service uses of an Engine, whatever the job: the ``bundle`` and ``streams`` attributes,
+``new_state``, ``free_state``, ``stream`` (a generator yielding ``engine.batch.Prefill`` / ``Verify`` / ``Decode``
+requests, as ``Engine.stream``) and ``choose_streams``. The runner does not look at its shape: it is the same
+contract as the ``engine_factory`` a RowRunner takes in tests.
 """
 
 from __future__ import annotations
@@ -76,4 +76,4 @@ def hooked_engine(bundle: Any, decoding: DecodingConfig, *, streams: int = 1) ->
     hook = engine_hook()
     if hook is None or not hook.owns(bundle):
         return None
-    return hook.engine(bundle, decoding, streams=streams) if streams > 1 else hook.engine(bundle, decoding)
+    return hook.engine(bundle, decoding, streams=streams)

@@ -22,7 +22,7 @@ from racer_batch.service.execution.worker import Worker
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]  # the folder holding the racer_batch package
 
 
 @dataclass
@@ -247,19 +247,29 @@ def run_until_done(queue: JobQueue, job_id: str, *, url: str, prefix: str, execu
         except KeyError:
             return True
 
+    # The main thread waits on an Event of its own, not Thread.join: a join interrupted by Ctrl-C can leave
+    # is_alive() False while the thread still runs (CPython 3.11), and the process would then exit before the
+    # worker handed the job back.
+    finished = threading.Event()
+
     def _loop() -> None:
-        worker.run(stop=lambda: stop_flag.is_set() or _done())
+        try:
+            worker.run(stop=lambda: stop_flag.is_set() or _done())
+        finally:
+            finished.set()
 
     th = threading.Thread(target=_loop, name="racer-batch-worker", daemon=True)
     th.start()
     try:
-        while th.is_alive():
-            th.join(timeout=tick_s)
+        while not finished.wait(timeout=tick_s):
             if on_tick is not None:
                 on_tick()
     except KeyboardInterrupt:
-        stop_flag.set()
-        th.join()
+        stop_flag.set()  # the worker hands the job back at its next check (within a second)
+        try:
+            finished.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C: leave without waiting for the shards in flight
+            pass
         raise
     finally:
         executor.shutdown()
@@ -267,5 +277,6 @@ def run_until_done(queue: JobQueue, job_id: str, *, url: str, prefix: str, execu
     return EmbeddedRun(state=state, elapsed_s=time.monotonic() - t0)
 
 
-__all__ = ["ACTOR_ENV_PREFIXES", "PrivateRedis", "actor_env_vars", "check_head_address", "ensure_redis", "init_local_ray", "make_executor", "redact_url", "run_until_done",
-           "shutdown_local_ray", "start_private_redis"]
+__all__ = ["ACTOR_ENV_PREFIXES", "PrivateRedis", "actor_env_vars", "check_head_address", "ensure_redis",
+           "init_local_ray", "make_executor", "redact_url", "run_until_done", "shutdown_local_ray",
+           "start_private_redis"]

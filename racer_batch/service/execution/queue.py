@@ -545,7 +545,8 @@ class JobQueue:
 
         return JobStatus(
             job_id=job_id, state=d.get("state", "?"), name=d.get("name") or None, rows_total=rows_total,
-            totals=totals, rows_lost=inflight.rows if stalled else 0, shards_total=shards_total, shards_done=len(committed),
+            totals=totals, rows_lost=inflight.rows if stalled else 0, shards_total=shards_total,
+            shards_done=len(committed),
             submitted_at=float(d.get("submitted_at", 0)), started_at=_f("started_at"),
             finished_at=_f("finished_at"), owner=d.get("owner"), output=d.get("output"), model=d.get("model"),
             base_rows=int(d.get("base_rows") or 0), base_tokens=int(d.get("base_tokens") or 0),

@@ -2,7 +2,7 @@
 
 ``RowRunner`` knows nothing of Ray; the Ray actor (actors.py) is a thin shell around it and tests call it
 directly. It keeps one loaded model (reused by every job naming the same model), one Engine per decoding
-config, and one draft state per job (RACER.md section 7, scope ``job``), freed by ``end_job``.
+config, and one draft state per job (docs/method.md section 7, scope ``job``), freed by ``end_job``.
 
 Up to B rows of a shard are in flight at once (``resources.streams_per_actor``, issue 14): each row is a
 generator (``_row_stream``) that runs the row's sequential logic (turns, samples, shadow baseline) and
@@ -27,17 +27,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterable, Optional, Protocol, Union
 
-from racer_batch.service.job.inputs import (InputPlan, RowTask, answer_columns, iter_raw_rows, parse_row,
-                                       row_fingerprint, shard_fingerprint)
+from racer_batch.benchdata import has_chat_template
+from racer_batch.engine.batch import BatchStats, StreamBatch, drive
+from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
+from racer_batch.service.job.inputs import InputPlan, answer_columns, iter_raw_rows, row_fingerprint, shard_fingerprint
+from racer_batch.service.job.rows import RowTask, parse_row
+from racer_batch.service.job.spec import JobSpec, ModelSpec, auto_streams
+from racer_batch.service.job.task import ShardResult, ShardTask
 from racer_batch.service.results.output import part_path, shard_complete, write_part
 from racer_batch.service.results.record import RowOrigin, RowRecord, ShadowRecord, now_utc
 from racer_batch.service.results.shadow import baseline_first, sample_seed, shadow_path, shadow_selected, write_shadow
 from racer_batch.service.results.sinks import RowSink
-from racer_batch.service.job.spec import JobSpec, ModelSpec, auto_streams
-from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
 from racer_batch.service.results.tally import Tally
-from racer_batch.engine.batch import BatchStats, StreamBatch, drive
-from racer_batch.benchdata import has_chat_template
 from racer_batch.values import DecodingConfig, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -60,43 +61,6 @@ class NullSink:
 
     def verdict(self, job_id: str, owner: str) -> str:
         return KEEP_GOING
-
-
-@dataclass
-class ShardTask:
-    """What an actor needs to run one shard.
-
-    In the worker's process ``spec`` and ``plan`` are the validated objects (threads share them as they are);
-    across a process boundary (Ray) ``to_dict`` sends ``JobSpec.stored()`` and ``InputPlan.to_dict()``, and
-    the receiving RowRunner validates the spec once per job and spec hash (``RowRunner.spec_of``)."""
-
-    job_id: str
-    shard: int
-    row_start: int
-    row_stop: int
-    spec: Union[JobSpec, dict]
-    plan: Union[InputPlan, dict]
-    spec_hash: str
-    owner: str  # the worker holding the job's lease
-    attempt: int = 1
-    rows: Optional[list] = None  # [(row_idx, raw record)] read by the worker; None: the runner reads them
-
-    def to_dict(self) -> dict:
-        """Plain data for Ray: the spec as ``JobSpec.stored()``, the plan as ``InputPlan.to_dict()``."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if isinstance(self.spec, JobSpec):
-            d["spec"] = self.spec.stored()
-        if isinstance(self.plan, InputPlan):
-            d["plan"] = self.plan.to_dict()
-        return d
-
-    @classmethod
-    def of(cls, task: Union["ShardTask", dict]) -> "ShardTask":
-        return task if isinstance(task, ShardTask) else cls(**task)
-
-    @property
-    def row_range(self) -> tuple[int, int]:
-        return self.row_start, self.row_stop
 
 
 class ShardWriter:
@@ -183,6 +147,18 @@ def default_engine(bundle: Any, decoding: DecodingConfig, *, streams: int = 1) -
     return Engine(bundle, decoding, streams=streams)
 
 
+@dataclass(frozen=True)
+class RowCall:
+    """What answering one row needs beside the row and its engine: the job's spec and id, the row's origin
+    (RowRecord provenance) and its cancellation (``should_cancel``, polled by the engine at every step; the
+    shard's verdict probe, or never for ``answer_row``). Passed once down the row's stream."""
+
+    spec: JobSpec
+    job_id: str
+    origin: RowOrigin
+    should_cancel: Callable[[], bool]
+
+
 class RowRunner:
     def __init__(
         self,
@@ -237,8 +213,7 @@ class RowRunner:
         h = decoding.config_hash()
         old = self._engines.get(h)
         if old is None or self._room[h] < streams:
-            engine = (self._engine_factory(self._bundle, decoding, streams=streams) if streams > 1
-                      else self._engine_factory(self._bundle, decoding))
+            engine = self._engine_factory(self._bundle, decoding, streams=streams)
             self._engines[h], self._room[h] = engine, streams
             for key, (e, state) in list(self._states.items()):
                 if e is old:
@@ -260,17 +235,12 @@ class RowRunner:
 
     def _width(self, engine: Any, spec: JobSpec, rows: int) -> int:
         """B, the rows of this shard in flight at once: the setting, or with ``auto`` the engine's choice
-        among ``auto_streams`` of the device (``choose_streams``); at most the shard's ``rows``; 1 for an engine without
-        ``stream``."""
+        among ``auto_streams`` of the device (``choose_streams``); at most the shard's ``rows``."""
         want = spec.resources.streams_per_actor
-        if not hasattr(engine, "stream"):
-            return 1
         if want != "auto":
             return max(1, min(int(want), rows))
-        room = int(getattr(engine, "streams", max(self._auto_streams())))
-        choices = [b for b in self._auto_streams() if b <= max(1, min(rows, room))]
-        choose = getattr(engine, "choose_streams", None)
-        return int(choose(choices)) if choose is not None else 1
+        choices = [b for b in self._auto_streams() if b <= max(1, min(rows, int(engine.streams)))]
+        return int(engine.choose_streams(choices))
 
     def _state_for(self, job_id: str, engine: Any) -> Any:
         if job_id not in self._states:
@@ -318,16 +288,12 @@ class RowRunner:
         fields). Draft state is scoped to ``job_id``."""
         engine = self._engine_for(spec)
         state = self._state_for(job_id, engine)
-        return drive(self._row_stream(engine, state, spec, row, RowOrigin.of(base), job_id=job_id,
-                                      should_cancel=lambda: False, streamed=False))
+        call = RowCall(spec=spec, job_id=job_id, origin=RowOrigin.of(base), should_cancel=lambda: False)
+        return drive(self._row_stream(engine, state, row, call))
 
     # ---- one shard
-    def run_shard(self, task: Union[ShardTask, dict]) -> dict:
-        """Generate every row of a shard and commit its part file.
-
-        Returns the shard result (plain data, it may cross Ray): the shard summary (``ShardWriter.summary``:
-        the Tally JSON, row range, hashes, worker, attempt, ``elapsed_s``) plus ``stopped`` (None, CANCELLED
-        or LEASE_LOST), ``written`` (bool) and ``path`` (the part file)."""
+    def run_shard(self, task: Union[ShardTask, dict]) -> ShardResult:
+        """Generate every row of a shard and commit its part file; returns the attempt's ``ShardResult``."""
         task = ShardTask.of(task)
         t0 = time.perf_counter()
         spec = self.spec_of(task)
@@ -348,6 +314,9 @@ class RowRunner:
         in_order = _InRowOrder(writer)
         stopped: Optional[str] = None
 
+        def keep_going() -> bool:  # the rows' cancellation: polled by the engine at every step
+            return verdict() != KEEP_GOING
+
         def start(pos: int, row_idx: int, raw: dict) -> Optional[Generator]:
             """Read one row: its stream, or None when it ends at once (the job was stopped)."""
             nonlocal stopped
@@ -356,8 +325,8 @@ class RowRunner:
             row_origin = dataclasses.replace(origin, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
             stopped = stopped or (None if verdict() == KEEP_GOING else verdict())
             if stopped is None:
-                return self._row_stream(engine, state, spec, row, row_origin, job_id=task.job_id,
-                                        should_cancel=lambda: verdict() != KEEP_GOING, streamed=width > 1)
+                call = RowCall(spec=spec, job_id=task.job_id, origin=row_origin, should_cancel=keep_going)
+                return self._row_stream(engine, state, row, call)
             end(pos, RowRecord.without_answer(status="cancelled", origin=row_origin,
                                               error=f"job stopped before this row ran ({stopped})"), [])
             return None
@@ -366,8 +335,9 @@ class RowRunner:
             """A row ended: telemetry now, the part file in row order. ``device_ms``: its share of the batched
             forwards per runner (B > 1), kept on the record (the cost basis of status and reports)."""
             nonlocal stopped
-            if device_ms is not None:  # the job engine's forwards only (a shadow baseline's are not the row's)
-                rec.device_ms = device_ms.get(id(getattr(engine, "runner", None)), 0.0)
+            share = (device_ms or {}).get(id(getattr(engine, "runner", None)))  # the job engine's, not a baseline's
+            if share:  # batched with other rows; a row that ran alone keeps None: its generation time counts
+                rec.device_ms = share
             if rec.status == "cancelled":
                 stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
             rec.finished_at = now_utc()
@@ -383,7 +353,8 @@ class RowRunner:
                               elapsed_s=time.perf_counter() - t0, streams=width,
                               batch_sizes={str(b): n for b, n in sorted(stats.sizes.items())})
         written = writer.commit(meta, stopped=stopped)
-        return dict(meta, stopped=stopped, written=written, path=str(part_path(spec.output.path, task.shard)))
+        return ShardResult(summary=meta, stopped=stopped, written=written,
+                           path=str(part_path(spec.output.path, task.shard)))
 
     @staticmethod
     def _rows(task: ShardTask, spec: JobSpec, plan: InputPlan) -> Any:
@@ -407,29 +378,26 @@ class RowRunner:
 
         return verdict
 
-    def _row_stream(self, engine: Any, state: Any, spec: JobSpec, row: RowTask, origin: RowOrigin, *, job_id: str,
-                    should_cancel: Callable[[], bool], streamed: bool) -> Generator[Any, Any, tuple[RowRecord, list]]:
+    def _row_stream(self, engine: Any, state: Any, row: RowTask, call: "RowCall"
+                    ) -> Generator[Any, Any, tuple[RowRecord, list]]:
         """Answer one row ``spec.n_samples`` times (sample 0 with the row's seed) and, when the row is in the
         shadow sample, once more with the baseline config right before or after sample 0.
-        A stream for a StreamBatch (``streamed``: the engine's forwards are yielded; else each answer is one
-        ``engine.generate`` call and nothing is yielded). Returns the output record and the shadow records
-        ([] or [method, baseline]); a row's own failures become its record, never an exception."""
+        A stream for a StreamBatch (the engine's forwards are yielded). Returns the output record and the shadow
+        records ([] or [method, baseline]); a row's own failures become its record, never an exception."""
+        spec, origin = call.spec, call.origin
         if row.error is not None:
             return RowRecord.without_answer(status="error", error=f"row {row.id!r}: {row.error}", origin=origin), []
         shadow = spec.shadow
         with_shadow = shadow is not None and shadow_selected(shadow.seed, row.id, shadow.fraction)
         first = with_shadow and baseline_first(shadow.seed, row.id)
         pair: list[ShadowRecord] = []
-        baseline = lambda ran_first: self._shadow_baseline(spec, row, origin, job_id=job_id,  # noqa: E731
-                                                           ran_first=ran_first, should_cancel=should_cancel,
-                                                           streamed=streamed)
+        baseline = lambda ran_first: self._shadow_baseline(row, call, ran_first=ran_first)  # noqa: E731
         if first:
             pair.append((yield from baseline(True)))
         answers: list[tuple[RowRecord, int]] = []  # (record, seed) per sample
         for k in range(spec.n_samples):
             params = row.params if k == 0 else row.params.model_copy(update={"seed": sample_seed(row.seed, k)})
-            rec = yield from self._answer(engine, state, row, params, origin, should_cancel=should_cancel,
-                                          streamed=streamed)
+            rec = yield from self._answer(engine, state, row, params, origin, call.should_cancel)
             answers.append((rec, params.seed))
             if k == 0 and with_shadow:
                 method = dataclasses.replace(rec, finished_at=now_utc())
@@ -443,23 +411,22 @@ class RowRunner:
             return answers[0][0], pair
         return RowRecord.from_samples(answers), pair
 
-    def _shadow_baseline(self, spec: JobSpec, row: RowTask, origin: RowOrigin, *, job_id: str, ran_first: bool,
-                         should_cancel: Callable[[], bool], streamed: bool) -> Generator[Any, Any, ShadowRecord]:
+    def _shadow_baseline(self, row: RowTask, call: "RowCall", *, ran_first: bool
+                         ) -> Generator[Any, Any, ShadowRecord]:
         """The baseline side of a shadow pair: the row's sample 0 with the shadow config, its own draft state."""
+        spec = call.spec
         assert spec.shadow is not None
         decoding = spec.shadow.decoding()
         engine = self._engine_for_config(decoding, streams=self._slots_for(spec))
-        state = self._state_for(_shadow_key(job_id), engine)
-        rec = yield from self._answer(engine, state, row, row.params,
-                                      dataclasses.replace(origin, method=decoding.method,
-                                                          config_hash=decoding.config_hash()),
-                                      should_cancel=should_cancel, streamed=streamed)
+        state = self._state_for(_shadow_key(call.job_id), engine)
+        origin = dataclasses.replace(call.origin, method=decoding.method, config_hash=decoding.config_hash())
+        rec = yield from self._answer(engine, state, row, row.params, origin, call.should_cancel)
         rec.finished_at = now_utc()
         return ShadowRecord(row=rec, run="job", side="baseline", ran_first=ran_first,
                             temperature=row.params.temperature, reference=row.reference)
 
-    def _answer(self, engine: Any, state: Any, row: RowTask, params: Any, origin: RowOrigin, *,
-                should_cancel: Callable[[], bool], streamed: bool) -> Generator[Any, Any, RowRecord]:
+    def _answer(self, engine: Any, state: Any, row: RowTask, params: Any, origin: RowOrigin,
+                should_cancel: Callable[[], bool]) -> Generator[Any, Any, RowRecord]:
         """One answer to the row (every turn) with these params, as a RowRecord (status ok, error or
         cancelled; the turns answered before an error count)."""
         turns: list[Any] = []
@@ -468,9 +435,7 @@ class RowRunner:
             return RowRecord.from_turns(turns, status=status, error=error, origin=origin)
 
         def generate(prompt: Any) -> Generator[Any, Any, GenerationResult]:
-            if streamed:
-                return (yield from engine.stream(prompt, params, state=state, should_cancel=should_cancel))
-            return engine.generate(prompt, params, state=state, should_cancel=should_cancel)
+            return (yield from engine.stream(prompt, params, state=state, should_cancel=should_cancel))
 
         try:
             if row.turns is not None:

@@ -21,14 +21,15 @@ import pyarrow as pa
 import redis
 
 from racer_batch.service.execution.actors import ClusterLost, Executor
-from racer_batch.service.job.inputs import InputError, InputPlan, answer_columns, iter_shards, plan_input
-from racer_batch.service.results.manifest import job_manifest, shard_summary
-from racer_batch.service.results.output import write_manifest
 from racer_batch.service.execution.queue import DEFAULT_PREFIX, JobQueue, Lease, plural
+from racer_batch.service.execution.runner import CANCELLED, LEASE_LOST, ShardTask, ShardWriter
+from racer_batch.service.job.inputs import InputError, InputPlan, answer_columns, iter_shards, plan_input
+from racer_batch.service.job.spec import JobSpec
+from racer_batch.service.job.task import ShardResult
+from racer_batch.service.results.manifest import job_manifest
+from racer_batch.service.results.output import write_manifest
 from racer_batch.service.results.record import RowOrigin, RowRecord, now_utc
 from racer_batch.service.results.resume import ResumePlan, clear_stale, plan_resume
-from racer_batch.service.execution.runner import CANCELLED, LEASE_LOST, ShardTask, ShardWriter
-from racer_batch.service.job.spec import JobSpec
 from racer_batch.service.results.tally import Tally
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class Worker:
             if stop() and not job.released:
                 job.released = True
                 job.pending.clear()
+                self._release_now(job)  # queued at once; the shards in flight see their lease gone and stop
             self._dispatch(job)
             if not job.running:
                 if not job.free_slots and not job.stopping and self._more_to_run(job):
@@ -282,23 +284,23 @@ class Worker:
         slot, shard = job.running.pop(fut)
         job.free_slots.append(slot)
         try:
-            out = fut.result()
+            res: ShardResult = fut.result()
         except Exception as exc:  # noqa: BLE001 - actor crash or setup error, decided below
             if not job.released:  # shutting down: the shard is redone by whoever takes the job next
                 job.failure = self._shard_failed(job, shard=shard, slot=slot, exc=exc) or job.failure
             return
-        if out["written"] and not out["stopped"]:
-            self._committed(job, shard, shard_summary(out))
-            width = int(out.get("streams") or 1)  # the actor's rows in flight (streams_per_actor, auto resolved)
+        if res.committed:
+            self._committed(job, shard, res.summary)
+            width = res.streams
             self._report(f"job {job.job_id}: shard {shard} committed ({len(job.done)}/{job.num_shards} shards; "
-                         f"rows ok {out['ok']}, error {out['error']}"
+                         f"rows ok {res.summary['ok']}, error {res.summary['error']}"
                          + (f"; {width} rows in flight at once" if width > 1 else "") + ")")
             if time.monotonic() >= job.next_manifest:  # throttled: the part files are the truth
                 self._manifest(job, state="running")
                 job.next_manifest = time.monotonic() + 5.0
-        elif out["stopped"] == CANCELLED:
+        elif res.stopped == CANCELLED:
             job.cancelled = True
-        elif out["stopped"] == LEASE_LOST:
+        elif res.stopped == LEASE_LOST:
             job.lost = True
             job.pending.clear()
 
@@ -307,15 +309,27 @@ class Worker:
         job.pending.committed(shard)
         self._redis_best_effort(self.queue.commit_shard, job.job_id, shard, summary)
 
+    def _release_now(self, job: "JobRun") -> None:
+        """Hand the job back to the queue once (state queued, no owner): a stop (Ctrl-C, SIGTERM) does it as soon
+        as it is seen, not after the shards in flight return, so ``status`` says queued at once and a second
+        interrupt cannot leave a lease nobody renews. Those shards then read LEASE_LOST and write nothing."""
+        if job.handed_back:
+            return
+        try:
+            self.queue.release(job.lease, message=f"released by {self.name} (stopped)")
+            job.handed_back = True
+        except redis.RedisError as exc:
+            log.warning("could not hand job %s back (its lease will expire): %s", job.job_id, exc)
+
     def _close_job(self, job: "JobRun") -> str:
         """End the run: the final state in the manifest and Redis (or the job handed back / left)."""
+        if job.released:  # before ``lost``: after our own release the shards in flight read their lease as lost
+            self._release_now(job)
+            return "released"
         if job.lost:
             self._report(f"job {job.job_id}: lease lost to another worker; stopped here, shards in flight not "
                          "written")
             return "lost"
-        if job.released:
-            self.queue.release(job.lease, message=f"released by {self.name} (shutdown)")
-            return "released"
         failure = job.failure
         if not failure and not job.cancelled:
             failure = _all_rows_failed(job.job_id, job.done, prefix=self.queue.prefix)
@@ -483,6 +497,7 @@ class JobRun:
     cancelled: bool = False
     lost: bool = False
     released: bool = False
+    handed_back: bool = False  # released in Redis (``Worker._release_now``)
     failure: Optional[str] = None
     next_renew: float = 0.0
     next_manifest: float = 0.0

@@ -7,7 +7,7 @@ relative to the current directory. Example::
     input: {path: demo_prompts.jsonl}
     output: {path: ../out/demo, shard_rows: 8}
     model: {name: smollm2-135m}
-    preset: racer-cpu            # configs/racer-cpu.yaml supplies decoding settings
+    preset: racer-cpu            # racer_batch/presets/racer-cpu.yaml supplies decoding settings
     generation: {max_new_tokens: 96}
 """
 
@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from racer_batch.values import DecodingConfig, GenerationParams
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_PRESETS = Path(__file__).resolve().parents[2] / "presets"  # racer_batch/presets: shipped with the package
 PRESET_DIRS_ENV = "RACER_BATCH_PRESETS"  # extra folders searched for presets, os.pathsep separated
 
 
@@ -78,7 +77,8 @@ class OutputSpec(BaseModel):
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("smollm2-135m", min_length=1, description="model name, .gguf file, local folder or hub id (see load_model)")
+    name: str = Field("smollm2-135m", min_length=1,
+                      description="model name, .gguf file, local folder or hub id (see load_model)")
     trust_remote_code: bool = Field(False, description="allow model code from the model folder (worker must allow)")
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
         None, description="weights' precision; None = float32 on the CPU, bfloat16 on CUDA. Reduced precision changes "
@@ -128,7 +128,8 @@ class Resources(BaseModel):
     )
     streams_per_actor: Union[int, Literal["auto"]] = Field(
         1, description="rows an actor decodes at once, their draft trees verified in one forward (1..64; auto: "
-        "the engine's measured best of 1, 2, 4, 8, 16 (on a GPU also 32, 64), at most the shard's rows). Outputs do not depend on it; each "
+        "the engine's measured best of 1, 2, 4, 8, 16 (on a GPU also 32, 64), at most the shard's rows). "
+        "Outputs do not depend on it; each "
         "stream holds a KV-cache slot of its own"
     )
 
@@ -268,6 +269,16 @@ def _fields_at(model: Any, path: tuple) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+def _unknown_key_reason(err: dict, model: Any) -> str:
+    """``unknown key``, with the nearest known key of that section of ``model`` (a pydantic model class) when
+    one is close: a near spelling, else a known key that contains the given one."""
+    loc = tuple(str(p) for p in err.get("loc", ()))
+    names = _fields_at(model, loc[:-1]) if loc else []
+    near = (difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.7)
+            or [n for n in names if loc[-1] and loc[-1] in n][:1]) if names else []
+    return "unknown key" + (f" (did you mean {near[0]!r}?)" if near else "")
+
+
 def error_reason(err: dict, model: Any = None) -> str:
     """One pydantic error's reason in our words: a validator's own message without the ``Value error, `` /
     ``Assertion failed, `` pydantic puts before it, ``required``, ``must be >= 1`` for a bound, and ``unknown
@@ -276,11 +287,7 @@ def error_reason(err: dict, model: Any = None) -> str:
     if kind == "missing":
         return "required"
     if kind == "extra_forbidden":
-        loc = tuple(str(p) for p in err.get("loc", ()))
-        names = _fields_at(model, loc[:-1]) if loc else []
-        near = (difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.7)
-                or [n for n in names if loc[-1] and loc[-1] in n][:1]) if names else []
-        return "unknown key" + (f" (did you mean {near[0]!r}?)" if near else "")
+        return _unknown_key_reason(err, model)
     if kind in _BOUNDS and isinstance(err.get("ctx"), dict):
         op, key = _BOUNDS[kind]
         if key in err["ctx"]:
@@ -367,11 +374,19 @@ def _read_yaml(path: Path) -> dict:
 
 
 def preset_dirs(spec_dir: Optional[Path]) -> list[Path]:
+    """Where a preset name is looked for, first match wins: the folders in ``RACER_BATCH_PRESETS``; the spec's
+    folder, its ``configs/`` and its parent's ``configs/``; ``configs/`` and the working folder itself; last the
+    presets shipped with the package (``racer_batch/presets``: ar, pld, racer-cpu, racer-paper)."""
     dirs = [Path(p) for p in os.environ.get(PRESET_DIRS_ENV, "").split(os.pathsep) if p]
     if spec_dir is not None:
         dirs += [spec_dir, spec_dir / "configs", spec_dir.parent / "configs"]
-    dirs += [Path.cwd() / "configs", PROJECT_ROOT / "configs"]
+    dirs += [Path.cwd() / "configs", Path.cwd(), PACKAGE_PRESETS]
     return dirs
+
+
+def shipped_presets() -> list[str]:
+    """Names of the presets shipped with the package, e.g. ``["ar", "pld", "racer-cpu", "racer-paper"]``."""
+    return sorted(p.stem for p in PACKAGE_PRESETS.glob("*.yaml"))
 
 
 def resolve_preset(name: str, spec_dir: Optional[Path]) -> Path:
@@ -383,7 +398,8 @@ def resolve_preset(name: str, spec_dir: Optional[Path]) -> Path:
             p = d / fname
             if p.is_file():
                 return p
-    raise SpecError(f"preset = {name!r}: no such preset (looked in configs/ and {PRESET_DIRS_ENV})")
+    raise SpecError(f"preset = {name!r}: no such preset (shipped: {', '.join(shipped_presets())}; also looked in "
+                    f"the spec's folder, ./configs, the working folder and {PRESET_DIRS_ENV})")
 
 
 def _resolve_paths(data: dict, base: Path) -> None:
@@ -432,7 +448,7 @@ def load_spec(path: Optional[str | Path], overrides: Optional[dict[str, Any]] = 
 
 
 def _resolve_shadow_preset(merged: dict, spec_dir: Optional[Path]) -> None:
-    """``shadow.config: ar`` -> the ``decoding`` section of configs/ar.yaml, inline (workers need no files)."""
+    """``shadow.config: ar`` -> the ``decoding`` section of the preset ``ar``, inline (workers need no files)."""
     shadow = merged.get("shadow")
     if not isinstance(shadow, dict) or not isinstance(shadow.get("config"), str):
         return
@@ -489,8 +505,9 @@ def check_relaxed_allowed(decoding: DecodingConfig, shadow: Any | None) -> None:
     """
     if decoding.acceptance == "lossless":
         return
-    what = (f"decoding.acceptance = {decoding.acceptance!r} "
-            f"({'top-' + str(decoding.relaxed_topk) if decoding.acceptance == 'topk' else 'p >= ' + str(decoding.relaxed_threshold)})")
+    rule = ("top-" + str(decoding.relaxed_topk) if decoding.acceptance == "topk"
+            else "p >= " + str(decoding.relaxed_threshold))
+    what = f"decoding.acceptance = {decoding.acceptance!r} ({rule})"
     if shadow is None:
         raise ValueError(
             f"{what} changes outputs and is refused unless the job also runs a shadow comparison against "

@@ -13,22 +13,15 @@ from racer_batch.service.job.inputs import InputPlan
 from racer_batch.service.job.spec import JobSpec
 from racer_batch.service.results.tally import Tally
 
+
 # Keys of a shard result (RowRunner.run_shard) that describe the attempt, not the committed shard.
-ATTEMPT_KEYS = ("stopped", "written", "path")
-
-
-def shard_summary(result: Mapping) -> dict:
-    """The committed summary of a shard from its result or stored summary (attempt-only keys dropped)."""
-    return {k: v for k, v in result.items() if k not in ATTEMPT_KEYS}
-
-
 def job_manifest(job_id: str, spec: JobSpec, plan: InputPlan, *, state: str, done: Mapping[int, dict],
                  worker: Optional[str] = None, faults: Optional[Mapping] = None) -> dict:
     """The manifest of ``job_id`` in ``state`` with the committed shards ``done`` ({shard: summary}).
 
     ``worker``: the worker writing it (None at submit). ``faults``: what the worker's run met,
-    ``{"nodes_lost": [Ray node ids], "shards_retried": distinct shards, "retries": attempts redone}`` (None at submit). ``write_manifest`` adds
-    ``schema_version`` and ``updated_at``."""
+    ``{"nodes_lost": [Ray node ids], "shards_retried": distinct shards, "retries": attempts redone}`` (None at submit).
+    ``write_manifest`` adds ``schema_version`` and ``updated_at``."""
     totals = Tally.of(done.values())
     manifest = {
         "job_id": job_id, "name": spec.name, "state": state, "spec": spec.stored(), "spec_hash": spec.spec_hash(),
@@ -36,7 +29,7 @@ def job_manifest(job_id: str, spec: JobSpec, plan: InputPlan, *, state: str, don
         "dtype": spec.model.dtype or "default (float32 on CPU, bfloat16 on CUDA)", "method": spec.decoding.method,
         "input": plan.to_dict(), "num_rows": plan.num_rows, "shard_rows": spec.output.shard_rows,
         "num_shards": plan.num_shards(spec.output.shard_rows),
-        "shards": {f"{s:05d}": shard_summary(m) for s, m in sorted(done.items())},
+        "shards": {f"{s:05d}": dict(m) for s, m in sorted(done.items())},
         "totals": dict(totals.to_dict(), mat=totals.mat),
     }
     if worker is not None:

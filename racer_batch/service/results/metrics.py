@@ -30,8 +30,8 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from racer_batch.service.job.task import ShardResult, ShardTask
 from racer_batch.service.results.record import STATUSES
-from racer_batch.service.execution.runner import ShardTask
 from racer_batch.service.results.tally import Tally
 
 log = logging.getLogger(__name__)
@@ -94,14 +94,10 @@ class WorkerMetrics:
         with self._lock:
             self._labels[labels[0]].add((metric, labels))
 
-    def observe_shard(self, job_id: str, result: dict) -> None:
-        """One shard result from ``RowRunner.run_shard`` (the shard's Tally JSON plus written / stopped /
-        elapsed_s), handed to ``shard_done``."""
-        if result.get("written") and not result.get("stopped"):
-            outcome = "committed"
-        else:
-            outcome = _OUTCOMES.get(result.get("stopped"), "not_written")
-        self.shard_done(job_id, Tally.from_dict(result), outcome=outcome, elapsed_s=result.get("elapsed_s"))
+    def observe_shard(self, job_id: str, result: ShardResult) -> None:
+        """One shard attempt's result (``RowRunner.run_shard``), handed to ``shard_done``."""
+        outcome = "committed" if result.committed else _OUTCOMES.get(result.stopped, "not_written")
+        self.shard_done(job_id, Tally.from_dict(result.summary), outcome=outcome, elapsed_s=result.elapsed_s)
 
     def shard_done(self, job_id: str, tally: Tally, *, outcome: str, elapsed_s: Optional[float]) -> None:
         """The Prometheus sink of one shard attempt's tally (sinks.ShardDoneSink): rows by status, tokens,

@@ -17,9 +17,6 @@ output row has a name starting with ``_`` (or ``.`` for temporary files), which 
     out/demo/part-00001.parquet        rows [shard_rows, 2*shard_rows)
     out/demo/_shadow-00000.parquet     shadow pairs of shard 0 (jobs with a ``shadow:`` block)
     out/demo/_report/                  ``racer-batch report`` (default folder)
-
-Folders written before this layout (``manifest.json``, ``shadow-*.parquet``, ``report/``, ``chat.*``) are
-renamed in place on resume (``migrate_legacy_layout``) and read as they are by the report commands.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from racer_batch.service.results.sinks import write_parquet_atomic
 log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
-LEGACY_MANIFEST = "manifest.json"  # before issue 13: inside the dataset path
 SHARD_META_KEY = b"racer_batch.shard"
 ROWS_META_KEY = b"racer_batch.rows"  # [[id, row fingerprint], ...] in row order
 PART_GLOB = "part-*.parquet"
@@ -122,12 +118,11 @@ def existing_parts(out_dir: str | Path) -> dict[int, Path]:
 
 def _manifest_path(out_dir: str | Path) -> Path:
     out = Path(out_dir)
-    p = out / MANIFEST
-    return p if p.exists() or not (out / LEGACY_MANIFEST).exists() else out / LEGACY_MANIFEST
+    return out / MANIFEST
 
 
 def read_manifest(out_dir: str | Path) -> Optional[dict]:
-    """The folder's manifest (``_manifest.json``, else a legacy ``manifest.json``), or None.
+    """The folder's manifest (``_manifest.json``), or None.
     Raises OutputError when it exists but cannot be read."""
     p = _manifest_path(out_dir)
     try:
@@ -136,35 +131,6 @@ def read_manifest(out_dir: str | Path) -> Optional[dict]:
         return None
     except (OSError, json.JSONDecodeError) as exc:
         raise OutputError(f"cannot read {p}: {exc}") from None
-
-
-_LEGACY_NAMES = (("shadow-*.parquet", "_"), ("chat.jsonl", "_"), ("chat.parquet", "_"))
-
-
-def migrate_legacy_layout(out_dir: str | Path) -> list[str]:
-    """Rename what an older version wrote inside the dataset path to ``_`` names, so that the folder reads
-    as a Parquet dataset: ``manifest.json``, ``shadow-*.parquet``, ``chat.jsonl`` / ``chat.parquet`` and a
-    ``report/`` folder holding ``report.*``. Part files stay. Returns the old names renamed (sorted).
-
-    Raises OutputError when a rename fails (say, a read-only folder)."""
-    out = Path(out_dir)
-    moves: list[tuple[Path, Path]] = []
-    if (out / LEGACY_MANIFEST).is_file() and not (out / MANIFEST).exists():
-        moves.append((out / LEGACY_MANIFEST, out / MANIFEST))
-    for pattern, prefix in _LEGACY_NAMES:
-        moves += [(p, p.with_name(prefix + p.name)) for p in out.glob(pattern) if p.is_file()]
-    report = out / "report"
-    if report.is_dir() and any(report.glob("report.*")) and not (out / "_report").exists():
-        moves.append((report, out / "_report"))
-    for src, dst in moves:
-        try:
-            os.replace(src, dst)
-        except OSError as exc:
-            raise OutputError(f"output.path = {str(out)!r} has the layout of an older version and cannot be "
-                              f"updated ({src.name} -> {dst.name}: {exc.strerror or exc}); make the folder "
-                              "writable, or rename its manifest.json, shadow-*.parquet, chat.* and report/ to "
-                              "names starting with '_'") from None
-    return sorted(src.name for src, _ in moves)
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> None:
@@ -178,8 +144,7 @@ def write_manifest(out_dir: str | Path, manifest: dict) -> None:
 
 def check_output_folder(out_dir: str | Path, *, spec_hash: str, spec: Optional[dict] = None) -> Optional[str]:
     """At submit: make sure the folder is usable. Returns the job id of an earlier run of the same spec
-    (so a re-submit resumes it), None for a fresh folder. A folder of an older layout is renamed to the
-    current one (``migrate_legacy_layout``) once its spec is known to match.
+    (so a re-submit resumes it), None for a fresh folder.
 
     ``spec`` (``JobSpec.stored()``) lets the refusal of a different spec name the keys that differ.
 
@@ -212,10 +177,6 @@ def check_output_folder(out_dir: str | Path, *, spec_hash: str, spec: Optional[d
             f"(spec hash {man.get('spec_hash')} != {spec_hash}){what}; choose another output folder or empty it"
             + (", or set the folder's values again (--set KEY=VALUE) to resume it" if diff else "")
         )
-    renamed = migrate_legacy_layout(out)
-    if renamed:
-        log.warning("output.path = %r: renamed %s to the current layout (names starting with '_' stay out "
-                    "of the Parquet dataset)", str(out), ", ".join(renamed))
     return man.get("job_id")
 
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from racer_batch.service.job.inputs import InputPlan, answer_columns, iter_shards, row_fingerprint, shard_fingerprint
+from racer_batch.service.job.spec import JobSpec
 from racer_batch.service.results.output import existing_parts, meta_matches, part_path, read_part_footer
 from racer_batch.service.results.shadow import shadow_path
-from racer_batch.service.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ class ResumePlan:
     """What the folder holds for this spec and input.
 
     ``done``: shard -> committed summary (kept); ``changed``: shard -> {kind: ids} of the rows that differ from
-    what its part file answered (kinds: edited, added, removed, moved; redone); ``unverified``: shards whose part file predates input fingerprints (redone);
-    ``gone``: part files of shards past the input's end (deleted)."""
+    what its part file answered (kinds: edited, added, removed, moved; redone); ``unverified``: shards whose part
+    file predates input fingerprints (redone); ``gone``: part files of shards past the input's end (deleted)."""
 
     done: dict[int, dict] = field(default_factory=dict)
     changed: dict[int, dict[str, list[str]]] = field(default_factory=dict)
@@ -56,7 +56,8 @@ class ResumePlan:
             lines.append(f"redoing shard {shard}: input rows changed since it was written ({'; '.join(parts)})")
         if self.unverified:
             lines.append(f"redoing {len(self.unverified)} shard(s) written before input fingerprints existed "
-                         f"(shards {', '.join(map(str, self.unverified[:10]))}{' ...' if len(self.unverified) > 10 else ''})")
+                         f"(shards {', '.join(map(str, self.unverified[:10]))}"
+                         f"{' ...' if len(self.unverified) > 10 else ''})")
         if self.gone:
             lines.append(f"deleting {len(self.gone)} part file(s) of rows the input no longer has "
                          f"({', '.join(p.name for p in self.gone[:5])})")

@@ -8,7 +8,15 @@ from typing import Iterable, Mapping, Union
 
 import pyarrow as pa
 
-from racer_batch.service.results.record import OUTPUT_SCHEMA, SAMPLE_TYPE, SCHEMA_VERSION, STATUSES, RowRecord, now_utc, records_table
+from racer_batch.service.results.record import (
+    OUTPUT_SCHEMA,
+    SAMPLE_TYPE,
+    SCHEMA_VERSION,
+    STATUSES,
+    RowRecord,
+    now_utc,
+    records_table,
+)
 
 __all__ = ["OUTPUT_SCHEMA", "SAMPLE_TYPE", "SCHEMA_VERSION", "STATUSES", "now_utc", "to_table"]
 

@@ -36,7 +36,6 @@ SEED_MOD = 2**63
 # Odd, so k -> k * SEED_STRIDE is one-to-one modulo 2**63: the seeds of one prompt's samples never collide.
 SEED_STRIDE = 0x9E3779B97F4A7C15 % SEED_MOD
 SHADOW_FILE_GLOB = "_shadow-*.parquet"  # "_": outside the Parquet dataset of the part files
-LEGACY_SHADOW_GLOB = "shadow-*.parquet"  # folders written before issue 13
 
 
 def _unit_hash(*parts: object) -> float:
@@ -80,7 +79,7 @@ def read_shadow(out_dir: str | Path) -> pa.Table:
     """Every shadow file of an output folder as one table (SHADOW_SCHEMA; empty when there are none).
 
     Reading with the schema fills a column missing from an older file with nulls (``reference``)."""
-    files = sorted(Path(out_dir).glob(SHADOW_FILE_GLOB)) + sorted(Path(out_dir).glob(LEGACY_SHADOW_GLOB))
+    files = sorted(Path(out_dir).glob(SHADOW_FILE_GLOB))
     if not files:
         return SHADOW_SCHEMA.empty_table()
     return pa.concat_tables([pq.read_table(f, schema=SHADOW_SCHEMA) for f in files])
