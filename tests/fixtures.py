@@ -287,6 +287,21 @@ def worker_process(log_path: Path, *args: str, redis_url: str, prefix: str, name
         proc.wait(timeout=30)
 
 
+def rescue_job(queue: Any, job_id: str, redis_url: str, *, shards_below: int) -> None:
+    """After the worker ``doomed`` was SIGKILLed mid-job: the job is still running as its own, with fewer than
+    ``shards_below`` shards done; a worker ``rescuer`` (Ray actors) then takes the expired lease and ends it."""
+    from racer_batch.service.execution.local import make_executor
+    from racer_batch.service.execution.worker import Worker
+
+    st = queue.status(job_id)
+    assert st.state == "running" and st.owner == "doomed" and st.shards_done < shards_below
+    w = Worker(queue, make_executor("ray", url=redis_url, prefix=queue.prefix, name="rescuer"), name="rescuer",
+               lease_s=3)
+    try:
+        assert w.run(max_jobs=1, idle_exit_s=20) == 1  # the rescuer took the expired lease and ended the job
+    finally:
+        w.executor.shutdown()
+
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, seconds) a live process has used so far."""
     with open(f"/proc/{pid}/stat", "rb") as fh:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.models import ModelBundle, tiny_random_model
 
 
@@ -37,6 +38,19 @@ class CharTokenizer:
         return self.eos_token_id if tok == self.eos_token else self.ALPHABET.index(tok)
 
 
+class ContextFreeDrafter:
+    """Base of test drafters whose tree depends on the root alone: no top-k wanted, nothing to start or learn.
+    A subclass sets ``name`` and defines ``propose``."""
+
+    needs_topk = False
+
+    def start(self, prompt_ids, prompt_topk):
+        pass
+
+    def update(self, verified):
+        pass
+
+
 def tiny_bundle(*, vocab_size: int = 64, seed: int = 0, context_length: int = 512, head_scale: float | None = None,
                 eos: bool = True) -> ModelBundle:
     """A tiny random Llama with a character tokenizer. ``eos=False`` gives it no EOS id at all."""
@@ -47,3 +61,20 @@ def tiny_bundle(*, vocab_size: int = 64, seed: int = 0, context_length: int = 51
     tok = CharTokenizer(vocab_size)
     return ModelBundle(model=model, tokenizer=tok, name=f"tiny-{vocab_size}-{seed}", eos_ids=[2] if eos else [],
                        context_length=context_length, device="cpu", dtype="float32")
+
+
+def check_greedy_equals_reference(bundle: ModelBundle, method: str, capacity: int, prompts: list[str]) -> None:
+    """Greedy decoding with ``method`` at ``capacity`` (the ``prompts`` one after another on one draft state)
+    gives the HF greedy reference's tokens and finish reason; the counters count emitted tokens only, and no
+    step accepts more draft tokens than a tree of ``capacity`` nodes holds."""
+    engine = Engine(bundle, DecodingConfig(method=method, capacity=capacity))
+    state = engine.new_state()
+    for prompt in prompts:
+        params = GenerationParams(max_new_tokens=80)
+        ref = generate_reference(bundle, prompt, params)
+        out = engine.generate(prompt, params, state=state)
+        assert out.token_ids == ref.token_ids, (method, prompt)
+        assert out.finish_reason == ref.finish_reason
+        assert out.stats.emitted_tokens == out.output_tokens == len(out.token_ids)
+        assert max(int(k) for k in out.stats.accepted_hist) <= capacity - 1
+    engine.free_state(state)

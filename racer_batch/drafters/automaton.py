@@ -93,6 +93,8 @@ import operator
 from dataclasses import dataclass
 from typing import Sequence
 
+from .._delegate import delegated
+
 __all__ = ["Automaton", "Cursor", "NodeView", "RetrievalCandidates", "prefill_automaton"]
 
 _ROOT = 0  # node id of the trie root; also the sentinel of the recency list
@@ -237,37 +239,18 @@ class Automaton:
 
     # ------------------------------------------------------------------ properties
 
-    @property
-    def max_nodes(self) -> int:
-        return self._max_nodes
-
-    @property
-    def ngram(self) -> int:
-        return self._ngram
-
-    @property
-    def min_border_depth(self) -> int:
-        return self._min_border_depth
+    max_nodes = delegated("_max_nodes", "Node pool size (int), as given.")
+    ngram = delegated("_ngram", "Longest n-gram kept (int), as given.")
+    min_border_depth = delegated("_min_border_depth", "Shallowest match used as a border (int), as given.")
 
     @property
     def num_nodes(self) -> int:
         """Live nodes, the trie root not counted; never more than ``max_nodes``."""
         return len(self._token) - 1  # evicted ids are reused at once, so every id in use is live
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens fed to :meth:`extend` so far."""
-        return self._num_tokens
-
-    @property
-    def num_evicted(self) -> int:
-        """Nodes evicted so far."""
-        return self._num_evicted
-
-    @property
-    def state(self) -> int:
-        """Node id of the default cursor's matching state (0: the trie root)."""
-        return self._cursor.state
+    num_tokens = delegated("_num_tokens", "Tokens fed to :meth:`extend` so far.")
+    num_evicted = delegated("_num_evicted", "Nodes evicted so far.")
+    state = delegated("_cursor.state", "Node id of the default cursor's matching state (0: the trie root).")
 
     def new_cursor(self) -> Cursor:
         """A cursor for one more text read at the same time as the others (a new row): no window growing,

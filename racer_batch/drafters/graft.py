@@ -173,10 +173,7 @@ class GraftDrafter:
 
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         st = self.state
-        st.check_alive()
-        st.rows += 1
-        if prompt_topk is not None and len(prompt_ids):
-            st.store.update(np.asarray(prompt_ids, dtype=np.int64), prompt_topk)  # probabilities unknown
+        st.start_row(prompt_ids, prompt_topk)  # the store learns the prompt's top-k, probabilities unknown
         self.cursor = st.automaton.new_cursor()
         prefill_automaton(st.automaton, list(prompt_ids), self.cursor)
 

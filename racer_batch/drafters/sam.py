@@ -204,11 +204,7 @@ class SamDrafter:
                 self.corpus_match.advance(t)
 
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
-        st = self.state
-        st.check_alive()
-        st.rows += 1
-        if prompt_topk is not None and len(prompt_ids):
-            st.store.update(np.asarray(prompt_ids, dtype=np.int64), prompt_topk)
+        self.state.start_row(prompt_ids, prompt_topk)
         self._push(prompt_ids)
 
     def propose(self, root: int, *, capacity: int, max_depth: int) -> Draft:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -49,6 +49,14 @@ class DraftState:
     def check_alive(self) -> None:
         if self.freed:
             raise ValueError(f"draft state {self.state_id} ({self.scope} scope) was freed and cannot be reused")
+
+    def start_row(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
+        """A drafter of this state starts a row: the state must be alive; the row is counted and, given the
+        prompt's top-k, the copy-logit store learns it (the ``start`` of the drafters that use the store alone)."""
+        self.check_alive()
+        self.rows += 1
+        if prompt_topk is not None and len(prompt_ids):
+            self.store.update(np.asarray(prompt_ids, dtype=np.int64), prompt_topk)
 
     def free(self) -> None:
         """Drop the automaton and the store; the state cannot be used afterwards."""

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from .._delegate import delegated
 from ..models import STATIC_ARCHITECTURES, ModelBundle
 from .decoder import DecoderWeights, KernelOps, Rows, TorchOps, decode, tree_mask_filler
 from .decoder_ops import MATMUL_PATHS, default_matmul_path
@@ -208,35 +209,14 @@ class StaticRunner:
         w.cover(self.kv_cache.max_len)
 
     # ---- the KV cache (engine/kv_cache.py)
-    @property
-    def kv(self) -> torch.Tensor:
-        """``[layers, 2, slots, kv_heads, max_len, head_dim]``."""
-        return self.kv_cache.kv
-
-    @property
-    def max_len(self) -> int:
-        return self.kv_cache.max_len
-
-    @property
-    def slots(self) -> int:
-        return self.kv_cache.slots
-
-    @property
-    def max_slots(self) -> int:
-        return self.kv_cache.max_slots
-
-    @property
-    def _free_slots(self) -> list[int]:
-        return self.kv_cache.free_slots
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes one position of one slot takes: layers x 2 x kv_heads x head_dim x dtype bytes."""
-        return self.kv_cache.bytes_per_token
-
-    @property
-    def kv_bytes_per_slot(self) -> int:
-        return self.kv_cache.bytes_per_slot
+    kv = delegated("kv_cache.kv", "``[layers, 2, slots, kv_heads, max_len, head_dim]`` (a tensor).")
+    max_len = delegated("kv_cache.max_len", "Positions each slot holds now (int).")
+    slots = delegated("kv_cache.slots", "Slots allocated now (int).")
+    max_slots = delegated("kv_cache.max_slots", "Most slots the cache may grow to (int).")
+    _free_slots = delegated("kv_cache.free_slots")  # list[int]
+    kv_bytes_per_token = delegated("kv_cache.bytes_per_token", "KV-cache bytes one position of one slot takes: "
+                                   "layers x 2 x kv_heads x head_dim x dtype bytes (int).")
+    kv_bytes_per_slot = delegated("kv_cache.bytes_per_slot", "KV-cache bytes one slot takes at max_len (int).")
 
     def _changed(self) -> None:
         """The KV cache was reallocated: the rotary tables cover its length, captured graphs are dropped."""

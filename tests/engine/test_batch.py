@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_bundle
-from test_static_runner import bundle_of, make_model, rand_tokens
+from test_static_runner import bundle_of, make_model, prefilled_chain, rand_draft, rand_tokens
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
-from racer_batch.drafters.base import Draft
 from racer_batch.engine.batch import Decode, Prefill, StreamBatch, drive, run_one
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.static_runner import StaticRunner
@@ -25,13 +24,6 @@ needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="the batched forwar
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat",
            "xyz", "abababababababababababab abababab", "q", "mississippi mississippi miss",
            "a longer prompt that goes on and on: the quick brown fox jumps over the lazy dog, the quick brown"]
-
-
-def _draft(gen: torch.Generator, size: int) -> Draft:
-    """A random tree of ``size`` nodes (node 0 the root)."""
-    toks = rand_tokens(gen, size)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
-    return Draft(toks, parents, [0] * size)
 
 
 @needs_kernels
@@ -54,7 +46,7 @@ def test_verify_batch_equals_each_stream_alone(family, over):
             prompt = rand_tokens(gen, n)
             runner.prefill(prompt, cache=cache, topk=0)
             caches.append(cache)
-            trees.append(flatten_tree(_draft(gen, t), committed_len=n, device="cpu", dtype=torch.float32))
+            trees.append(flatten_tree(rand_draft(gen, t), committed_len=n, device="cpu", dtype=torch.float32))
         if mode == "alone":
             out = [runner.verify_tree(tr, cache=c).clone() for tr, c in zip(trees, caches)]
         else:
@@ -70,10 +62,7 @@ def test_verify_batch_equals_each_stream_alone(family, over):
 
 @needs_kernels
 def test_verify_batch_rejects_a_shared_slot():
-    runner = StaticRunner(bundle_of(make_model("llama")))
-    cache = runner.new_cache(16)
-    runner.prefill([5, 6, 7], cache=cache, topk=0)
-    tree = flatten_tree(Draft.chain([8, 9]), committed_len=3, device="cpu", dtype=torch.float32)
+    runner, cache, tree = prefilled_chain()
     with pytest.raises(ValueError, match="share a KV-cache slot"):
         runner.verify_batch([(tree, cache), (tree, cache)])
 
@@ -207,7 +196,7 @@ def test_padded_batched_step_matches_each_stream_alone(family):
         caches.append(c)
     idle = caches[1]  # slot 1 holds a row but sits this step out
     before = runner.kv[:, :, idle.slot, :, : idle.length].clone()
-    items = [(flatten_tree(_draft(gen, t), committed_len=c.length, device="cpu", dtype=torch.float32), c)
+    items = [(flatten_tree(rand_draft(gen, t), committed_len=c.length, device="cpu", dtype=torch.float32), c)
              for t, c in ((5, caches[0]), (3, caches[2]))]
     alone = [runner.verify_tree(tree, cache=c).clone() for tree, c in items]
     batched = runner.verify_batch(items)

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_bundle
+from helpers import ContextFreeDrafter, check_greedy_equals_reference, tiny_bundle
 from scipy.stats import chisquare
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
@@ -20,17 +20,7 @@ PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("capacity", [4, 64])
 def test_greedy_equals_reference(tiny, method, capacity):
-    engine = Engine(tiny, DecodingConfig(method=method, capacity=capacity))
-    state = engine.new_state()
-    for prompt in PROMPTS:
-        params = GenerationParams(max_new_tokens=80)
-        ref = generate_reference(tiny, prompt, params)
-        out = engine.generate(prompt, params, state=state)
-        assert out.token_ids == ref.token_ids, (method, prompt)
-        assert out.finish_reason == ref.finish_reason
-        assert out.output_tokens == len(out.token_ids)
-        assert out.stats.emitted_tokens == out.output_tokens  # counters count emitted tokens only
-    engine.free_state(state)
+    check_greedy_equals_reference(tiny, method, capacity, PROMPTS)
 
 
 def test_speculation_actually_accepts_drafts(tiny):
@@ -135,14 +125,10 @@ def test_seeded_sampling_repeats_and_seeds_differ(method):
     assert ref.token_ids == generate_reference(bundle, "abcab", GenerationParams(seed=1, **p)).token_ids
 
 
-class FixedTreeDrafter:
+class FixedTreeDrafter(ContextFreeDrafter):
     """Proposes the same tree every step, whatever the context (tests the acceptance rule alone)."""
 
     name = "fixed"
-    needs_topk = False
-
-    def start(self, prompt_ids, prompt_topk):
-        pass
 
     def propose(self, root, *, capacity, max_depth):
         tokens = [root, 1, 3, 4, 1, 5, 0]
@@ -156,9 +142,6 @@ class FixedTreeDrafter:
         remap = {old: new for new, old in enumerate(keep)}
         return Draft([tokens[i] for i in keep], [-1] + [remap[parents[i]] for i in keep[1:]],
                      [0] + [2] * (len(keep) - 1))
-
-    def update(self, verified):
-        pass
 
 
 def test_lossless_sampling_matches_autoregressive_distribution():

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_static_runner import ATOL, RTOL, bundle_of, make_model, oracle, rand_tokens
+from test_static_runner import ATOL, RTOL, bundle_of, make_model, oracle, prefilled_chain, rand_draft, rand_tokens
 
-from racer_batch.drafters.base import Draft
 from racer_batch.engine.decoder import fill_tree_mask, tree_mask_filler
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.runner import ModelRunner
@@ -24,13 +23,6 @@ needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="our CPU kernels di
 NEG = float(torch.finfo(torch.float32).min)
 
 
-def _draft(gen: torch.Generator, size: int) -> Draft:
-    """A random tree of ``size`` nodes (node 0 the root; creation order is not breadth-first)."""
-    toks = rand_tokens(gen, size)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
-    return Draft(toks, parents, [0] * size)
-
-
 def _streams(runner, gen: torch.Generator, lens, sizes):
     """Prefill one stream per (prompt length, tree size); returns (trees, caches, prompts)."""
     trees, caches, prompts = [], [], []
@@ -38,7 +30,7 @@ def _streams(runner, gen: torch.Generator, lens, sizes):
         cache = runner.new_cache(n + 16)
         prompt = rand_tokens(gen, n)
         runner.prefill(prompt, cache=cache, topk=0)
-        trees.append(flatten_tree(_draft(gen, t), committed_len=n, device="cpu", dtype=torch.float32))
+        trees.append(flatten_tree(rand_draft(gen, t), committed_len=n, device="cpu", dtype=torch.float32))
         caches.append(cache)
         prompts.append(prompt)
     return trees, caches, prompts
@@ -50,7 +42,7 @@ def _streams(runner, gen: torch.Generator, lens, sizes):
 def test_fill_tree_mask_is_each_trees_visible_block_after_its_prefix():
     gen = torch.Generator().manual_seed(1)
     sizes, starts = [1, 7, 3, 12], [0, 5, 9, 2]
-    trees = [flatten_tree(_draft(gen, t), committed_len=s, device="cpu", dtype=torch.float32)
+    trees = [flatten_tree(rand_draft(gen, t), committed_len=s, device="cpu", dtype=torch.float32)
              for t, s in zip(sizes, starts)]
     flat = FlatTrees.of([(t, None) for t in trees])
     span = 20
@@ -66,7 +58,7 @@ def test_fill_tree_mask_is_each_trees_visible_block_after_its_prefix():
 
 def test_native_tree_mask_filler_agrees_with_ours_when_present():
     gen = torch.Generator().manual_seed(2)
-    flat = FlatTrees.of([(flatten_tree(_draft(gen, t), committed_len=s, device="cpu", dtype=torch.float32), None)
+    flat = FlatTrees.of([(flatten_tree(rand_draft(gen, t), committed_len=s, device="cpu", dtype=torch.float32), None)
                          for t, s in ((5, 3), (9, 0), (1, 11))])
     filler = tree_mask_filler()
     if filler is fill_tree_mask:
@@ -153,16 +145,13 @@ def test_verify_flat_torch_path_keeps_an_idle_slots_rows():
     assert torch.equal(runner.kv[:, :, caches[1].slot, :, : 30 + 2], before)
     runner.keep_rows(caches[1], committed_len=30, nodes=[0, 1])
     committed = prompts[1] + [int(t) for t in trees[1].tokens]
-    nxt = flatten_tree(_draft(gen, 4), committed_len=32, device="cpu", dtype=torch.float32)
+    nxt = flatten_tree(rand_draft(gen, 4), committed_len=32, device="cpu", dtype=torch.float32)
     one = FlatTrees.of([(nxt, caches[1])])
     _check_against_oracle(model, runner.verify_flat(one).clone(), one, [nxt], [committed])
 
 
 def test_verify_flat_refuses_a_shared_slot_and_an_empty_stream():
-    runner = StaticRunner(bundle_of(make_model("llama")))
-    cache = runner.new_cache(16)
-    runner.prefill([5, 6, 7], cache=cache, topk=0)
-    tree = flatten_tree(Draft.chain([8, 9]), committed_len=3, device="cpu", dtype=torch.float32)
+    runner, cache, tree = prefilled_chain()
     with pytest.raises(ValueError, match="share a KV-cache slot"):
         runner.verify_flat(FlatTrees.of([(tree, cache), (tree, cache)]))
     empty = FlatTrees(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
@@ -327,7 +316,7 @@ def test_keep_rows_batch_then_verify_stays_lossless():
         nodes, cu = _paths(np.random.default_rng(10), trees)
         runner.keep_rows_batch(caches, np.array([7, 2, 15]), nodes, cu)
         committed = [p + [int(trees[b].tokens[n]) for n in nodes[cu[b]: cu[b + 1]]] for b, p in enumerate(prompts)]
-        nxt = [flatten_tree(_draft(gen, t), committed_len=len(c), device="cpu", dtype=torch.float32)
+        nxt = [flatten_tree(rand_draft(gen, t), committed_len=len(c), device="cpu", dtype=torch.float32)
                for t, c in zip((3, 5, 1), committed)]
         flat = FlatTrees.of(list(zip(nxt, caches)))
         _check_against_oracle(model, runner.verify_flat(flat).clone(), flat, nxt, committed)
@@ -381,7 +370,7 @@ def test_graph_path_buckets_and_static_buffers_stay_lossless(family, monkeypatch
     runner.keep_rows_batch([caches[0], caches[2]], np.array([6, 2]), nodes, cu)
     committed = [prompts[0] + [int(trees[0].tokens[n]) for n in nodes[cu[0]: cu[1]]],
                  prompts[2] + [int(trees[2].tokens[n]) for n in nodes[cu[1]: cu[2]]]]
-    nxt = [flatten_tree(_draft(gen, t), committed_len=len(c), device="cpu", dtype=torch.float32)
+    nxt = [flatten_tree(rand_draft(gen, t), committed_len=len(c), device="cpu", dtype=torch.float32)
            for t, c in zip((7, 4), committed)]
     flat = FlatTrees.of([(nxt[0], caches[0]), (nxt[1], caches[2])])
     _check_against_oracle(model, runner.verify_flat(flat).clone(), flat, nxt, committed)

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import tiny_bundle
+from helpers import check_greedy_equals_reference, tiny_bundle
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters import make_drafter
@@ -17,17 +17,7 @@ PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the 
 @pytest.mark.parametrize("method", NEW_METHODS)
 @pytest.mark.parametrize("capacity", [4, 16, 64])
 def test_greedy_equals_reference(tiny, method, capacity):
-    engine = Engine(tiny, DecodingConfig(method=method, capacity=capacity))
-    state = engine.new_state()
-    for prompt in PROMPTS:
-        params = GenerationParams(max_new_tokens=80)
-        ref = generate_reference(tiny, prompt, params)
-        out = engine.generate(prompt, params, state=state)
-        assert out.token_ids == ref.token_ids, (method, prompt)
-        assert out.finish_reason == ref.finish_reason
-        assert out.stats.emitted_tokens == out.output_tokens == len(out.token_ids)
-        assert max(int(k) for k in out.stats.accepted_hist) <= capacity - 1
-    engine.free_state(state)
+    check_greedy_equals_reference(tiny, method, capacity, PROMPTS)
 
 
 @pytest.mark.parametrize("method", NEW_METHODS)

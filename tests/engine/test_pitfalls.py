@@ -9,7 +9,7 @@ failure links (tests/unit/test_automaton.py), 9.6 shared state (test_engine_tiny
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_bundle
+from helpers import ContextFreeDrafter, tiny_bundle
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
@@ -17,22 +17,15 @@ from racer_batch.engine.runner import PREFILL_TOPK_CHUNK, ModelRunner
 from racer_batch.engine.tree import flatten_tree
 
 
-class RaggedDrafter:
+class RaggedDrafter(ContextFreeDrafter):
     """Ragged trees whose short paths end where the model will predict token 0 (a typical pad id)."""
 
     name = "ragged"
-    needs_topk = False
-
-    def start(self, prompt_ids, prompt_topk):
-        pass
 
     def propose(self, root, *, capacity, max_depth):
         if max_depth < 3:
             return Draft.root_only(root)
         return Draft([root, 0, 5, 0, 7, 0], [-1, 0, 0, 2, 3, 4], [0, 2, 2, 2, 2, 2])
-
-    def update(self, verified):
-        pass
 
 
 def test_9_1_path_padding_is_never_accepted_as_a_token():

@@ -33,7 +33,7 @@ from racer_batch.engine.decoder_ops import FastLinear, default_matmul_path
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.runner import ModelRunner, make_runner
 from racer_batch.engine.static_runner import SlotCache, StaticRunner, describe_unsupported, pick_bucket
-from racer_batch.engine.tree import flatten_tree
+from racer_batch.engine.tree import TreeInputs, flatten_tree
 from racer_batch.models import ModelBundle
 
 V = 64
@@ -107,6 +107,22 @@ def oracle(model, seq) -> torch.Tensor:
 
 def rand_tokens(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(3, V, (n,), generator=gen).tolist()
+
+
+def rand_draft(gen: torch.Generator, size: int) -> Draft:
+    """A random tree of ``size`` nodes (node 0 the root; creation order is not breadth-first)."""
+    toks = rand_tokens(gen, size)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
+    return Draft(toks, parents, [0] * size)
+
+
+def prefilled_chain() -> tuple[StaticRunner, SlotCache, TreeInputs]:
+    """A runner (llama) with one stream prefilled with 5 6 7 and the chain 8 9 drafted after it, flattened:
+    (runner, the stream's cache, the tree)."""
+    runner = StaticRunner(bundle_of(make_model("llama")))
+    cache = runner.new_cache(16)
+    runner.prefill([5, 6, 7], cache=cache, topk=0)
+    return runner, cache, flatten_tree(Draft.chain([8, 9]), committed_len=3, device="cpu", dtype=torch.float32)
 
 
 def check_tree(runner, cache, model, committed: list[int], draft: Draft):

@@ -34,6 +34,18 @@ def _shard_attempt(out_dir, shard: int) -> int:
     return int(meta["attempt"])
 
 
+def _run_on_private_redis(srv, prefix: str, tmp_path, rows: list[dict], *, name: str, ms_per_step: int,
+                          max_new_tokens: int):
+    """Submit a stand-in job over ``rows`` to the private Redis ``srv`` under ``prefix`` and start a worker
+    ``name`` (Ray actors, lease 3 s) on a background thread. Returns (queue, spec, submit result, executor,
+    background worker)."""
+    q = JobQueue(connect(srv.url), prefix=prefix)
+    spec, sub = submit_standin_job(q, tmp_path, rows, **{"model.name": f"stand-in?ms_per_step={ms_per_step}&mat=2",
+                                                         "generation.max_new_tokens": max_new_tokens})
+    executor = make_executor("ray", url=srv.url, prefix=prefix, name=name)
+    return q, spec, sub, executor, BackgroundWorker(Worker(q, executor, name=name, lease_s=3, poll_s=0.2)).start()
+
+
 def test_actor_process_sigkilled_mid_shard(ray_session, queue, redis_url, tmp_path):
     """The OS kills a generation actor's process (as the OOM killer would) while a shard is half done:
     the worker restarts the actor, the shard is redone from its first row, the job completes, every id
@@ -73,14 +85,9 @@ def test_redis_restart_with_data_lost_recovers_from_manifest(ray_session, redis_
     the same spec finds the job id in the output folder's manifest and resumes: committed shards are kept,
     the rest run, every id appears exactly once."""
     srv = redis_server_factory()
-    prefix = "rbrel-restart:"
-    q = JobQueue(connect(srv.url), prefix=prefix)
     rows = [{"id": f"r{i:02d}", "prompt": f"prompt {i}"} for i in range(24)]
-    spec, sub = submit_standin_job(q, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=20&mat=2",
-                                                         "generation.max_new_tokens": 10})
-    executor = make_executor("ray", url=srv.url, prefix=prefix, name="survivor")
-    worker = Worker(q, executor, name="survivor", lease_s=3, poll_s=0.2)
-    bg = BackgroundWorker(worker).start()
+    q, spec, sub, executor, bg = _run_on_private_redis(
+        srv, "rbrel-restart:", tmp_path, rows, name="survivor", ms_per_step=20, max_new_tokens=10)
     try:
         wait_for(lambda: q.status(sub.job_id).shards_done >= 2, timeout_s=90, what="two shards committed")
         srv.stop()  # SIGKILL: nothing saved
@@ -88,7 +95,7 @@ def test_redis_restart_with_data_lost_recovers_from_manifest(ray_session, redis_
         srv.start()
         assert not q.job_exists(sub.job_id), "the restarted Redis must have lost the job"
         committed_before = sorted(read_manifest(spec.output.path)["shards"])
-        wait_for(lambda: worker.jobs_run >= 1, timeout_s=60, what="the worker to drop the lost job")
+        wait_for(lambda: bg.worker.jobs_run >= 1, timeout_s=60, what="the worker to drop the lost job")
         assert bg.thread.is_alive() and bg.error is None, f"worker died: {bg.error!r}"
         # recovery: re-submit the same spec; the folder's manifest gives the job id back
         again = submit_job(q, spec)
@@ -147,14 +154,9 @@ def test_redis_down_when_the_job_ends(ray_session, redis_server_factory, tmp_pat
     finish the job: the worker survives the failed writes, the job's lease expires, the job is taken again
     and, its shards all committed in the output folder, ends done without redoing any row."""
     srv = redis_server_factory(persist=True)
-    prefix = "rbrel-down-at-end:"
-    q = JobQueue(connect(srv.url), prefix=prefix)
     rows = [{"id": f"r{i}", "prompt": f"prompt {i}"} for i in range(4)]
-    spec, sub = submit_standin_job(q, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=100&mat=2",
-                                                         "generation.max_new_tokens": 6})
-    executor = make_executor("ray", url=srv.url, prefix=prefix, name="patient")
-    worker = Worker(q, executor, name="patient", lease_s=3, poll_s=0.2)
-    bg = BackgroundWorker(worker).start()
+    q, spec, sub, executor, bg = _run_on_private_redis(
+        srv, "rbrel-down-at-end:", tmp_path, rows, name="patient", ms_per_step=100, max_new_tokens=6)
     try:
         wait_for(lambda: q.status(sub.job_id).rows_done >= 1, timeout_s=60, what="the first row")
         srv.stop()

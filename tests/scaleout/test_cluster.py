@@ -38,10 +38,21 @@ def cluster() -> Iterator[RayCluster]:
         yield c
 
 
-def _job(queue, tmp_path: Path, *, rows: int, **over):
+def _job(queue, tmp_path: Path, *, rows: int, ms_per_step: int, shard_rows: int, actors: int,
+         cpus_per_actor: float):
+    """A stand-in job of ``rows`` rows (``ms_per_step`` per step) on ``actors`` actors of ``cpus_per_actor`` CPUs.
+    Returns (spec, submit result, the row ids)."""
     rows_ = [{"id": f"r{i:02d}", "prompt": f"prompt number {i}"} for i in range(rows)]
-    spec, sub = submit_standin_job(queue, tmp_path, rows_, **over)
+    spec, sub = submit_standin_job(queue, tmp_path, rows_, **{
+        "model.name": f"stand-in?ms_per_step={ms_per_step}&mat=2", "output.shard_rows": shard_rows,
+        "resources.num_actors": actors, "resources.cpus_per_actor": cpus_per_actor})
     return spec, sub, [r["id"] for r in rows_]
+
+
+def _worker(cluster: RayCluster, queue, redis_url: str, log: Path, name: str, *args: str):
+    """``racer-batch worker --ray-address`` (the cluster's) named ``name`` with ``args``, its report in ``log``."""
+    return worker_process(log, "--ray-address", cluster.address, *args, redis_url=redis_url, prefix=queue.prefix,
+                          name=name, lease_s=LEASE_S)
 
 
 def _footer(out_dir: str, shard: int) -> dict:
@@ -52,12 +63,9 @@ def test_actors_spread_over_the_nodes_of_a_cluster_joined_by_address(cluster, qu
     """``racer-batch worker --ray-address`` joins the three-node cluster; three actors of 0.5 CPU land on
     three different nodes (SPREAD: Ray's default would fill the node the worker joined first); the job
     completes with every id once, and each row names the node that answered it."""
-    spec, sub, ids = _job(queue, tmp_path, rows=12, **{
-        "model.name": "stand-in?ms_per_step=20&mat=2", "output.shard_rows": 2, "resources.num_actors": 3,
-        "resources.cpus_per_actor": 0.5})
+    spec, sub, ids = _job(queue, tmp_path, rows=12, ms_per_step=20, shard_rows=2, actors=3, cpus_per_actor=0.5)
     log = tmp_path / "worker.log"
-    with worker_process(log, "--ray-address", cluster.address, "--max-jobs", "1", redis_url=redis_url,
-                        prefix=queue.prefix, name="spreader", lease_s=LEASE_S) as proc:
+    with _worker(cluster, queue, redis_url, log, "spreader", "--max-jobs", "1") as proc:
         proc.wait(timeout=180)
     assert proc.returncode == 0, log.read_text()
     st = queue.status(sub.job_id)
@@ -81,13 +89,10 @@ def test_a_node_lost_mid_job_retries_its_shards_on_the_nodes_left(cluster, queue
     retried shards; the worker's CPU time shows it did not spin."""
     doomed = cluster.add_node(num_cpus=1)
     try:
-        spec, sub, ids = _job(queue, tmp_path, rows=32, **{
-            "model.name": "stand-in?ms_per_step=80&mat=2", "output.shard_rows": 4, "resources.num_actors": 4,
-            "resources.cpus_per_actor": 1})
+        spec, sub, ids = _job(queue, tmp_path, rows=32, ms_per_step=80, shard_rows=4, actors=4, cpus_per_actor=1)
         log = tmp_path / "worker.log"
-        with worker_process(log, "--ray-address", cluster.address, "--max-jobs", "1", "--actor-start-timeout",
-                            "30", redis_url=redis_url, prefix=queue.prefix, name="survivor",
-                            lease_s=LEASE_S) as proc:
+        with _worker(cluster, queue, redis_url, log, "survivor", "--max-jobs", "1", "--actor-start-timeout",
+                     "30") as proc:
             def half_done_on_doomed() -> set[int]:
                 seen: dict[int, int] = {}
                 for r in queue.recent_rows(sub.job_id, 200):
@@ -139,14 +144,11 @@ def test_no_room_at_all_waits_with_a_status_line_then_runs(cluster, queue, redis
     """A job whose actors need 2 CPUs on a cluster of 1-CPU nodes: no actor can be placed. The worker keeps
     the lease and waits, the job's status line says why, and it does not spin; once a 2-CPU node joins, the
     job runs there (on what is left: one of its two actors) and ends done, every id once."""
-    spec, sub, ids = _job(queue, tmp_path, rows=6, **{
-        "model.name": "stand-in?ms_per_step=10&mat=2", "output.shard_rows": 2, "resources.num_actors": 2,
-        "resources.cpus_per_actor": 2})
+    spec, sub, ids = _job(queue, tmp_path, rows=6, ms_per_step=10, shard_rows=2, actors=2, cpus_per_actor=2)
     log = tmp_path / "worker.log"
     big = None
     try:
-        with worker_process(log, "--ray-address", cluster.address, "--max-jobs", "1", redis_url=redis_url,
-                            prefix=queue.prefix, name="patient", lease_s=LEASE_S) as proc:
+        with _worker(cluster, queue, redis_url, log, "patient", "--max-jobs", "1") as proc:
             wait_for(lambda: (queue.status(sub.job_id).message or "").startswith("waiting for Ray resources")
                      or proc.poll() is not None, timeout_s=120, what="the waiting status line")
             t0, cpu0 = time.monotonic(), cpu_seconds(proc.pid)
@@ -177,12 +179,9 @@ def test_head_lost_hands_the_job_back_and_a_fresh_worker_finishes_it(cluster, qu
     for Ray to end it a minute later: it hands the job back to the queue at once and exits with code 4 and a
     message naming the head. Nothing is left leased by a dead owner; a fresh worker then finishes the job,
     keeping the shards committed before, every id once. (Runs last: it ends the module's cluster.)"""
-    spec, sub, ids = _job(queue, tmp_path, rows=24, **{
-        "model.name": "stand-in?ms_per_step=60&mat=2", "output.shard_rows": 2, "resources.num_actors": 2,
-        "resources.cpus_per_actor": 0.5})
+    spec, sub, ids = _job(queue, tmp_path, rows=24, ms_per_step=60, shard_rows=2, actors=2, cpus_per_actor=0.5)
     log = tmp_path / "worker.log"
-    with worker_process(log, "--ray-address", cluster.address, "--idle-exit", "120", redis_url=redis_url,
-                        prefix=queue.prefix, name="orphan", lease_s=LEASE_S) as proc:
+    with _worker(cluster, queue, redis_url, log, "orphan", "--idle-exit", "120") as proc:
         wait_for(lambda: queue.status(sub.job_id).shards_done >= 2 or proc.poll() is not None, timeout_s=120,
                  what="two shards committed")
         assert proc.poll() is None, log.read_text()

@@ -40,14 +40,17 @@ def test_lease_claim_renew_reclaim(queue, tmp_path):
     assert queue.claim(consumer="C", lease_ms=1, block_ms=0) is None
 
 
+def _submit_at(queue, tmp_path, *, priority: int, out: str):
+    """Submit a stand-in job over tmp_path/in.parquet at ``priority``, its output in tmp_path/``out``."""
+    return submit_job(queue, load_spec(None, base_overrides(tmp_path, priority=priority,
+                                                            **{"output.path": str(tmp_path / out)})))
+
+
 def test_priority_and_cancel_queued(queue, tmp_path):
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
-    low = submit_job(queue, load_spec(
-        None, base_overrides(tmp_path, priority=1, **{"output.path": str(tmp_path / "o1")})))
-    high = submit_job(queue, load_spec(
-        None, base_overrides(tmp_path, priority=8, **{"output.path": str(tmp_path / "o2")})))
-    mid = submit_job(queue, load_spec(
-        None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o3")})))
+    low = _submit_at(queue, tmp_path, priority=1, out="o1")
+    high = _submit_at(queue, tmp_path, priority=8, out="o2")
+    mid = _submit_at(queue, tmp_path, priority=5, out="o3")
     assert queue.cancel(mid.job_id) == "cancelled"
     first = queue.claim(consumer="A", lease_ms=10_000, block_ms=0)
     second = queue.claim(consumer="A", lease_ms=10_000, block_ms=0)
@@ -318,12 +321,9 @@ def test_error_outside_rows_fails_the_job_not_the_rows(queue, redis_url, tmp_pat
 def test_embedded_worker_runs_only_its_own_job(queue, redis_url, tmp_path):
     """`submit --local` must not run (or hold) other jobs waiting in the same queue, even ones ahead of it."""
     write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}, {"id": 2, "prompt": "y"}])
-    other = submit_job(queue, load_spec(
-        None, base_overrides(tmp_path, priority=9, **{"output.path": str(tmp_path / "o1")})))
-    older = submit_job(queue, load_spec(
-        None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o2")})))
-    mine = submit_job(queue, load_spec(
-        None, base_overrides(tmp_path, priority=5, **{"output.path": str(tmp_path / "o3")})))
+    other = _submit_at(queue, tmp_path, priority=9, out="o1")
+    older = _submit_at(queue, tmp_path, priority=5, out="o2")
+    mine = _submit_at(queue, tmp_path, priority=5, out="o3")
     run = run_until_done(queue, mine.job_id, url=redis_url, prefix=queue.prefix, executor_kind="thread", lease_s=5)
     assert run.state == "done"
     for job in (other, older):

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,10 +12,9 @@ from racer_batch.service.execution.local import make_executor, run_until_done
 from racer_batch.service.execution.worker import Worker
 from racer_batch.service.results.output import read_output
 from racer_batch.service.results.schema import OUTPUT_SCHEMA
-from tests.fixtures import submit_standin_job
+from tests.fixtures import rescue_job, submit_standin_job, worker_process
 
 pytestmark = pytest.mark.service
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_end_to_end_real_model(ray_session, queue, redis_url, tmp_path):
@@ -69,27 +64,13 @@ def test_resume_after_killing_worker(ray_session, queue, redis_url, tmp_path):
     rows = [{"id": f"r{i:02d}", "prompt": f"prompt {i}"} for i in range(24)]
     spec, sub = submit_standin_job(queue, tmp_path, rows, **{"model.name": "stand-in?ms_per_step=20",
                                                     "generation.max_new_tokens": 10})
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "racer_batch", "worker", "--no-ray", "--lease-s", "3",
-         "--redis-url", redis_url, "--prefix", queue.prefix, "--name", "doomed"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with worker_process(tmp_path / "doomed.log", "--no-ray", redis_url=redis_url, prefix=queue.prefix,
+                        name="doomed"):  # SIGKILLed when the block ends
         deadline = time.time() + 60
         while queue.status(sub.job_id).shards_done < 2 and time.time() < deadline:
             time.sleep(0.05)
         assert queue.status(sub.job_id).shards_done >= 2
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    st = queue.status(sub.job_id)
-    assert st.state == "running" and st.owner == "doomed" and st.shards_done < 6
-    w = Worker(queue, make_executor("ray", url=redis_url, prefix=queue.prefix, name="rescuer"), name="rescuer",
-               lease_s=3)
-    try:
-        assert w.run(max_jobs=1, idle_exit_s=20) == 1  # the rescuer took the expired lease and ended the job
-    finally:
-        w.executor.shutdown()
+    rescue_job(queue, sub.job_id, redis_url, shards_below=6)
     st = queue.status(sub.job_id)
     assert st.state == "done" and st.rows_done == 24
     ids = [r["id"] for r in read_output(spec.output.path).to_pylist()]

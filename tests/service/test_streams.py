@@ -12,10 +12,6 @@ comparisons leave out the columns that name the model, worker or times.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,11 +26,17 @@ from racer_batch.service.job.spec import SpecError, load_spec
 from racer_batch.service.results.output import part_path, read_output
 from racer_batch.service.results.shadow import read_shadow
 from racer_batch.service.submit import submit_job
-from tests.fixtures import base_overrides, queue_url, submit_standin_job, write_parquet
+from tests.fixtures import (
+    base_overrides,
+    queue_url,
+    rescue_job,
+    submit_standin_job,
+    worker_process,
+    write_parquet,
+)
 from tests.standin import RAISE_MARKER, StandInEngine
 
 pytestmark = pytest.mark.service
-ROOT = Path(__file__).resolve().parents[2]
 
 # the output columns, which must not depend on B (not times, worker, model name, finished_at)
 SAME = ("id", "row_idx", "shard", "route", "status", "error", "text", "turn_texts", "prompt_tokens",
@@ -269,6 +271,17 @@ def _reference(queue, tmp_path: Path, rows: list[dict], **over) -> dict[str, dic
     return _content(read_output(spec.output.path).to_pylist())
 
 
+def _reference_and_b4_job(queue, tmp_path: Path, rows: list[dict], *, shard_rows: int, ms_per_step: int):
+    """The B = 1 outputs of the job (``_reference``), then the same job submitted at B = 4, the stand-in taking
+    ``ms_per_step`` per step, its output in tmp_path/b4. Returns (the B = 1 outputs, spec, submit result)."""
+    over = {"output.shard_rows": shard_rows}
+    ref = _reference(queue, tmp_path, rows, **over)
+    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
+        "model.name": f"stand-in?ms_per_step={ms_per_step}&mat=1", "output.path": str(tmp_path / "b4"),
+        "resources.streams_per_actor": 4}))
+    return ref, spec, sub
+
+
 def _each_id_once(out_dir, rows: list[dict]) -> list[dict]:
     got = read_output(out_dir).to_pylist()
     ids = [r["id"] for r in got]
@@ -284,11 +297,7 @@ def test_b4_job_cancelled_mid_shard_then_resumed_equals_b1(ray_session, queue, r
     from tests.reliability.util import BackgroundWorker, wait_for
 
     rows = _rows(30, bad=(13,), model_error=(16,), base_tokens=30)
-    over = {"output.shard_rows": 10}
-    ref = _reference(queue, tmp_path, rows, **over)
-    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
-        "model.name": "stand-in?ms_per_step=25&mat=1", "output.path": str(tmp_path / "b4"),
-        "resources.streams_per_actor": 4}))
+    ref, spec, sub = _reference_and_b4_job(queue, tmp_path, rows, shard_rows=10, ms_per_step=25)
     executor = make_executor("ray", url=redis_url, prefix=queue.prefix, name="b4")
     bg = BackgroundWorker(Worker(queue, executor, name="b4", lease_s=10), max_jobs=1, idle_exit_s=30).start()
     try:
@@ -328,16 +337,9 @@ def test_b4_worker_killed_mid_job_resumed_elsewhere_equals_b1(ray_session, queue
     """A worker running B = 4 is SIGKILLed mid-shard; a second worker (Ray actors) reclaims the expired
     lease and finishes the job: every id exactly once, every output identical to the B = 1 run."""
     rows = _rows(24, bad=(5,), model_error=(18,), base_tokens=16)
-    over = {"output.shard_rows": 8}
-    ref = _reference(queue, tmp_path, rows, **over)
-    spec, sub = submit_standin_job(queue, tmp_path, rows, **dict(over, **{
-        "model.name": "stand-in?ms_per_step=20&mat=1", "output.path": str(tmp_path / "b4"),
-        "resources.streams_per_actor": 4}))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "racer_batch", "worker", "--no-ray", "--lease-s", "3",
-         "--redis-url", redis_url, "--prefix", queue.prefix, "--name", "doomed"],
-        env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    ref, spec, sub = _reference_and_b4_job(queue, tmp_path, rows, shard_rows=8, ms_per_step=20)
+    with worker_process(tmp_path / "doomed.log", "--no-ray", redis_url=redis_url, prefix=queue.prefix,
+                        name="doomed") as proc:  # SIGKILLed when the block ends
         def mid_job() -> bool:  # a shard committed and another one part done
             inflight = queue.r.hgetall(queue.k_job(sub.job_id, "inflight"))
             return queue.status(sub.job_id).shards_done >= 1 and any(
@@ -347,17 +349,7 @@ def test_b4_worker_killed_mid_job_resumed_elsewhere_equals_b1(ray_session, queue
         while not mid_job() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.005)
         assert mid_job(), "the doomed worker never got mid-job"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    st = queue.status(sub.job_id)
-    assert st.state == "running" and st.owner == "doomed" and st.shards_done < 3
-    w = Worker(queue, make_executor("ray", url=redis_url, prefix=queue.prefix, name="rescuer"), name="rescuer",
-               lease_s=3)
-    try:
-        assert w.run(max_jobs=1, idle_exit_s=20) == 1
-    finally:
-        w.executor.shutdown()
+    rescue_job(queue, sub.job_id, redis_url, shards_below=3)
     st = queue.status(sub.job_id)
     assert st.state == "done" and st.rows_done == 24 and int(queue.job_fields(sub.job_id)["attempts"]) == 2
     assert _content(_each_id_once(spec.output.path, rows)) == ref

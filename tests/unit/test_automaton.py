@@ -302,12 +302,17 @@ def test_extend_counts_windows_and_sets_failure_links():
     assert a.state == 0, "extend must not move the matching state"
 
 
-def test_borders_pool_scores_across_borders():
+def _read_then_match_5_1_2(text: list[int]):
+    """An automaton (ngram 4) that has read ``text``, then matched 5 1 2: (it, the borders of the last step)."""
     a = Automaton(max_nodes=100, ngram=4)
-    a.extend([5, 1, 2, 3, 6, 1, 2, 3, 5, 1, 2])
+    a.extend(text)
     a.advance(5)
     a.advance(1)
-    borders = a.advance(2)
+    return a, a.advance(2)
+
+
+def test_borders_pool_scores_across_borders():
+    a, borders = _read_then_match_5_1_2([5, 1, 2, 3, 6, 1, 2, 3, 5, 1, 2])
     assert [a.node_path(b) for b in borders] == [(5, 1, 2), (1, 2)]
     snap = a.snapshot()
     assert snap[(5, 1, 2, 3)].freq == 1 and snap[(1, 2, 3)].freq == 2
@@ -318,11 +323,7 @@ def test_borders_pool_scores_across_borders():
 
 
 def test_pooling_orders_by_summed_frequency():
-    a = Automaton(max_nodes=100, ngram=4)
-    a.extend([5, 1, 2, 3, 6, 1, 2, 4, 5, 1, 2])
-    a.advance(5)
-    a.advance(1)
-    borders = a.advance(2)
+    a, borders = _read_then_match_5_1_2([5, 1, 2, 3, 6, 1, 2, 4, 5, 1, 2])
     c = a.candidates(borders, 2)
     assert c.tokens == [3, 4] and c.scores == [2, 1] and c.parents == [-1, -1]
 

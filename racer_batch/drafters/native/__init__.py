@@ -42,6 +42,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from ..._delegate import delegated
 from ...native_build import compile_library, library_path
 
 __all__ = [
@@ -252,44 +253,22 @@ class NativeDraftState:
         Raises: ValueError: no store (retrieval only), or ``token`` outside the vocabulary."""
         return self._core.store_row(int(token))
 
-    @property
-    def store_known(self) -> int:
-        """Tokens whose shared store row holds a prediction (0 without a store)."""
-        return self._core.store_known
+    store_known = delegated("_core.store_known", "Tokens whose shared store row holds a prediction (0 without a "
+                            "store).")
 
     def free(self) -> None:
         """Drop the automaton, the store and every row; later use raises ValueError (close_row is a no-op)."""
         self._core.free()
 
-    @property
-    def freed(self) -> bool:
-        return self._core.freed
-
-    @property
-    def num_nodes(self) -> int:
-        """Live automaton nodes (the trie root not counted); 0 without retrieval."""
-        return self._core.num_nodes
-
-    @property
-    def num_evicted(self) -> int:
-        """Automaton nodes evicted so far."""
-        return self._core.num_evicted
-
-    @property
-    def num_scanned(self) -> int:
-        """Nodes the eviction scans have visited so far (the victims included): how much the resume hint of
-        draft_core.cpp's ``evict_lru_leaf`` saves, against ``num_evicted``."""
-        return self._core.num_scanned
-
-    @property
-    def num_rows(self) -> int:
-        """Open rows."""
-        return self._core.num_rows
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes held: store table, own layers, automaton nodes and index (capacity, not just use)."""
-        return self._core.memory_bytes
+    freed = delegated("_core.freed", "Whether :meth:`free` was called (bool).")
+    num_nodes = delegated("_core.num_nodes", "Live automaton nodes (the trie root not counted); 0 without retrieval.")
+    num_evicted = delegated("_core.num_evicted", "Automaton nodes evicted so far.")
+    num_scanned = delegated("_core.num_scanned", "Nodes the eviction scans have visited so far (the victims "
+                            "included): how much the resume hint of draft_core.cpp's ``evict_lru_leaf`` saves, "
+                            "against ``num_evicted``.")
+    num_rows = delegated("_core.num_rows", "Open rows.")
+    memory_bytes = delegated("_core.memory_bytes", "Bytes held: store table, own layers, automaton nodes and index "
+                             "(capacity, not just use).")
 
 
 def _cores(states: Sequence[NativeDraftState]) -> list:
