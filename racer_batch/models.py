@@ -330,7 +330,8 @@ def _model_source(name: str) -> tuple[str | Path, str]:
     The built-in GGUF models and ``.gguf`` files are de-quantised into the cache first (once).
 
     Raises:
-        ModelLoadError: a file that is not a ``.gguf``, a folder without ``config.json``, an unknown name.
+        ModelLoadError: a file that is not a ``.gguf``, a folder without ``config.json``, a ``.gguf`` or local
+            path that does not exist, an unknown name.
     """
     if name == "gemma3-270m":
         folder = gguf_folder(gemma3_gguf())
@@ -354,7 +355,10 @@ def _model_source(name: str) -> tuple[str | Path, str]:
             raise ModelLoadError(f"{where} has no config.json: point at a HuggingFace model folder or a .gguf "
                                  f"file{hint}")
         return folder, where
-    if "/" in name and not name.startswith((".", "/")):
+    if name.lower().endswith(".gguf") or name.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model {name!r}: no such file or folder (a .gguf file or a HuggingFace model folder "
+                             "must exist on this machine)")
+    if "/" in name:
         return name, f"hub model {name!r}"
     raise ModelLoadError(
         f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)}, a .gguf file, a local model folder, or "

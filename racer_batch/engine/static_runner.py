@@ -3,10 +3,11 @@ per stream; one verify call for several streams' draft trees (``verify_flat``).
 
 Why our own decoder: the stock transformers forward re-concatenates a ``DynamicCache`` every step, runs
 separate q/k/v and gate/up matmuls through plain MKL sgemm and pays Python dispatch for every module; on a
-small model that overhead is larger than the arithmetic (measurements: docs/architecture.md, "Verify
-runner"). The decoder (engine/decoder.py) is the Llama family's computation written out once (RMSNorm, rotary
-positions, grouped-query attention, SwiGLU MLP), which covers Llama, Mistral, Qwen2 (q/k/v bias), Qwen3
-(per-head q/k RMSNorm) and SmolLM checkpoints. ``describe_unsupported`` names what it cannot run; the engine
+small model that overhead is larger than the arithmetic (measurements: benchmarks/README.md, "Measurement
+history", Verify runner). The decoder (engine/decoder.py) is the Llama family's computation written out once
+(RMSNorm, rotary positions, grouped-query attention, gated MLP), with each family's variations as data on its
+weights: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), SmolLM, Phi-3, Gemma 3 (text),
+Qwen3-MoE and Mixtral, sliding-window layers included. ``describe_unsupported`` names what it cannot run; the engine
 then falls back to the eager ``ModelRunner`` (``decoding.runner: auto``). The transformers forward stays the
 test oracle (tests/engine/test_static_runner.py).
 

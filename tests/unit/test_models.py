@@ -12,6 +12,15 @@ def test_unknown_name():
         load_model("nope")
 
 
+@pytest.mark.parametrize("name", ["/tmp/nope-racer.gguf", "models/missing.GGUF", "./no-such-folder"])
+def test_a_path_that_does_not_exist_is_named_as_missing(name):
+    """A .gguf name or a local path that is not there is reported as missing, not as an unknown model or a hub
+    id (the trial's P2)."""
+    with pytest.raises(ModelLoadError, match=r"no such file or folder") as err:
+        load_model(name)
+    assert "unknown model" not in str(err.value)
+
+
 def test_folder_without_config(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(str(tmp_path))

@@ -102,21 +102,30 @@ _WATCHDOGS: list[subprocess.Popen] = []
 # Run by a child of the process that starts a local Ray. Its stdin is a pipe whose only writer is that
 # process, so the read returns when it ends, however it ends (kill -9 included). Ray ties the raylet and the
 # GCS to their parent (parent-death signal) but not the agents the raylet starts (DashboardAgent,
-# RuntimeEnvAgent), which linger for minutes; every process naming the session's private temp folder is
-# killed here, by pid.
+# RuntimeEnvAgent), which linger for a minute; every process of the session is killed here, by pid: those
+# whose command line names the session's private temp folder, and those holding a file open below it (the
+# agents rename their command line to "ray::DashboardAgent" but keep their log files in the folder open).
 _WATCHDOG = r"""
 import os, shutil, signal, sys
 sys.stdin.buffer.read()
 tag, me = sys.argv[1].encode(), os.getpid()
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    if int(pid) == me:
-        continue
+
+
+def of_session(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            cmd = fh.read()
+            if tag in fh.read():
+                return True
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").encode().startswith(tag):
+                return True
     except OSError:
-        continue
-    if tag in cmd:
+        pass
+    return False
+
+
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) != me and of_session(pid):
         try:
             os.kill(int(pid), signal.SIGKILL)
         except OSError:

@@ -100,7 +100,8 @@ def _format_of(files: list[str], fmt: str) -> str:
     unknown = sorted({Path(f).suffix or "(none)" for f in files if _SUFFIX_FORMAT.get(Path(f).suffix.lower()) is None})
     supported = "Parquet (.parquet, .pq) or JSON Lines (.jsonl, .json, .ndjson)"
     if unknown:
-        hint = " (CSV: convert it first, e.g. pandas.read_csv(...).to_parquet(...))" if ".csv" in unknown else ""
+        hint = (" (CSV: convert it first, e.g. pyarrow.parquet.write_table(pyarrow.csv.read_csv(PATH), 'in.parquet'))"
+                if ".csv" in unknown else "")
         raise InputError(f"input files of an unsupported kind ({', '.join(unknown)}): racer-batch reads {supported}"
                          f"{hint}; or set input.format to parquet or jsonl")
     raise InputError(f"input files mix Parquet and JSON Lines ({', '.join(sorted(map(str, kinds)))}): use one kind, "
