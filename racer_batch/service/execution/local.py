@@ -103,19 +103,24 @@ _WATCHDOGS: list[subprocess.Popen] = []
 # process, so the read returns when it ends, however it ends (kill -9 included). Ray ties the raylet and the
 # GCS to their parent (parent-death signal) but not the agents the raylet starts (DashboardAgent,
 # RuntimeEnvAgent), which linger for a minute; every process of the session is killed here, by pid: those
-# whose command line names the session's private temp folder, and those holding a file open below it (the
-# agents rename their command line to "ray::DashboardAgent" but keep their log files in the folder open).
+# whose command line names the session's private temp folder, and Ray processes ("ray::..." command lines: the
+# agents rename theirs) holding a file open below it. Never the process that started Ray (after an orderly
+# shutdown it is still alive, and may hold a log file of the folder open) and never this one.
 _WATCHDOG = r"""
 import os, shutil, signal, sys
+starter = os.getppid()
 sys.stdin.buffer.read()
-tag, me = sys.argv[1].encode(), os.getpid()
+tag, spared = sys.argv[1].encode(), {os.getpid(), starter}
 
 
 def of_session(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            if tag in fh.read():
-                return True
+            cmd = fh.read()
+        if tag in cmd:
+            return True
+        if not cmd.startswith(b"ray::"):
+            return False
         for fd in os.listdir(f"/proc/{pid}/fd"):
             if os.readlink(f"/proc/{pid}/fd/{fd}").encode().startswith(tag):
                 return True
@@ -125,7 +130,7 @@ def of_session(pid):
 
 
 for pid in filter(str.isdigit, os.listdir("/proc")):
-    if int(pid) != me and of_session(pid):
+    if int(pid) not in spared and of_session(pid):
         try:
             os.kill(int(pid), signal.SIGKILL)
         except OSError:
