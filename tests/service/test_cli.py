@@ -398,7 +398,9 @@ def test_ctrl_c_of_submit_local_queues_the_job_and_the_rerun_times_itself(tmp_pa
     cmd = [sys.executable, "-m", "racer_batch", "submit", str(spec), "--local", "--executor", "thread", "--json",
            "--redis-url", redis_url, "--prefix", prefix]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a terminal's default for SIGINT: a runner started in the background (CI's `nohup ... &`) passes it on ignored
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         jobs = []
