@@ -38,6 +38,7 @@ from .decoder_ops import (
 SDPA_MIN_ROWS = 128  # fewer query rows per stream: our own attention (SDPA's CPU kernels cost ~0.2-8 ms at T=1)
 GEMMA_FAMILIES = ("gemma3_text",)  # the (1 + w) norms, scaled embeddings and four norms per layer
 SLIDING = "sliding_attention"
+FULL = "full_attention"
 
 
 @dataclass
@@ -126,14 +127,27 @@ class DecoderWeights:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
 
 
-def _window(cfg: Any, index: int, kinds: list[str]) -> Optional[int]:
-    """Layer ``index``'s sliding window, as ``runner.layer_windows`` reads the config (None: the whole prefix)."""
-    window = getattr(cfg, "sliding_window", None)
-    if not window:
-        return None
+def layer_windows(config: Any) -> dict[str, int | None]:
+    """The attention kinds of a decoder's layers and each kind's window in positions (None: the whole prefix).
+
+    Read from the config as transformers' models read it: ``layer_types`` where the config lists them (Gemma 2/3,
+    Cohere 2: ``sliding_attention`` layers see ``sliding_window`` positions), else every layer sliding where
+    ``sliding_window`` is set and not switched off by ``use_sliding_window: false`` (Mistral; Qwen2's default is
+    off), else every layer full."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
     if kinds:
-        return int(window) if kinds[index] == SLIDING else None
-    return int(window) if getattr(cfg, "use_sliding_window", True) is not False else None
+        return {k: (window if k == SLIDING else None) for k in dict.fromkeys(kinds)}
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        return {SLIDING: int(window)}
+    return {FULL: None}
+
+
+def _window(cfg: Any, index: int, kinds: list[str]) -> Optional[int]:
+    """Layer ``index``'s sliding window (``layer_windows``; None: the whole prefix)."""
+    windows = layer_windows(cfg)
+    window = windows[kinds[index]] if kinds else next(iter(windows.values()))
+    return int(window) if window else None
 
 
 def _norm_weight(norm: Any, gemma: bool) -> torch.Tensor:

@@ -15,31 +15,13 @@ import torch
 from transformers import DynamicCache
 
 from ..models import ModelBundle
-from .decoder import tree_mask_filler
+from .decoder import layer_windows, tree_mask_filler
 from .static_runner import StaticRunner, describe_unsupported
 from .tree import FlatTrees
 
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 log = logging.getLogger(__name__)
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
-
-
-def layer_windows(config) -> dict[str, int | None]:
-    """The attention kinds of a decoder's layers and each kind's window in positions (None: the whole prefix).
-
-    Read from the config as transformers' models read it: ``layer_types`` where the config lists them (Gemma 2/3,
-    Cohere 2: ``sliding_attention`` layers see ``sliding_window`` positions), else every layer sliding where
-    ``sliding_window`` is set and not switched off by ``use_sliding_window: false`` (Mistral; Qwen2's default is
-    off), else every layer full."""
-    window = getattr(config, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None)
-    if kinds:
-        return {k: (window if k == SLIDING else None) for k in dict.fromkeys(kinds)}
-    if window and getattr(config, "use_sliding_window", True) is not False:
-        return {SLIDING: int(window)}
-    return {FULL: None}
 
 
 def output_transform(config):
