@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from .capability import REPEAT_N, answer_correct, repeated_ngram_rate
 from .engine import Engine
 from .models import ModelBundle
 from .published import PAPER_ROW, SET_TITLES, SOURCE, published
+from .report.markdown import md_records, md_table
 from .service.results.record import RowRecord
 from .service.results.tally import Tally
 from .values import METHODS, DecodingConfig, GenerationParams
@@ -148,19 +150,22 @@ class MethodTotals:
         return self.tally.gen_ms / self.tally.output_tokens if self.tally.output_tokens else float("nan")
 
 
-def turn_record(label: str, *, new_ids: list[int], wall_ms: float, stats: Any) -> RowRecord:
-    """The RowRecord of one benchmark turn of method ``label``: ``stats`` (engine RowStats, None for HF
-    rows) gives steps and drafting times; HF greedy takes one forward per token, HF prompt lookup counts none."""
+def turn_record(label: str, *, run_id: str, item: BenchPrompt, index: int, turn: int, new_ids: list[int],
+                wall_ms: float, stats: Any) -> RowRecord:
+    """The RowRecord of turn ``turn`` of benchmark item ``item`` (the ``index``-th of the run ``run_id``) under
+    method ``label``, which is also its route: ``stats`` (engine RowStats, None for HF rows) gives steps and
+    drafting times; HF greedy takes one forward per token, HF prompt lookup counts none."""
     steps = stats.steps if stats is not None else len(new_ids) if label == "hf_greedy" else 0
-    return RowRecord(id=label, row_idx=0, shard=None, route=label, status="ok", job_id="bench",
-                     output_tokens=len(new_ids), steps=steps, prefill_ms=0.0, decode_ms=wall_ms,
-                     draft_ms=getattr(stats, "draft_ms", 0.0), verify_ms=getattr(stats, "verify_ms", 0.0),
-                     update_ms=getattr(stats, "update_ms", 0.0))
+    return RowRecord(id=f"{item.set}/{item.item_id}/turn{turn + 1}", row_idx=index, shard=None, route=label,
+                     status="ok", job_id=run_id, output_tokens=len(new_ids), steps=steps, prefill_ms=0.0,
+                     decode_ms=wall_ms, draft_ms=getattr(stats, "draft_ms", 0.0),
+                     verify_ms=getattr(stats, "verify_ms", 0.0), update_ms=getattr(stats, "update_ms", 0.0))
 
 
 @dataclass
 class BenchResult:
     config: dict
+    run_id: str = field(default_factory=lambda: "bench-" + time.strftime("%Y%m%d-%H%M%S"))
     groups: dict[str, dict[str, MethodTotals]] = field(default_factory=dict)
     method_configs: dict[str, dict] = field(default_factory=dict)  # label -> decoding config (JSON)
 
@@ -172,15 +177,25 @@ class BenchResult:
         return t
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what ``platform`` knows: benchmark files say what ran them."""
+def machine() -> dict:
+    """What ran a benchmark, for every results file: the CPU's model name, family and model numbers (they tell
+    Zen 3 / 4 / 5 and Intel generations apart), its vector ISA (``avx512f``, ``avx2``, ``amx``), cores, the load
+    average, Python and torch versions. Read from /proc/cpuinfo; elsewhere what ``platform`` knows."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "family": None, "model": None}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]  # the first processor's block
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        first = ""
+    fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in first.splitlines()))
+    flags = set(fields.get("flags", "").split())
+    info.update(cpu=fields.get("model name", info["cpu"]), family=fields.get("cpu family"), model=fields.get("model"),
+                isa=[f for f in ("avx512f", "avx2", "amx_tile") if f in flags])
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "unknown"
+    info.update(cores=os.cpu_count(), load=load, python=platform.python_version(), torch=torch.__version__)
+    return info
 
 
 def _hf_runner(bundle: ModelBundle, max_new: int, *, lookup: int | None) -> Callable:
@@ -247,7 +262,7 @@ def run_bench(
     res = BenchResult(config=dict(model=bundle.name, capacity=capacity, max_new_tokens=max_new_tokens,
                                   methods=list(c.runners), items=len(items), device=bundle.device, dtype=bundle.dtype,
                                   torch_threads=torch.get_num_threads(), machine=platform.machine(),
-                                  processor=cpu_name(), corpus=corpus,
+                                  processor=machine()["cpu"], host=machine(), corpus=corpus,
                                   runners=c.kinds, warmup_s=c.warmups),
                       method_configs=c.configs)
     # warm-up so the first measured row does not pay one-time costs
@@ -255,7 +270,7 @@ def run_bench(
         run(enc.encode(conversation(["Say hello."], [], system_prompt=system_prompt,
                                     chat=has_chat_template(bundle.tokenizer))))
     for n, item in enumerate(items):
-        _run_item(res, item, c.runners, bundle=bundle, enc=enc, system_prompt=system_prompt)
+        _run_item(res, item, c.runners, index=n, bundle=bundle, enc=enc, system_prompt=system_prompt)
         log.info("bench: %d/%d items done", n + 1, len(items))
         res.config["items_done"] = n + 1
         if on_item is not None:
@@ -295,7 +310,7 @@ def _contenders(bundle: ModelBundle, specs: list[MethodSpec], *, capacity: int |
     return c
 
 
-def _run_item(res: BenchResult, item: BenchPrompt, runners: dict[str, Callable], *, bundle: ModelBundle,
+def _run_item(res: BenchResult, item: BenchPrompt, runners: dict[str, Callable], *, index: int, bundle: ModelBundle,
               enc: Engine, system_prompt: str | None) -> None:
     """Every turn of one item on every runner, interleaved turn by turn; counts go into ``res.groups``."""
     group = f"{item.set}/{item.group}" if item.set == "spec_bench" else item.set
@@ -307,7 +322,8 @@ def _run_item(res: BenchResult, item: BenchPrompt, runners: dict[str, Callable],
                                           chat=has_chat_template(bundle.tokenizer)))
             new, ms, stats = run(ids)
             tot = res.groups.setdefault(group, {}).setdefault(m, MethodTotals())
-            tot.tally.observe_row(turn_record(m, new_ids=new, wall_ms=ms, stats=stats))
+            tot.tally.observe_row(turn_record(m, run_id=res.run_id, item=item, index=index, turn=turn, new_ids=new,
+                                              wall_ms=ms, stats=stats))
             if m == "hf_greedy":
                 baseline_ids.append(new)
             tot.quality.exact += int(new == baseline_ids[turn])
@@ -383,13 +399,14 @@ def write_results(summary: dict, out_dir: Path, *, command: str, stamp: str | No
     jpath.write_text(json.dumps(summary, indent=2))
     lines = [f"# Benchmark {stamp}", "", f"Reproduce: `{command}`", "",
              "Config: " + ", ".join(f"{k}={v}" for k, v in summary["config"].items()), "",
-             *_md_settings(summary), "## Overall", "", _md_table(summary["overall"]), "", *_md_definitions()]
+             *_md_settings(summary), "## Overall", "", md_records(summary["overall"], TABLE_COLUMNS), "",
+             *_md_definitions()]
     multi = {set_of(g) for g in summary["groups"] if "/" in g}
     for s_name, rows in summary.get("sets", {}).items():
         if s_name in multi:  # a one-group set's pooled table would repeat its group's table below
-            lines += [f"## {SET_TITLES.get(s_name, s_name)} (groups pooled)", "", _md_table(rows), ""]
+            lines += [f"## {SET_TITLES.get(s_name, s_name)} (groups pooled)", "", md_records(rows, TABLE_COLUMNS), ""]
     for g, rows in summary["groups"].items():
-        lines += [f"## {g}", "", _md_table(rows), ""]
+        lines += [f"## {g}", "", md_records(rows, TABLE_COLUMNS), ""]
     lines += _md_published(summary)
     mpath = out_dir / f"bench-{stamp}.md"
     mpath.write_text("\n".join(lines))
@@ -462,7 +479,7 @@ def _md_published(summary: dict) -> list[str]:
             r = by.get((label, s))
             mats.append(cell(r["published_mat"] if r else None, r["mat"] if r else ours.get("mat")))
             speeds.append(cell(r["published_speedup"] if r else None, ours.get("speedup_vs_hf_greedy"), "x"))
-        body.append("| " + " | ".join([label, *mats, *speeds]) + " |")
+        body.append([label, *mats, *speeds])
     turns = {s: summary["sets"][s].get("hf_greedy", {}).get("rows") for s in sets}
     return ["## Beside the published figures", "",
             f"Paper: {SOURCE} (listed in benchmarks/PUBLISHED.md). Ours: {summary['config'].get('model')} on "
@@ -471,13 +488,8 @@ def _md_published(summary: dict) -> list[str]:
             + f" at {summary['config'].get('max_new_tokens')} new tokens (the paper: full sets, 1024): few "
             "prompts give noisy figures. Compare MAT first: speedup depends on the hardware "
             "(docs/method.md section 8). A dash: no published figure for that method.", "",
-            "| " + " | ".join(head) + " |", "|---" * len(head) + "|", *body, ""]
+            md_table(head, body), ""]
 
 
-def _md_table(rows: dict[str, dict]) -> str:
-    cols = ["rows", "tokens", "mat", "ms_per_token", "speedup_vs_hf_greedy", "exact_match_vs_hf_greedy",
-            "answer_accuracy", "mean_tokens", "repeat4", "draft_update_share_of_step"]
-    head = "| method | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols)
-    body = ["| " + m + " | " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |"
-            for m, r in rows.items()]
-    return "\n".join([head, *body])
+TABLE_COLUMNS = ("rows", "tokens", "mat", "ms_per_token", "speedup_vs_hf_greedy", "exact_match_vs_hf_greedy",
+                 "answer_accuracy", "mean_tokens", "repeat4", "draft_update_share_of_step")

@@ -172,8 +172,8 @@ class DecodingConfig(BaseModel):
     )
     compile: CompileMode = Field(
         "auto",
-        description="static runner: compile one verify step per tree size (CUDA graphs on CUDA, torch.compile on "
-        "the CPU); auto = CUDA graphs on CUDA, off on the CPU (docs/architecture.md, 'Verify runner')",
+        description="static runner: CUDA graphs of the verify step, one per (streams, tree) bucket; auto = on "
+        "CUDA; the CPU has no compiled step (on: a warning, runs uncompiled) (docs/architecture.md, 'Verify runner')",
     )
 
     @model_serializer(mode="wrap")

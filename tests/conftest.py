@@ -2,13 +2,9 @@ import os
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-if str(Path(__file__).parents[1]) not in sys.path:  # the repository root: ``tests.standin``, ``tests.fixtures``
-    sys.path.append(str(Path(__file__).parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # This run's mark: every process a test starts inherits it (Ray's nodes and workers, worker subprocesses,
 # private redis-servers), so the check at the end finds what this run left running, and only that: other
@@ -72,7 +68,7 @@ def smol():
 
 @pytest.fixture()
 def tiny():
-    from helpers import tiny_bundle
+    from tests.helpers import tiny_bundle
 
     return tiny_bundle()
 

@@ -3,7 +3,7 @@
 #
 #   worker [ARGS...]     check the GPU, then `racer-batch worker ARGS...` (metrics on $RACER_BATCH_METRICS_PORT)
 #   check                print what the worker would run on (torch, CUDA, GPUs, bf16) and exit
-#   gpu-bench [ARGS...]  scripts/gpu_bench.sh (writes to $OUT or ./benchmarks)
+#   gpu-bench [ARGS...]  benchmarks/gpu_bench.sh (writes to $OUT or ./benchmarks)
 #   anything else        run it as is (KubeRay overrides the command of Ray pods anyway)
 #
 # Environment: REDIS_URL (required for worker), RACER_BATCH_METRICS_PORT (default 9400),
@@ -43,7 +43,7 @@ case "$cmd" in
         ;;
     gpu-bench)
         shift
-        exec bash /opt/racer-batch/scripts/gpu_bench.sh "$@"
+        exec bash /opt/racer-batch/benchmarks/gpu_bench.sh "$@"
         ;;
     *)
         exec "$@"

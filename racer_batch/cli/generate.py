@@ -51,8 +51,7 @@ def _load_model(model: str, **kwargs: Any) -> Any:
     try:
         return load_model(model, **kwargs)
     except ModelLoadError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(ExitCode.MODEL)
+        raise CliExit(str(exc), ExitCode.MODEL) from None
 
 
 def _decoding_options(f):
@@ -67,8 +66,8 @@ def _decoding_options(f):
                      help="Verify forward: static (own decoder, static KV cache), eager (stock transformers), "
                      "auto (static where the architecture allows).")(f)
     f = click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), default="auto",
-                     show_default=True, help="Compiled verify step per tree size (CUDA graphs; torch.compile on "
-                     "CPU); auto = on CUDA only.")(f)
+                     show_default=True, help="CUDA graphs of the verify step, one per (streams, tree) "
+                     "bucket; auto = on CUDA; the CPU has none (on: a warning, runs uncompiled).")(f)
     f = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                      help="Weights' precision (default float32 on CPU, bfloat16 on CUDA). Reduced precision changes "
                      "outputs and equals greedy decoding of the same reduced model only up to numerical ties.")(f)
@@ -119,8 +118,7 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
     try:
         res = engine.generate(chat_input, params, system_prompt=None if raw else system_prompt)
     except ValueError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(ExitCode.INPUT)
+        raise CliExit(str(exc), ExitCode.INPUT) from None
     if as_json:
         out = res.to_dict()
         out.update(model=bundle.name, method=method, config_hash=cfg.config_hash(), dtype=bundle.dtype,
@@ -175,7 +173,7 @@ class _BenchPlan:
               "'racer-c32=racer:capacity=32' or 'racer-top2=racer:acceptance=topk,relaxed_topk=2'.")
 @click.option("--corpus", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Static corpus for the rest rows (JSONL with 'text' or 'token_ids', or plain text); "
-              "scripts/build_rest_corpus.py writes one without the benchmark's own prompts.")
+              "benchmarks/rest_corpus.py writes one without the benchmark's own prompts.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Weights' precision for every row, HF baselines included (default float32 on CPU).")
 @click.option("--out", "out_dir", default="benchmarks", show_default=True, type=click.Path(file_okay=False))
@@ -205,8 +203,8 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
         res = run_bench(bundle, methods=plan.specs, capacity=plan.capacity, max_new_tokens=max_new_tokens,
                         per_set=per_set, corpus=corpus, items=items, on_item=partial, system_prompt=system_prompt)
     except FileNotFoundError as exc:
-        click.echo(f"error: benchmark data not found ({exc}); set RACER_BATCH_DATA to the shared/data folder", err=True)
-        sys.exit(ExitCode.INPUT)
+        raise CliExit(f"benchmark data not found ({exc}); set RACER_BATCH_DATA to the shared/data folder",
+                      ExitCode.INPUT) from None
     except KeyboardInterrupt:
         raise CliExit(f"interrupted; the results of the items done so far are in {out_dir}",
                       ExitCode.INTERRUPTED) from None

@@ -22,7 +22,7 @@ hands a lone stream's the same way (B = 1 is the same code). One step of B rows 
    one vectorised call per step), the capacity tuner observes the step once (``CapacityTuner.observe_batch``).
 
 The host time of each part is added to ``host_ms`` (part name -> ms; ``HOST_PARTS``), which a ``StreamBatch``
-keeps in ``BatchStats.host_ms`` (scripts/host_bench.py reports it per stream-step); the argmax / top-k pass over
+keeps in ``BatchStats.host_ms`` (benchmarks/host.py reports it per stream-step); the argmax / top-k pass over
 the logits is timed there too, as ``SCORES_PART``, apart from the host parts (device work on a GPU).
 """
 

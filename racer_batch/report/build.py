@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 from racer_batch.report import charts
 from racer_batch.report.aggregate import OVERALL, aggregate, throughput_timeline
 from racer_batch.report.load import JobData
+from racer_batch.report.markdown import md_table
 from racer_batch.report.shadow import acceptance_rule, analyze
 
 CHART_FILES = {"acceptance": "acceptance_hist.png", "speed_cost": "speed_cost.png", "throughput": "throughput.png"}
@@ -256,12 +257,6 @@ DEFINITIONS = [
 ]
 
 
-def _md_table(head: list[str], body: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
-    return "\n".join(lines)
-
-
 def render_md(rep: Report) -> str:
     j = rep.job
     parts = [f"# {rep.title}", "",
@@ -273,15 +268,15 @@ def render_md(rep: Report) -> str:
                 else " No price given: cost shown as device-hours."), ""]
     if relaxed_banner(j):
         parts += [f"**{relaxed_banner(j)}**", ""]
-    parts += [f"## Per {rep.by}", "", _md_table(*route_table(rep)), "",
+    parts += [f"## Per {rep.by}", "", md_table(*route_table(rep)), "",
              f"![acceptance histogram]({CHART_FILES['acceptance']})", "",
              "## Speedup against a baseline (shadow rows)", ""]
     if rep.shadow:
-        parts += [_md_table(*shadow_table(rep)), ""] + [f"- {line}" for line in sampling_lines(rep)]
+        parts += [md_table(*shadow_table(rep)), ""] + [f"- {line}" for line in sampling_lines(rep)]
         parts += ["", "### Capability beside speed", ""]
         for line in relaxed_lines(rep):
             parts += [f"**{line}**", ""]
-        parts += [_md_table(*capability_table(rep)), ""] + [f"- {line}" for line in capability_notes(rep)]
+        parts += [md_table(*capability_table(rep)), ""] + [f"- {line}" for line in capability_notes(rep)]
     else:
         parts += [NO_SHADOW]
     parts += ["", f"![speedup and cost]({CHART_FILES['speed_cost']})", "", "## Throughput over time", "",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_bundle
 from test_static_runner import bundle_of, make_model, prefilled_chain, rand_draft, rand_tokens
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
@@ -18,6 +17,7 @@ from racer_batch.engine.batch import Decode, Prefill, StreamBatch, drive, run_on
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.static_runner import StaticRunner
 from racer_batch.engine.tree import flatten_tree
+from tests.helpers import tiny_bundle
 
 needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="the batched forward runs on our CPU kernels")
 

@@ -4,7 +4,6 @@
 import numpy as np
 import pytest
 import torch
-from helpers import ContextFreeDrafter, check_greedy_equals_reference, tiny_bundle
 from scipy.stats import chisquare
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
@@ -12,6 +11,7 @@ from racer_batch.drafters.base import Draft
 from racer_batch.engine.batch import drive
 from racer_batch.engine.capacity import CapacityTuner
 from racer_batch.engine.kernels import cpu_ops
+from tests.helpers import ContextFreeDrafter, check_greedy_equals_reference, tiny_bundle
 
 METHODS = ["ar", "pld", "logits", "retrieval", "racer"]
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat"]

@@ -4,11 +4,11 @@ import json
 
 import numpy as np
 import pytest
-from helpers import check_greedy_equals_reference, tiny_bundle
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters import make_drafter
 from racer_batch.drafters.base import Draft
+from tests.helpers import check_greedy_equals_reference, tiny_bundle
 
 NEW_METHODS = ["tr", "logitspec", "rest", "sam", "graft"]
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301", "the cat sat on the mat. the cat"]

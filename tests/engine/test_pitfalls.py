@@ -9,12 +9,12 @@ failure links (tests/unit/test_automaton.py), 9.6 shared state (test_engine_tiny
 import numpy as np
 import pytest
 import torch
-from helpers import ContextFreeDrafter, tiny_bundle
 
 from racer_batch import DecodingConfig, Engine, GenerationParams, generate_reference
 from racer_batch.drafters.base import Draft
 from racer_batch.engine.runner import PREFILL_TOPK_CHUNK, ModelRunner
 from racer_batch.engine.tree import flatten_tree
+from tests.helpers import ContextFreeDrafter, tiny_bundle
 
 
 class RaggedDrafter(ContextFreeDrafter):

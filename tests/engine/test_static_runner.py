@@ -13,7 +13,6 @@ import logging
 import numpy as np
 import pytest
 import torch
-from helpers import CharTokenizer, tiny_bundle
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -35,6 +34,7 @@ from racer_batch.engine.runner import ModelRunner, make_runner
 from racer_batch.engine.static_runner import SlotCache, StaticRunner, describe_unsupported, pick_bucket
 from racer_batch.engine.tree import TreeInputs, flatten_tree
 from racer_batch.models import ModelBundle
+from tests.helpers import CharTokenizer, tiny_bundle
 
 V = 64
 ATOL = RTOL = 1e-4

@@ -3,7 +3,6 @@ observation against their one-tree-at-a-time definitions."""
 
 import numpy as np
 import pytest
-from helpers import tiny_bundle
 
 from racer_batch import DecodingConfig, Engine, GenerationParams
 from racer_batch.drafters.base import Draft, TrieBuilder
@@ -12,6 +11,7 @@ from racer_batch.engine.capacity import CapacityTuner
 from racer_batch.engine.step import HOST_PARTS, SCORES_PART, _accepted_by_source, flat_of_drafts, greedy_paths
 from racer_batch.engine.tree import FlatTrees, accept_greedy, flatten_tree
 from racer_batch.values import SOURCE_LOGITS, SOURCE_PLD, SOURCE_RETRIEVAL
+from tests.helpers import tiny_bundle
 
 PROMPTS = ["abcabcabd", "hello world, hello", "0123012301"]
 

@@ -26,6 +26,7 @@ def test_generate_exit_codes():
     assert CliRunner().invoke(main, ["generate", ""]).exit_code == 2  # empty prompt: invalid input
     r = CliRunner().invoke(main, ["generate", "hi", "--model", "no-such-model"])
     assert r.exit_code == 3 and "unknown model" in r.stderr
+    assert r.stderr.startswith("Error: ")  # one style for every command's errors (CliExit)
     assert CliRunner().invoke(main, ["generate", "hi", "--capacity", "lots"]).exit_code == 2
     assert CliRunner().invoke(main, ["generate", "hi", "--max-new-tokens", "0"]).exit_code == 2
     r = CliRunner().invoke(main, ["--help"])

@@ -276,9 +276,9 @@ def test_engine_job_states_are_isolated():
     already answered gets no retrieval help in the second job (same steps and acceptance as on a fresh
     engine), while inside the first job the repeat is drafted from its own earlier answer (the control)."""
     import torch
-    from helpers import tiny_bundle
 
     from racer_batch import DecodingConfig, Engine, GenerationParams
+    from tests.helpers import tiny_bundle
 
     torch.set_num_threads(1)
     engine = Engine(tiny_bundle(eos=False), DecodingConfig(method="racer", capacity=8))

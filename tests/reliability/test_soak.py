@@ -1,40 +1,47 @@
-"""Bounded resources: a short soak (scripts/soak.py with 1,000 rows on one Ray actor, tiny-random model)
+"""Bounded resources: a short soak (benchmarks/soak.py with 1,000 rows on one Ray actor, tiny-random model)
 asserts flat curves (slopes), never timings; the telemetry stream's cap is checked directly."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
+from benchmarks import soak
 from racer_batch.service.execution.queue import ROW_STREAM_MAXLEN
 from racer_batch.service.results.tally import Tally
-from tests.fixtures import ROOT
 
 pytestmark = pytest.mark.service
 
 
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("rb_soak", ROOT / "scripts" / "soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_slope_per_1k_rows():
-    soak = _soak_module()
     samples = [{"rows_done": r, "x": 100 + r / 500} for r in (0, 500, 1000)]
     assert soak.slope_per_1k_rows(samples, "x", warmup_frac=0.0) == pytest.approx(2.0)
     assert soak.slope_per_1k_rows(samples[:2], "x") is None  # too few points
+
+
+def test_soak_markdown():
+    sample = {"t_s": 1.4, "rows_done": 20, "actor_rss_mb": 300.04, "automaton_nodes": 12, "draft_state_mb": 0.5,
+              "row_stream_len": 20, "redis_state_kb": 3.25, "queue_len": 0}
+    result = {"config": {"rows": 20, "model": "tiny-random", "max_new_tokens": 4},
+              "command": "python -m benchmarks.soak",
+              "machine": {"cpu": "CPU", "family": "6", "model": "1", "isa": ["avx2"], "cores": 2},
+              "samples": [sample, dict(sample, automaton_nodes=None)],
+              "summary": {"actor_rss_mb_max": 300.04, "automaton_nodes_max": 12, "row_stream_len_max": 20,
+                          "redis_state_kb_max": 3.25,
+                          "slope_per_1k_rows": {"actor_rss_mb": 1.5, "automaton_nodes": None}}}
+    md = soak.render_md(result)
+    assert "Reproduce: `python -m benchmarks.soak`" in md and "Machine: CPU (family 6 model 1, avx2), 2 cores." in md
+    assert "| actor_rss_mb | +1.500 | 300 |" in md and "| automaton_nodes |  | 12 |" in md
+    assert md.count("| 1 | 20 | 300 |") == 2  # the probed sample, then the last one
 
 
 def test_short_soak_is_flat(ray_session, redis_url):
     # 1,000 rows (about 30 s): with fewer, one allocator step of ~7 MB after the warm-up (seen at 300 rows)
     # reads as a slope of 50 MB per 1,000 rows, as large as the leak the test is after
     rows, max_nodes, shard_rows = 1000, 1000, 20
-    result = _soak_module().run_soak(rows=rows, redis_url=redis_url, max_new_tokens=4, shard_rows=shard_rows,
-                                     max_nodes=max_nodes, sample_s=0.25)
+    result = soak.run_soak(rows=rows, redis_url=redis_url, max_new_tokens=4, shard_rows=shard_rows,
+                           max_nodes=max_nodes, sample_s=0.25)
     s = result["summary"]
     print("short soak:", json.dumps(s))
     assert s["state"] == "done" and s["ok"] == rows

@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from helpers import tiny_bundle
 from report_fixtures import finished_job
 
 from racer_batch.capability import answer_correct, repeated_ngram_rate, text_units
@@ -22,6 +21,7 @@ from racer_batch.report.shadow import acceptance_rule, analyze
 from racer_batch.report.shadow_run import run_posthoc_shadow
 from racer_batch.service.execution.runner import RowRunner
 from racer_batch.service.results.shadow import SHADOW_SCHEMA, read_shadow, shadow_path, write_shadow
+from tests.helpers import tiny_bundle
 
 TOPK2 = {"method": "racer", "acceptance": "topk", "relaxed_topk": 2}
 

@@ -1,23 +1,19 @@
 """The reduced-precision path on the CPU: greedy comparison by common prefix (numerics helper), the engine
-in bfloat16, and scripts/gpu_bench.py in its tiny CPU mode. No GPU is needed (none is available here)."""
+in bfloat16, and benchmarks/gpu.py in its tiny CPU mode. No GPU is needed (none is available here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import gpu
 from racer_batch.engine import Engine
 from racer_batch.engine.kernels import cpu_ops
 from racer_batch.engine.numerics import Divergence, compare_greedy, first_divergence
 from racer_batch.engine.reference import generate_reference
 from racer_batch.values import DecodingConfig, GenerationParams
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_first_divergence_on_token_lists():
@@ -64,19 +60,10 @@ def test_compare_greedy_measures_the_gap_where_outputs_part(tiny):
     assert div.logit_gap > 0, "the reference's own greedy token must have the larger logit"
 
 
-@pytest.fixture(scope="module")
-def gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "scripts" / "gpu_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
+def test_gpu_bench_tiny_mode_runs_on_cpu(tmp_path):
     bench = tmp_path / "bench-20260101-000000.json"
     bench.write_text(json.dumps({"config": {"capacity": 16}, "overall": {"racer": {"mat": 2.5}}}))
-    rc = gpu_bench.main(["--tiny", "--capacities", "1,4,16", "--max-new-tokens", "16", "--repeats", "2",
+    rc = gpu.main(["--tiny", "--capacities", "1,4,16", "--max-new-tokens", "16", "--repeats", "2",
                          "--batch-streams", "1,2,4", "--batch-nodes", "1,8", "--engine-streams", "1,2",
                          "--engine-tokens", "8",
                          "--bench-glob", str(tmp_path / "bench-*.json"), "--out", str(tmp_path / "out")])
@@ -128,9 +115,9 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
         assert r["prompts"] == 2 * r["streams"] + 4 and r["output_tokens"] == 8 * r["prompts"]
         assert r["stream_steps"] >= r["steps"] > 0 and r["prefills"] == r["prompts"]
         assert r["streams_per_step"] <= r["streams"] and not r["fallbacks"]
-        assert set(r["host_us_split"]) == {*gpu_bench.HOST_PARTS, "other"} == set(eb["parts"])
+        assert set(r["host_us_split"]) == {*gpu.HOST_PARTS, "other"} == set(eb["parts"])
         assert all(isinstance(v, (int, float)) for v in r["host_us_split"].values())
-        assert sum(r["host_us_split"][p] for p in gpu_bench.HOST_PARTS) > 0
+        assert sum(r["host_us_split"][p] for p in gpu.HOST_PARTS) > 0
         assert sum(r["host_us_split"].values()) == pytest.approx(r["host_us_per_stream_step"], abs=0.1)
     ar1 = next(r for r in eb["rows"] if r["streams"] == 1 and r["label"] == "ar")
     assert ar1["steps"] == ar1["stream_steps"] == 7 * ar1["prompts"] and ar1["mat"] == 1.0  # 1 token a step
@@ -138,13 +125,13 @@ def test_gpu_bench_tiny_mode_runs_on_cpu(gpu_bench, tmp_path):
     md = (tmp_path / "out" / "gpu_bench-tiny-cpu.md").read_text()
     assert "## Batched verify: B streams x N tree nodes in one call (static)" in md
     assert "## Engine decode at B streams in flight (static)" in md and "| 2 | racer-c16 |" in md
-    assert "| B | method | " + " | ".join([*gpu_bench.HOST_PARTS, "other"]) + " |" in md
+    assert "| B | method | " + " | ".join([*gpu.HOST_PARTS, "other"]) + " |" in md
     assert "say nothing about a GPU" in md
     assert "| T | eager ms | static ms |" in md and "Per-step overhead outside the forward" in md
 
 
-def test_gpu_bench_refuses_the_full_run_without_cuda(gpu_bench, tmp_path, capsys):
+def test_gpu_bench_refuses_the_full_run_without_cuda(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    assert gpu_bench.main(["--out", str(tmp_path)]) == 3
+    assert gpu.main(["--out", str(tmp_path)]) == 3
     assert "no CUDA device" in capsys.readouterr().err

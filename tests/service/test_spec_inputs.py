@@ -197,6 +197,18 @@ def test_jsonl_input(tmp_path):
     assert plan.format == "jsonl" and plan.num_rows == 2
 
 
+@pytest.mark.parametrize("bad_line, why", [('{"id": "c", "prompt": "z"', "Expecting ',' delimiter at column 26"),
+                                           ('["c", "z"]', "a JSON list")])
+def test_bad_jsonl_line_is_named_from_one(tmp_path, bad_line, why):
+    """A broken JSONL line is named by its line number counted from 1 (blank lines counted too) and what is
+    wrong with it, not by Arrow's 0-based row of its parser."""
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n\n{"id": "b", "prompt": "y"}\n' + bad_line + "\n")
+    spec = load_spec(None, base_overrides(tmp_path, **{"input.path": str(tmp_path / "in.jsonl")}))
+    with pytest.raises(InputError) as err:
+        plan_input(spec.input)
+    assert str(err.value) == f"{tmp_path / 'in.jsonl'}, line 4: not a JSON object ({why})"
+
+
 def test_folder_input_streams_shards(tmp_path):
     for k in range(3):
         write_parquet(tmp_path / "in" / f"f{k}.parquet", [{"id": f"{k}-{i}", "prompt": "p"} for i in range(5)])

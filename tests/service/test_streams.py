@@ -222,7 +222,7 @@ def test_tiny_model_b4_equals_b1_with_turns_samples_and_shadow(tmp_path, scope):
     job's shared state the rows learn from their batch-mates, so only the outputs must agree."""
     import dataclasses
 
-    from helpers import tiny_bundle
+    from tests.helpers import tiny_bundle
 
     base = tiny_bundle(seed=1, head_scale=60.0)
     bundle = dataclasses.replace(base, tokenizer=_ChatCharTokenizer(base.tokenizer))

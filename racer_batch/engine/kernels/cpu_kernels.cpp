@@ -4,7 +4,7 @@
 //
 // Why: a verify forward multiplies 1-64 rows (the padded draft tree) by every weight of the target model.
 // At those row counts MKL and oneDNN sgemm run far below the machine's FLOP rate while streaming the weights
-// well below its memory bandwidth (scripts/verify_bench.py, benchmarks/README.md), so t(16) costs ~2x t(1)
+// well below its memory bandwidth (benchmarks/verify.py, benchmarks/README.md), so t(16) costs ~2x t(1)
 // although the extra FLOPs would fit in the time the weights take to stream. This kernel streams each weight
 // panel from memory once per call and does every row while the panel sits in L1/L2.
 //

@@ -263,11 +263,33 @@ def _read_schema(path: str, fmt: str) -> tuple[pa.Schema, int]:
         dset = _file_dataset(path, fmt)
         return dset.schema, dset.count_rows()
     except (pa.ArrowInvalid, OSError) as exc:
+        bad = _first_bad_json_line(path) if fmt == "jsonl" else None
+        if bad is not None:
+            raise InputError(f"{path}, line {bad[0]}: not a JSON object ({bad[1]})") from None
         hint = ""
         if fmt == "jsonl" and "changed from" in str(exc):
             hint = ("; in JSONL every row must give a column the same JSON type (for `reference`: a list on "
                     "every row, e.g. [\"18\"] for a one-turn row, or a string on every row)")
         raise InputError(f"cannot read input file {path}: {exc}{hint}") from None
+
+
+def _first_bad_json_line(path: str) -> Optional[tuple[int, str]]:
+    """``(line number counted from 1, what is wrong)`` of the first non-blank line of a JSONL file that is not
+    one JSON object; None when every line is one (or the file cannot be read)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as exc:
+                    return n, f"{exc.msg} at column {exc.pos + 1}"
+                if not isinstance(value, dict):
+                    return n, f"a JSON {type(value).__name__}"
+    except OSError:
+        return None
+    return None
 
 
 def _check_columns(path: str, schema: pa.Schema, num_rows: int, cols: dict[str, str]) -> set[str]:

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Soak: many short rows through one generation actor; check that memory and Redis state stay bounded.
 
-    python scripts/soak.py                       # 2,000 rows, tiny-random model, 4 new tokens each
-    python scripts/soak.py --rows 300 --tag short
+    python -m benchmarks.soak                    # 2,000 rows, tiny-random model, 4 new tokens each
+    python -m benchmarks.soak --rows 300 --tag short
 
 One job runs on a local Ray with a single GenerationActor and the Redis at REDIS_URL (a unique key prefix,
 deleted at the end). While it runs, the driver samples every ``--sample-s`` seconds:
@@ -16,16 +15,15 @@ deleted at the end). While it runs, the driver samples every ``--sample-s`` seco
 * ``queue_len``: entries in the queue streams (the job's own entry until it is acknowledged and deleted).
 
 The summary gives each series' slope per 1,000 rows after a warm-up (least squares). Writes
-benchmarks/soak[_<tag>].json and .md; ``run_soak`` is what tests/reliability/test_soak.py calls.
+benchmarks/soak[_<tag>].json and .md (``common.write_results``, with ``common.machine()``); ``run_soak`` is what
+tests/reliability/test_soak.py calls.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import random
 import shutil
 import sys
@@ -39,18 +37,13 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.standin import use_standin  # noqa: E402
-
-use_standin()  # `stand-in` model names: the test stand-in engine, here and in the workers started here
-
-from racer_batch.service.execution.local import init_local_ray, make_executor, shutdown_local_ray  # noqa: E402
-from racer_batch.service.execution.queue import ROW_STREAM_MAXLEN, JobQueue, connect, resolve_url  # noqa: E402
-from racer_batch.service.execution.worker import Worker  # noqa: E402
-from racer_batch.service.job.spec import load_spec  # noqa: E402
-from racer_batch.service.submit import submit_job  # noqa: E402
+from benchmarks import common
+from racer_batch.service.execution.local import init_local_ray, make_executor, shutdown_local_ray
+from racer_batch.service.execution.queue import ROW_STREAM_MAXLEN, JobQueue, connect, resolve_url
+from racer_batch.service.execution.worker import Worker
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.submit import submit_job
+from tests.standin import use_standin
 
 WORDS = ("river", "stone", "quiet", "market", "engine", "winter", "copper", "garden", "signal", "harbor", "yellow",
          "planet", "bridge", "letter", "silver", "forest", "window", "number", "candle", "motion", "shadow", "orbit")
@@ -113,6 +106,7 @@ def run_soak(*, rows: int, redis_url: str, model: str = "tiny-random", max_new_t
              shard_rows: int = 50, max_nodes: int = 4000, sample_s: float = 1.0,
              workdir: Optional[str] = None) -> dict:
     """Run one soak job on the current (or a new local) Ray; returns {"config", "samples", "summary"}."""
+    use_standin()  # `stand-in` model names: the test stand-in engine, here and in the workers started here
     init_local_ray(num_cpus=2)  # a no-op when Ray is already up (tests)
     import ray
 
@@ -182,33 +176,31 @@ def run_soak(*, rows: int, redis_url: str, model: str = "tiny-random", max_new_t
     return {"config": config, "samples": samples, "summary": summary}
 
 
-def table(result: dict, *, lines_max: int = 25) -> str:
-    """Markdown: the slopes, then about ``lines_max`` samples of the curve."""
-    s = result["summary"]
-    lines = ["| series | slope per 1,000 rows (after warm-up) | max |", "|---|---|---|"]
+def render_md(result: dict, *, lines_max: int = 25) -> str:
+    """Markdown: the header, the summary, the slopes, then about ``lines_max`` samples of the curve."""
+    s, c = result["summary"], result["config"]
     maxes = {"actor_rss_mb": s["actor_rss_mb_max"], "automaton_nodes": s["automaton_nodes_max"],
              "row_stream_len": s["row_stream_len_max"], "redis_state_kb": s["redis_state_kb_max"]}
-    for k, slope in s["slope_per_1k_rows"].items():
-        lines.append(f"| {k} | {'-' if slope is None else f'{slope:+.3f}'} | "
-                     f"{'-' if maxes.get(k) is None else f'{maxes[k]:.1f}'} |")
-    lines += ["",
-              "| t (s) | rows | actor RSS (MB) | automaton nodes | draft state (MB) | row stream | Redis state (KB) |",
-              "|---|---|---|---|---|---|---|"]
+    slopes = common.md_table(["series", "slope per 1,000 rows (after warm-up)", "max"],
+                             [[k, None if slope is None else f"{slope:+.3f}", _round(maxes.get(k))]
+                              for k, slope in s["slope_per_1k_rows"].items()])
     probed = [x for x in result["samples"] if x["automaton_nodes"] is not None]
     every = max(1, len(probed) // lines_max)
-    picked = probed[::every] + result["samples"][-1:]
-    for x in picked:
-        lines.append(f"| {x['t_s']:.0f} | {x['rows_done']} | {_f(x['actor_rss_mb'])} | "
-                     f"{x['automaton_nodes'] if x['automaton_nodes'] is not None else '-'} | "
-                     f"{_f(x['draft_state_mb'], 2)} | {x['row_stream_len']} | {_f(x['redis_state_kb'])} |")
-    return "\n".join(lines)
+    curve = common.md_table(
+        ["t (s)", "rows", "actor RSS (MB)", "automaton nodes", "draft state (MB)", "row stream", "Redis state (KB)"],
+        [[round(x["t_s"]), x["rows_done"], _round(x["actor_rss_mb"]), x["automaton_nodes"],
+          _round(x["draft_state_mb"], 2), x["row_stream_len"], _round(x["redis_state_kb"])]
+         for x in probed[::every] + result["samples"][-1:]])
+    return "\n".join([f"# Soak: {c['rows']} rows, {c['model']}, {c['max_new_tokens']} new tokens, one actor", "",
+                      f"Reproduce: `{result['command']}`", "", f"Machine: {common.machine_line(result['machine'])}.",
+                      "", json.dumps(s), "", slopes, "", curve])
 
 
-def _f(v: Optional[float], nd: int = 1) -> str:
-    return "-" if v is None else f"{v:.{nd}f}"
+def _round(v: Optional[float], nd: int = 1) -> Optional[float]:
+    return None if v is None else round(v, nd)
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--model", default="tiny-random", help="tiny-random or a stand-in model name")
@@ -218,8 +210,8 @@ def main() -> None:
     ap.add_argument("--sample-s", type=float, default=0.5)
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--tag", default="", help="file name suffix: benchmarks/soak_<tag>.json")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(common.OUT))
+    args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     try:
         result = run_soak(rows=args.rows, redis_url=resolve_url(args.redis_url), model=args.model,
@@ -227,18 +219,14 @@ def main() -> None:
                           sample_s=args.sample_s)
     finally:
         shutdown_local_ray()
-    result["machine"] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                         "load_avg_1m": os.getloadavg()[0], "when": dt.datetime.now(dt.timezone.utc).isoformat()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "soak" + (f"_{args.tag}" if args.tag else "")
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    md = (f"# Soak: {args.rows} rows, {args.model}, {args.max_new_tokens} new tokens, one actor\n\n"
-          f"{json.dumps(result['summary'])}\n\n{table(result)}\n")
-    (out / f"{stem}.md").write_text(md)
-    print(table(result))
+    result.update(command=" ".join(["python -m benchmarks.soak", *(argv if argv is not None else sys.argv[1:])]),
+                  machine=common.machine(), written_at=common.stamp())
+    md = render_md(result)
+    common.write_results(args.out, "soak" + (f"_{args.tag}" if args.tag else ""), result, md)
+    print(md)
     print(json.dumps(result["summary"], indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

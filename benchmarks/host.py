@@ -10,14 +10,15 @@ holds on a noisy shared machine:
   ``racer_batch`` package unpacked from ``git archive`` into a temporary folder;
 - ``--head WORKTREE`` (default): this checkout as it is (or any git revision).
 
-Each round runs every job once per revision, each in its own child process (``python scripts/host_bench.py
---child SPEC``, with ``PYTHONPATH`` set to the revision's folder; the child checks that ``racer_batch`` came
-from there), base then head in even rounds and head then base in odd ones. A job is one model and decoding
-setting at every B of the grid (``--child-per setting``, the default: one model load and one engine per
+Each round runs every job once per revision, each in its own child process (``python -m benchmarks.host
+--child SPEC``, started by ``benchmarks.common.run_child``: its working folder holds only a link to the
+harness, ``PYTHONPATH`` starts with the revision's folder, and the child checks that ``racer_batch`` came from
+there), base then head in even rounds and head then base in odd ones. A job is one model and decoding setting
+at every B of the grid (``--child-per setting``, the default: one model load and one engine per
 child, a fresh job draft state per B) or at one B (``--child-per b``: a child per B, closest pairs in time,
 ~4 s more per child). Per B, a child warms the engine (KV cache grown to the longest row; B streams of the
 shortest prompt decoded for 8 tokens), then greedy-decodes Spec-Bench first turns (chat template, short and
-long categories alternating, as in scripts/throughput_bench.py) with continuous batching: at most B streams in
+long categories alternating, as in ``benchmarks.throughput``) with continuous batching: at most B streams in
 flight, a finished stream replaced by the next prompt; ``min(2 B + 8, --max-prompts)`` prompts, so the batch
 stays full for most of the run. torch runs on ``--threads`` threads (default 2).
 
@@ -70,30 +71,27 @@ figure larger and noisier (the load average at start and end is in the report).
 Writes ``<out>/host-<stamp>.json`` (every raw run, per round and revision) and ``.md``, rewritten after every
 round (a run stopped midway keeps the rounds it finished).
 
-    python scripts/host_bench.py                                 # full grid, base origin/main or HEAD vs the worktree
-    python scripts/host_bench.py --quick                         # a small grid
-    python scripts/host_bench.py --base HEAD~1 --head HEAD --rounds 3
-    python scripts/host_bench.py --no-base --grid "tiny-random=2" --methods racer-c4,ar --max-new-tokens 8
+    python -m benchmarks.host                                 # full grid, base origin/main or HEAD vs the worktree
+    python -m benchmarks.host --quick                         # a small grid
+    python -m benchmarks.host --base HEAD~1 --head HEAD --rounds 3
+    python -m benchmarks.host --no-base --grid "tiny-random=2" --methods racer-c4,ar --max-new-tokens 8
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import common
+
 PARTS = ("propose", "flatten", "accept", "stops", "keep_rows", "update", "telemetry")
 FORWARDS = ("prefill", "verify_tree", "verify_batch", "verify_flat")
 DEFAULT_GRID = "tiny-random=1,8,32,64;smollm2-135m=1,8,16"
@@ -106,7 +104,8 @@ WARM_TOKENS = 8
 
 
 # =====================================================================================================
-# child side: runs in the revision's environment (PYTHONPATH = its folder); imports racer_batch lazily
+# child side: runs against the revision's racer_batch (PYTHONPATH starts with its folder), which may be older
+# than this harness: racer_batch is imported inside the functions, and only what the landed engine had
 # =====================================================================================================
 class Timers:
     """Milliseconds and calls per name; ``wrap`` makes a timed version of a callable (a call made while
@@ -306,16 +305,18 @@ def measure_b(engine: Any, prompt_ids: list[list[int]], streams: int, spec: dict
 
 
 def child_main(spec_path: str) -> int:
-    """The child process: one model and setting at every B of ``spec``; prints ``RESULT <json>``."""
+    """The child process: one model and setting at every B of the job in the JSON file ``spec_path`` (written
+    by :func:`run_job`; ``src`` the revision's folder); prints the ``RESULT`` line ``common.run_child`` reads.
+
+    Raises:
+        SystemExit: ``racer_batch`` was not imported from ``src`` (``common.check_origin``).
+        RuntimeError: a stream ended with an error.
+    """
     spec = json.loads(Path(spec_path).read_text())
+    package = common.check_origin(spec["src"])
     import torch
 
     torch.set_num_threads(int(spec["threads"]))
-    import racer_batch
-
-    src, got = Path(spec["src"]).resolve(), Path(racer_batch.__file__).resolve()
-    if src not in got.parents:
-        raise SystemExit(f"racer_batch was imported from {got}, not from the revision's folder {src}")
     from racer_batch.engine import Engine
     from racer_batch.models import load_model
     from racer_batch.values import DecodingConfig
@@ -328,78 +329,17 @@ def child_main(spec_path: str) -> int:
     setup_s = time.perf_counter() - t0
     cal = calibrate()
     runs = [measure_b(engine, prompt_ids, b, spec, int(spec["round"])) for b in spec["streams"]]
-    out = {"racer_batch": str(got.parent), "runner": getattr(engine.runner, "kind", type(engine.runner).__name__),
-           "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "setup_s": round(setup_s, 2),
-           "calibration": cal, "runs": runs}
-    print("RESULT " + json.dumps(out), flush=True)
+    common.print_result({"racer_batch": str(package),
+                         "runner": getattr(engine.runner, "kind", type(engine.runner).__name__),
+                         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                         "setup_s": round(setup_s, 2), "calibration": cal, "runs": runs})
     return 0
 
 
 # =====================================================================================================
-# parent side: revisions, jobs, summary, report (never imports racer_batch's engine)
+# parent side: revisions, jobs, summary, report (this checkout's racer_batch only, for the machine, the prompts
+# and the Markdown tables; the decoding runs in the children)
 # =====================================================================================================
-def git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False).stdout.strip()
-
-
-def default_base() -> str:
-    """``origin/main`` where this clone has it, else ``HEAD``."""
-    return "origin/main" if git("rev-parse", "--verify", "--quiet", "origin/main^{commit}") else "HEAD"
-
-
-def unpack(rev: str, dest: Path) -> Path:
-    """The folder holding the ``racer_batch`` package of ``rev`` (``WORKTREE``: this checkout as it is).
-
-    Raises:
-        subprocess.CalledProcessError: ``git archive`` failed (an unknown revision).
-    """
-    if rev == "WORKTREE":
-        return ROOT
-    dest.mkdir(parents=True, exist_ok=True)
-    tar = dest / "src.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(tar), rev, "racer_batch"], check=True)
-    with tarfile.open(tar) as tf:
-        tf.extractall(dest, filter="data")
-    tar.unlink()
-    return dest
-
-
-def describe(rev: str) -> str:
-    """``rev`` and the commit it named (the worktree: HEAD's, and whether tracked files had changes)."""
-    if rev == "WORKTREE":
-        dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-        return f"WORKTREE (at {git('rev-parse', '--short', 'HEAD')}{dirty})"
-    return f"{rev} ({git('rev-parse', '--short', rev)})"
-
-
-def machine() -> dict:
-    """CPU model name, family/model, AVX-512F, cores; load average; Python."""
-    info = {"cpu": platform.processor() or platform.machine(), "family": None, "model": None, "avx512f": None}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = (s.strip() for s in line.partition(":"))
-        if key == "model name":
-            info["cpu"] = value
-        elif key in ("cpu family", "model") and info[key.split()[-1]] is None:
-            info[key.split()[-1]] = value
-        elif key == "flags" and info["avx512f"] is None:
-            info["avx512f"] = "avx512f" in value.split()
-        if key == "" and info["avx512f"] is not None:
-            break  # the first processor's block is enough
-    info.update(cores=os.cpu_count(), python=platform.python_version(), load=_loadavg())
-    return info
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
 def parse_grid(text: str) -> dict[str, list[int]]:
     """``"tiny-random=1,8;smollm2-135m=1"`` -> ``{"tiny-random": [1, 8], "smollm2-135m": [1]}``.
 
@@ -458,20 +398,16 @@ def parse_tokens(text: Optional[str], models: list[str], defaults: dict[str, int
     return out
 
 
-def _benchdata() -> Any:
-    """``racer_batch/benchdata.py`` of this checkout, loaded from its file (stdlib only: no engine import)."""
-    spec = importlib.util.spec_from_file_location("host_bench_benchdata", ROOT / "racer_batch" / "benchdata.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def pick_prompts(n: int) -> list[list[dict]]:
-    """``n`` Spec-Bench first turns as chat messages, as scripts/throughput_bench.py picks them
-    (``benchdata.spec_bench_mix``)."""
-    bd = _benchdata()
-    return [bd.conversation([it.turns[0]], []) for it in bd.spec_bench_mix(n)]
+    """``n`` Spec-Bench first turns as chat messages, as ``benchmarks.throughput`` picks them
+    (``common.spec_bench_prompts``).
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    from racer_batch.benchdata import conversation
+
+    return [conversation([it.turns[0]], []) for it in common.spec_bench_prompts(n)]
 
 
 def prompts_for(streams: int, cap: int) -> int:
@@ -494,27 +430,20 @@ def jobs_of(grid: dict[str, list[int]], methods: list[tuple[str, str, int]], per
     return jobs
 
 
-def run_child(src: Path, spec: dict, tmp: Path, timeout_s: float) -> dict:
-    """One child process on the revision in ``src``; its parsed RESULT line.
+def run_job(src: Path, spec: dict, tmp: Path, timeout_s: float) -> dict:
+    """One child process (``python -m benchmarks.host --child SPEC``) on the revision in ``src``; its result.
+    The spec goes to the child as a JSON file under ``tmp``, removed afterwards.
 
     Raises:
-        RuntimeError: the child failed, timed out or printed no result.
+        RuntimeError: the child failed, ran past ``timeout_s`` seconds or printed no result.
     """
     path = tmp / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(dict(spec, src=str(src))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")])))
     try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(path)], cwd=str(src),
-                              env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"child on {src} ({spec['model']} {spec['setting']}) ran past {timeout_s:.0f} s") from exc
+        return common.run_child("host", ["--child", str(path)], src=src, tmp=tmp, timeout_s=timeout_s,
+                                what=f"{spec['model']} {spec['setting']}")
     finally:
         path.unlink(missing_ok=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"child on {src} ({spec['model']} {spec['setting']}) failed (exit {proc.returncode}):\n"
-                       f"{proc.stderr[-4000:]}")
 
 
 def _figures(run: dict, overhead_ms: float = 0.0) -> dict:
@@ -553,11 +482,6 @@ def derive(run: dict, cal: dict) -> dict:
     return out
 
 
-def _med(xs: list) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def _ratios(head: list[dict], base: list[dict], key: str) -> list[float]:
     """head / base of ``key`` per round (both lists indexed by round)."""
     return [h[key] / b[key] for h, b in zip(head, base) if h.get(key) is not None and b.get(key)]
@@ -576,8 +500,8 @@ def _side(derived: list[dict]) -> dict:
     names = part_names(derived)
     keys = ("host_us", "host_ex_us", "host_share", "forward_ms_per_step", "streams_per_step", "tokens_per_s", "mat",
             "wrap_us", "split_host_us", "plain_host_us")
-    side = {k: _med([d.get(k) for d in derived]) for k in keys}
-    side["parts_us"] = {p: _med([d["parts_us"].get(p) for d in derived]) for p in names}
+    side = {k: common.median([d.get(k) for d in derived]) for k in keys}
+    side["parts_us"] = {p: common.median([d["parts_us"].get(p) for d in derived]) for p in names}
     side["split"], side["headline"] = derived[-1]["split"], derived[-1]["headline"]
     return side
 
@@ -595,9 +519,9 @@ def summarize(raw: list[dict]) -> list[dict]:
         head = [revs["head"][i] for i in rounds]
         row = {"model": model, "setting": setting, "streams": b,
                "base": _side(list(revs.get("base", {}).values())), "head": _side(list(revs.get("head", {}).values())),
-               "host_ratio": _med(_ratios(head, base, "host_us")),
-               "host_ex_ratio": _med(_ratios(head, base, "host_ex_us")),
-               "tokens_ratio": _med(_ratios(head, base, "tokens_per_s"))}
+               "host_ratio": common.median(_ratios(head, base, "host_us")),
+               "host_ex_ratio": common.median(_ratios(head, base, "host_ex_us")),
+               "tokens_ratio": common.median(_ratios(head, base, "tokens_per_s"))}
         rows.append(row)
     return rows
 
@@ -655,8 +579,7 @@ def render_md(d: dict) -> str:
     cal = ", ".join(f"{r} {c['extra_us']:.2f} / {c['inner_us']:.2f} µs" for r, c in d["calibration"].items())
     lines = [f"# Host time per stream-step, {' vs '.join(revs)} ({d['stamp']})", "",
              f"Reproduce: `{d['command']}`", "",
-             f"Machine: {m['cpu']} (family {m['family']}, model {m['model']}, avx512f "
-             f"{'yes' if m['avx512f'] else 'no'}), {m['cores']} cores; torch {d.get('torch', '?')} with "
+             f"Machine: {common.machine_line(m)}; torch {d.get('torch', m.get('torch', '?'))} with "
              f"{s['threads']} threads, Python {m['python']}; load average {m['load']} at start, "
              f"{d.get('load_end', '?')} at the last write.", "",
              *[f"- {r}: `{d['revisions'][r]}`; split: {d['splits'].get(r, '?')}; headline figures from the "
@@ -672,8 +595,7 @@ def render_md(d: dict) -> str:
                   "wrappers, the summary's figure):")
     for title, (cols, cells) in (("Summary (medians over rounds):", summary_table(d["rows"], revs)),
                                  (split_note, split_table(d["rows"], revs))):
-        lines += [title, "", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
-        lines += ["| " + " | ".join(c) + " |" for c in cells] + [""]
+        lines += [title, "", common.md_table(cols, cells), ""]
     lines += ["Columns: host µs/ss = (loop wall - runner forward time) per decode stream-step (BatchStats.streams); "
               "host ex-scores = the same less the `scores` part, the argmax / top-k over the decode logits (device "
               "work on a GPU, where the logits stay; a landed engine's only where it calls `argmax_and_topk`, its "
@@ -682,35 +604,32 @@ def render_md(d: dict) -> str:
               "ms/step = verify forward ms per batched step (prefills excluded); tokens/s = output tokens / wall; "
               "MAT = output tokens per row forward (prefill counted); streams/step = stream-steps per batched step "
               "(the mean B: below B while the batch fills and drains). Parts: the docstring of "
-              "scripts/host_bench.py says how each is measured; `other` = host minus the named parts.", ""]
+              "benchmarks/host.py says how each is measured; `other` = host minus the named parts.", ""]
     return "\n".join(lines)
-
-
-def write_results(d: dict, out: Path, stamp: str) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    jpath, mpath = out / f"host-{stamp}.json", out / f"host-{stamp}.md"
-    jpath.write_text(json.dumps(d, indent=1))
-    mpath.write_text(render_md(d))
-    return jpath, mpath
 
 
 def measure(*, base: Optional[str], head: str, grid: dict[str, list[int]], methods: list[tuple[str, str, int]],
             tokens: dict[str, int], max_prompts: int, rounds: int, threads: int, per_b: bool = False,
             plain_too: bool = False, timeout_s: float = 1800.0, on_round: Any = None, command: str = "",
             stamp: str = "") -> dict:
-    """The whole measurement (module docstring); returns the result dict (``on_round(d)`` after each round)."""
+    """The whole measurement (module docstring); returns the result dict (``on_round(d)`` after each round).
+
+    Raises:
+        subprocess.CalledProcessError: a revision could not be unpacked (``common.unpack``).
+        RuntimeError: a child failed, ran past ``timeout_s`` seconds or printed no result.
+    """
     revisions = {"base": base, "head": head} if base is not None else {"head": head}
     n_of = {b: prompts_for(b, max_prompts) for bs in grid.values() for b in bs}
     messages = pick_prompts(max(n_of.values()))
     jobs = jobs_of(grid, methods, per_b)
-    d: dict = {"command": command, "stamp": stamp, "machine": machine(),
-               "revisions": {k: describe(v) for k, v in revisions.items()}, "splits": {}, "calibration": {},
+    d: dict = {"command": command, "stamp": stamp, "machine": common.machine(),
+               "revisions": {k: common.describe(v) for k, v in revisions.items()}, "splits": {}, "calibration": {},
                "settings": {"grid": grid, "methods": [m[0] for m in methods], "max_new_tokens": tokens,
                             "max_prompts": max_prompts, "prompts_per_b": n_of, "rounds": rounds, "rounds_done": 0,
                             "threads": threads, "child_per": "b" if per_b else "setting", "plain_too": plain_too},
                "children": [], "raw": [], "rows": []}
     with tempfile.TemporaryDirectory(prefix="host-bench-") as tmp:
-        src = {k: unpack(v, Path(tmp) / k) for k, v in revisions.items()}
+        src = {k: common.unpack(v, Path(tmp) / k) for k, v in revisions.items()}
         for rnd in range(rounds):
             order = list(revisions) if rnd % 2 == 0 else list(reversed(revisions))
             for job in jobs:
@@ -719,11 +638,11 @@ def measure(*, base: Optional[str], head: str, grid: dict[str, list[int]], metho
                             prompts={str(b): n_of[b] for b in job["streams"]})
                 for rev in order:
                     t0 = time.perf_counter()
-                    got = run_child(src[rev], spec, Path(tmp), timeout_s)
+                    got = run_job(src[rev], spec, Path(tmp), timeout_s)
                     _record(d, dict(got, child_s=round(time.perf_counter() - t0, 1)), job, rev, rnd)
             d["settings"]["rounds_done"] = rnd + 1
             d["rows"] = summarize(d["raw"])
-            d["load_end"] = _loadavg()
+            d["load_end"] = common.machine()["load"]
             if on_round is not None:
                 on_round(d)
     return d
@@ -745,6 +664,12 @@ def _record(d: dict, got: dict, job: dict, rev: str, rnd: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command line (``--help``; ``--child SPEC`` is a child process's mode); returns the exit status.
+
+    Raises:
+        SystemExit: bad options (status 2), or a child whose ``racer_batch`` came from elsewhere.
+        RuntimeError: a child failed (:func:`measure`).
+    """
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", default=None, help="git revision to compare against (default origin/main, else HEAD)")
     p.add_argument("--head", default="WORKTREE", help="WORKTREE (this checkout as it is; default) or a git revision")
@@ -762,7 +687,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="a child process per model and setting (all its B; default) or per B")
     p.add_argument("--plain-too", action="store_true", help="also run each wrapped config without part wrappers")
     p.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per child process")
-    p.add_argument("--out", default=str(ROOT / "benchmarks"))
+    p.add_argument("--out", default=str(common.OUT))
     p.add_argument("--tag", default="")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -776,13 +701,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(str(exc))
     if args.rounds < 1 or args.max_prompts < 1 or args.threads < 1:
         p.error("--rounds, --max-prompts and --threads must be >= 1")
-    base = None if args.no_base else (args.base or default_base())
-    stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{args.tag}" if args.tag else "")
-    command = "python scripts/host_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    base = None if args.no_base else (args.base or common.default_base())
+    stamp = common.stamp() + (f"-{args.tag}" if args.tag else "")
+    command = "python -m benchmarks.host " + " ".join(argv if argv is not None else sys.argv[1:])
     out, paths = Path(args.out), []
 
     def write(d: dict) -> None:
-        paths[:] = write_results(d, out, stamp)
+        paths[:] = common.write_results(out, f"host-{stamp}", d, render_md(d))
 
     d = measure(base=base, head=args.head, grid=grid, methods=methods, tokens=tokens, max_prompts=args.max_prompts,
                 rounds=args.rounds, threads=args.threads, per_b=args.child_per == "b", plain_too=args.plain_too,

@@ -2,6 +2,9 @@
 overhead, and the speedup projected from the MAT measured on CPU with the real model; then the batched
 engine at GPU batch sizes: the B x N verify grid and host µs per stream-step beside device ms per forward.
 
+    python -m benchmarks.gpu                  # on a CUDA machine (bash benchmarks/gpu_bench.sh adds environment.txt)
+    python -m benchmarks.gpu --tiny           # the CPU smoke run, in seconds
+
 Prepared for a CUDA machine with no network: the target is a Llama with the shape of an 8B model (Llama 3
 8B: hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocabulary 128256) and random bfloat16
 weights built from its config on the GPU, so nothing is downloaded. Steps, run in the order 1, 5, 2, 6, 3
@@ -55,7 +58,8 @@ weights built from its config on the GPU, so nothing is downloaded. Steps, run i
 runners only: the smoke test the suite runs. A runner that fails (construction, warm-up, a timed forward, a
 decode) is dropped and its error recorded under ``errors`` (exit status 4 after the results are written), so
 one failure does not cost the other measurements; a failing step-6 configuration likewise. Results:
-``<out>/gpu_bench-<tag>.json`` and ``.md`` (a few KB: fits any upload limit).
+``<out>/gpu_bench-<tag>.json`` and ``.md`` (``common.write_results``; a few KB: fits any upload limit), the
+machine as ``common.machine()`` plus the device's name, CUDA version and peak GPU memory.
 """
 
 from __future__ import annotations
@@ -67,7 +71,6 @@ import glob
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -75,24 +78,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from benchmarks import common
+from racer_batch.drafters.base import Draft
+from racer_batch.engine import Engine
+from racer_batch.engine.batch import BatchStats, StreamBatch
+from racer_batch.engine.numerics import compare_greedy
+from racer_batch.engine.reference import generate_reference
+from racer_batch.engine.runner import ModelRunner
+from racer_batch.engine.static_runner import DEFAULT_BUCKETS, StaticRunner, describe_unsupported, pick_bucket
+from racer_batch.engine.step import HOST_PARTS
+from racer_batch.engine.tree import FlatTrees, flatten_tree
+from racer_batch.models import ModelBundle
+from racer_batch.values import DecodingConfig, GenerationParams
 
-from racer_batch.drafters.base import Draft  # noqa: E402
-from racer_batch.engine import Engine  # noqa: E402
-from racer_batch.engine.batch import BatchStats, StreamBatch  # noqa: E402
-from racer_batch.engine.numerics import compare_greedy  # noqa: E402
-from racer_batch.engine.reference import generate_reference  # noqa: E402
-from racer_batch.engine.runner import ModelRunner  # noqa: E402
-from racer_batch.engine.static_runner import DEFAULT_BUCKETS, StaticRunner, describe_unsupported, pick_bucket  # noqa: E402
-from racer_batch.engine.step import HOST_PARTS  # noqa: E402
-from racer_batch.engine.tree import FlatTrees, flatten_tree  # noqa: E402
-from racer_batch.models import ModelBundle  # noqa: E402
-from racer_batch.values import DecodingConfig, GenerationParams  # noqa: E402
-
-log = logging.getLogger("gpu_bench")
+log = logging.getLogger("benchmarks.gpu")
 
 LLAMA_8B_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -367,8 +368,8 @@ def measure_batch(runner: Any, *, bundle: ModelBundle, streams: list[int], nodes
         base = med.get((1, t))
         rows.append({"streams": b, "nodes": t, "ms": round(ms, 3), "tokens_per_forward": b * t,
                      "tokens_per_ms": round(b * t / ms, 3),
-                     "throughput_vs_b1": round(b * base / ms, 3) if base else None,
-                     "ms_vs_b1": round(ms / base, 3) if base else None, "path": paths[(b, t)]})
+                     "throughput_vs_b1": common.ratio(b * base, ms) if base else None,
+                     "ms_vs_b1": common.ratio(ms, base), "path": paths[(b, t)]})
     return rows
 
 
@@ -575,21 +576,22 @@ def md_curves(d: dict) -> list[str]:
     default = d["default_runner"]
     names = list(d["cost_curves_ms"])
     lines = [f"# GPU cost model ({d['tag']})", "", f"Reproduce: `{d['command']}`", "",
-             f"Device: {m['device_name']} ({m['device']}), torch {m['torch']}, CUDA {m['cuda']}; model: random "
-             f"{c['shape_name']} Llama in {c['dtype']}, context {c['context_tokens']} cached tokens.", ""]
+             f"Device: {m['device_name']} ({m['device']}), torch {m['torch']}, CUDA {m['cuda']}; host: "
+             f"{common.machine_line(m)}; model: random {c['shape_name']} Llama in {c['dtype']}, context "
+             f"{c['context_tokens']} cached tokens.", ""]
     if d["tag"].startswith("tiny"):
         lines += ["**Tiny CPU smoke run: these numbers test the script, they say nothing about a GPU.**", ""]
+
+    def cell(n: str, t: str) -> Optional[str]:
+        ms, r = d["cost_curves_ms"][n].get(t), d["t_ratio"][n].get(t)
+        return None if ms is None else f"{ms} ({r:.2f}x)"
+
     lines += ["## Verify forward cost per runner", "",
               f"t(T) ms, median of {c['repeats']} interleaved repeats (t(T)/t(1) in brackets). Static runners pad "
               f"T to the buckets {tuple(c['static_buckets'])}. Default runner on this device (the engine's "
               f"`runner: auto, compile: auto`): **{default}**.", "",
-              "| T | " + " | ".join(f"{n} ms" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
-    for t in d["cost_curve_ms"]:
-        cells = []
-        for n in names:
-            ms, r = d["cost_curves_ms"][n].get(t), d["t_ratio"][n].get(t)
-            cells.append("" if ms is None else f"{ms} ({r:.2f}x)")
-        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+              common.md_table(["T", *(f"{n} ms" for n in names)],
+                              [[t, *(cell(n, t) for n in names)] for t in d["cost_curve_ms"]])]
     warm = ", ".join(f"{n} {d['warmup_s'][n]} s" for n in names)
     lines += ["", f"Warm-up per runner (weight packing; graph capture or compilation of every bucket up to "
                   f"{max(int(t) for t in d['cost_curve_ms'])}): {warm}.", ""]
@@ -605,86 +607,83 @@ def md_projection(d: dict) -> list[str]:
              f"RACER on {default}: {d['overhead']['racer']['overhead_ms']} ms of a "
              f"{d['overhead']['racer']['step_ms']} ms step (mean tree {d['overhead']['racer']['mean_tree_tokens']} "
              "tokens).", ""]
+    body = [[f"{r['T']}{' (bench capacity)' if r['at_bench_capacity'] else ''}", d["cost_curve_ms"][str(r["T"])],
+             r["t_ratio"], r["break_even_mat"], r["projected_speedup"]] for r in d["projection"]]
     lines += [f"## Projection on the default runner ({default})", "",
               f"MAT: {d['mat']['value']} ({d['mat']['source']}). speedup ~= MAT * (t(1) + o_ar) / (t(T) + o_racer), "
               f"o_ar = {d['overhead']['ar']['overhead_ms']} ms, o_racer = {d['overhead']['racer']['overhead_ms']} ms "
               "(per step, outside the forward).", "",
-              "| T | t(T) ms | t(T)/t(1) | MAT to break even | projected speedup |", "|---|---|---|---|---|"]
-    for r in d["projection"]:
-        mark = " (bench capacity)" if r["at_bench_capacity"] else ""
-        lines.append(f"| {r['T']}{mark} | {d['cost_curve_ms'][str(r['T'])]} | {r['t_ratio']} | {r['break_even_mat']} | "
-                     f"{'' if r['projected_speedup'] is None else r['projected_speedup']} |")
+              common.md_table(["T", "t(T) ms", "t(T)/t(1)", "MAT to break even", "projected speedup"], body)]
     return lines
+
+
+OVERHEAD_COLUMNS = {"runner": "runner", "method": "method", "capacity": "capacity", "steps": "steps",
+                    "mean_tree_tokens": "mean tree tokens", "step_ms": "step ms",
+                    "forward_ms_from_curve": "forward ms (curve)", "overhead_ms": "overhead ms", "draft_ms": "draft ms",
+                    "verify_ms": "verify ms", "update_ms": "update ms"}
 
 
 def md_overhead(d: dict) -> list[str]:
-    lines = ["", "## Per-step CPU overhead of the engine", "",
-             "| runner | method | capacity | steps | mean tree tokens | step ms | forward ms (curve) | overhead ms | "
-             "draft ms | verify ms | update ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for o in (o for per_runner in d["overhead_by_runner"].values() for o in per_runner.values()):
-        lines.append(f"| {o['runner']} | {o['method']} | {o['capacity']} | {o['steps']} | {o['mean_tree_tokens']} | "
-                     f"{o['step_ms']} | {o['forward_ms_from_curve']} | {o['overhead_ms']} | {o['draft_ms']} | "
-                     f"{o['verify_ms']} | {o['update_ms']} |")
-    return lines
+    """The per-step overhead table: every (runner, method) decoded in step 2."""
+    rows = (o for per_runner in d["overhead_by_runner"].values() for o in per_runner.values())
+    return ["", "## Per-step CPU overhead of the engine", "",
+            common.md_table(list(OVERHEAD_COLUMNS.values()), [[o[k] for k in OVERHEAD_COLUMNS] for o in rows])]
+
+
+BATCH_VERIFY_COLUMNS = {"streams": "B", "nodes": "N", "ms": "device ms per forward",
+                        "tokens_per_forward": "tokens per forward", "tokens_per_ms": "tokens per ms",
+                        "throughput_vs_b1": "throughput x B=1", "ms_vs_b1": "ms x B=1", "path": "path"}
 
 
 def md_batch_verify(d: dict) -> list[str]:
+    """Step 5's B x N table (nothing when the step did not run)."""
     bv, c = d.get("batch_verify"), d["config"]
     if not bv or not bv.get("rows"):
         return []
-    lines = ["", f"## Batched verify: B streams x N tree nodes in one call ({bv['runner']})", "",
-             f"`runner.verify_flat` over B streams' random trees of N nodes (one `FlatTrees`), each stream on its "
-             f"own KV-cache slot with ~{c['context_tokens']} cached tokens; device ms per forward: wall time up to "
-             f"every row's argmax on the host, median of {c['repeats']} interleaved repeats. x B=1: tokens per ms "
-             "over B=1's at the same N (B x t(1, N) / t(B, N)); path: how the runner verified the batch "
-             "(`runner.last_batch_path`: `segments` our CPU kernels, `padded` / `padded-graph` the static "
-             "[B_pad, N_pad] step; `per-stream`: one forward per stream).", "",
-             "| B | N | device ms per forward | tokens per forward | tokens per ms | throughput x B=1 | ms x B=1 "
-             "| path |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in bv["rows"]:
-        lines.append(f"| {r['streams']} | {r['nodes']} | {r['ms']} | {r['tokens_per_forward']} | "
-                     f"{r['tokens_per_ms']} | {r['throughput_vs_b1']} | {r['ms_vs_b1']} | {r['path']} |")
-    return lines
+    return ["", f"## Batched verify: B streams x N tree nodes in one call ({bv['runner']})", "",
+            f"`runner.verify_flat` over B streams' random trees of N nodes (one `FlatTrees`), each stream on its "
+            f"own KV-cache slot with ~{c['context_tokens']} cached tokens; device ms per forward: wall time up to "
+            f"every row's argmax on the host, median of {c['repeats']} interleaved repeats. x B=1: tokens per ms "
+            "over B=1's at the same N (B x t(1, N) / t(B, N)); path: how the runner verified the batch "
+            "(`runner.last_batch_path`: `segments` our CPU kernels, `padded` / `padded-graph` the static "
+            "[B_pad, N_pad] step; `per-stream`: one forward per stream).", "",
+            common.md_table(list(BATCH_VERIFY_COLUMNS.values()),
+                            [[r[k] for k in BATCH_VERIFY_COLUMNS] for r in bv["rows"]])]
 
 
 def md_engine_batch(d: dict) -> list[str]:
+    """Step 6's table and its host split per part (nothing when the step did not run)."""
     eb, c = d.get("engine_batch"), d["config"]
     if not eb or not eb.get("rows"):
         return []
-    lines = ["", f"## Engine decode at B streams in flight ({eb['runner']})", "",
-             f"`Engine(..., streams=B)`, greedy, {eb['prompts']} synthetic token-id prompts of ~{c['context_tokens']} "
-             f"tokens, {eb['tokens']} new tokens each, through one `StreamBatch` with continuous batching (B in "
-             "flight). host µs/ss = (wall - verify_ms - prefill_ms) / stream-steps; device ms/fwd = verify_ms / steps "
-             "(the batched `verify_flat` incl. the argmax / top-k); host ms/step: host time per batched step, beside "
-             "it; MAT: output tokens per row forward (prefill counted).", "",
-             "| B | method | steps | streams/step | rows/fwd | MAT | tokens/s | host µs/ss | host ms/step "
-             "| device ms/fwd | prefill ms | host share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in eb["rows"]:
-        lines.append(f"| {r['streams']} | {r['label']} | {r['steps']} | {r['streams_per_step']} | "
-                     f"{r['rows_per_forward']} | {r['mat']} | {r['tokens_per_s']} | "
-                     f"**{r['host_us_per_stream_step']}** | "
-                     f"{r['host_ms_per_step']} | **{r['device_ms_per_forward']}** | {r['prefill_ms_per_prefill']} | "
-                     f"{r['host_share']} |")
+    head = ["B", "method", "steps", "streams/step", "rows/fwd", "MAT", "tokens/s", "host µs/ss", "host ms/step",
+            "device ms/fwd", "prefill ms", "host share"]
+    body = [[r["streams"], r["label"], r["steps"], r["streams_per_step"], r["rows_per_forward"], r["mat"],
+             r["tokens_per_s"], f"**{r['host_us_per_stream_step']}**", r["host_ms_per_step"],
+             f"**{r['device_ms_per_forward']}**", r["prefill_ms_per_prefill"], r["host_share"]] for r in eb["rows"]]
     parts = eb["parts"]
-    lines += ["", "Host split, µs per stream-step (`BatchStats.host_ms`; other: stream set-up, prefill-side host "
-                  "work, StreamBatch plumbing):", "",
-              "| B | method | " + " | ".join(parts) + " |", "|---" * (len(parts) + 2) + "|"]
-    for r in eb["rows"]:
-        lines.append(f"| {r['streams']} | {r['label']} | " + " | ".join(str(r['host_us_split'][p]) for p in parts)
-                     + " |")
-    return lines
+    return ["", f"## Engine decode at B streams in flight ({eb['runner']})", "",
+            f"`Engine(..., streams=B)`, greedy, {eb['prompts']} synthetic token-id prompts of ~{c['context_tokens']} "
+            f"tokens, {eb['tokens']} new tokens each, through one `StreamBatch` with continuous batching (B in "
+            "flight). host µs/ss = (wall - verify_ms - prefill_ms) / stream-steps; device ms/fwd = verify_ms / steps "
+            "(the batched `verify_flat` incl. the argmax / top-k); host ms/step: host time per batched step, beside "
+            "it; MAT: output tokens per row forward (prefill counted).", "",
+            common.md_table(head, body),
+            "", "Host split, µs per stream-step (`BatchStats.host_ms`; other: stream set-up, prefill-side host "
+                "work, StreamBatch plumbing):", "",
+            common.md_table(["B", "method", *parts],
+                            [[r["streams"], r["label"], *(r["host_us_split"][p] for p in parts)] for r in eb["rows"]])]
 
 
-def write_md(d: dict, path: Path) -> None:
+def render_md(d: dict) -> str:
+    """The results' Markdown: the cost curves, projection, overheads, steps 5 and 6, greedy equality, errors."""
     g = d["greedy_equality"]
     lines = md_curves(d) + md_projection(d) + md_overhead(d) + md_batch_verify(d) + md_engine_batch(d)
     lines += ["", f"## Greedy equality in the model's dtype ({d['default_runner']})", "",
               f"AR reference vs RACER: {g['describe']}", ""]
     if d["errors"]:
         lines += ["## Errors", ""] + [f"- {k}: {v}" for k, v in d["errors"].items()] + [""]
-    path.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 # ---- the run: settings, the steps, the results ----
@@ -746,15 +745,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--engine-tokens", type=int, default=None, help="new tokens per prompt in the engine step "
                                                                    "(default 32; tiny 16)")
     p.add_argument("--mat", type=float, default=None, help="MAT to project with (default: newest bench-*.json)")
-    p.add_argument("--bench-glob", default=str(ROOT / "benchmarks" / "bench-*.json"))
-    p.add_argument("--out", default=str(ROOT / "benchmarks"))
+    p.add_argument("--bench-glob", default=str(common.OUT / "bench-*.json"))
+    p.add_argument("--out", default=str(common.OUT))
     p.add_argument("--tag", default=None)
     return p.parse_args(argv)
-
-
-def int_list(text: str) -> list[int]:
-    """'8,1,4' -> [1, 4, 8]."""
-    return sorted({int(x) for x in text.split(",") if x.strip()})
 
 
 def resolve_mat(args: argparse.Namespace) -> tuple[Optional[float], Optional[int], str]:
@@ -763,18 +757,23 @@ def resolve_mat(args: argparse.Namespace) -> tuple[Optional[float], Optional[int
     if args.mat is not None:
         return args.mat, bench_cap, "--mat"
     if mat is not None:
-        return mat, bench_cap, f"{os.path.relpath(bench_file, ROOT)}, method racer, capacity {bench_cap}"
+        return mat, bench_cap, f"{os.path.relpath(bench_file, common.ROOT)}, method racer, capacity {bench_cap}"
     return None, bench_cap, "none: pass --mat or put a bench-*.json in benchmarks/"
 
 
 def grids(args: argparse.Namespace) -> dict[str, list[int]]:
-    """Steps 5 and 6: the B and N of the verify grid, the engine's B and racer capacities."""
+    """Steps 5 and 6: the B and N of the verify grid, the engine's B and racer capacities (each list sorted,
+    duplicates dropped: '8,1,4' -> [1, 4, 8])."""
     tiny = args.tiny
-    streams = int_list(args.batch_streams or (TINY_BATCH_STREAMS if tiny else GPU_BATCH_STREAMS))
+
+    def ints(text: str) -> list[int]:
+        return sorted(set(common.int_list(text)))
+
+    streams = ints(args.batch_streams or (TINY_BATCH_STREAMS if tiny else GPU_BATCH_STREAMS))
     return {"batch_streams": streams,
-            "batch_nodes": int_list(args.batch_nodes or (TINY_BATCH_NODES if tiny else GPU_BATCH_NODES)),
-            "engine_streams": int_list(args.engine_streams) if args.engine_streams else streams,
-            "engine_caps": int_list(args.engine_capacities)}
+            "batch_nodes": ints(args.batch_nodes or (TINY_BATCH_NODES if tiny else GPU_BATCH_NODES)),
+            "engine_streams": ints(args.engine_streams) if args.engine_streams else streams,
+            "engine_caps": ints(args.engine_capacities)}
 
 
 def settings(args: argparse.Namespace, device: str) -> Settings:
@@ -785,7 +784,7 @@ def settings(args: argparse.Namespace, device: str) -> Settings:
         dtype_name=args.dtype or ("float32" if tiny and not device.startswith("cuda") else "bfloat16"),
         shape=TINY_SHAPE if tiny else LLAMA_8B_SHAPE, context=args.context or (64 if tiny else 512),
         repeats=args.repeats or (3 if tiny else 10), max_new=args.max_new_tokens or (32 if tiny else 128),
-        caps=[int(x) for x in args.capacities.split(",")],
+        caps=common.int_list(args.capacities),
         racer_cap=args.racer_capacity or (16 if tiny else (bench_cap or 64)),
         mat=mat, bench_cap=bench_cap, mat_source=source, engine_tokens=args.engine_tokens or (16 if tiny else 32),
         **grids(args))
@@ -890,13 +889,15 @@ def overheads(bundle: ModelBundle, s: Settings, cv: Curves, prompt: list[int],
 
 
 def machine(device: str) -> dict:
+    """``common.machine()`` (the host: CPU, cores, load, Python, torch) and the device that ran: its name (on
+    the CPU the CPU's), the CUDA version and the peak GPU memory allocated (None on the CPU)."""
+    host = common.machine()
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(torch.device(device))
         name, mem = props.name, round(torch.cuda.max_memory_allocated(torch.device(device)) / 2**30, 2)
     else:
-        name, mem = platform.processor() or platform.machine(), None
-    return {"device": device, "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "peak_gpu_memory_gib": mem, "python": platform.python_version()}
+        name, mem = host["cpu"], None
+    return {**host, "device": device, "device_name": name, "cuda": torch.version.cuda, "peak_gpu_memory_gib": mem}
 
 
 def results(s: Settings, cv: Curves, *, tag: str, command: str, mach: dict, build_s: float, default: str,
@@ -904,7 +905,7 @@ def results(s: Settings, cv: Curves, *, tag: str, command: str, mach: dict, buil
     curve = cv.curves[default]
     o_ar, o_racer = by_runner[default]["ar"], by_runner[default]["racer"]
     return {
-        "tag": tag, "command": command, "written_at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": mach,
+        "tag": tag, "command": command, "written_at": common.stamp(), "machine": mach,
         "config": {"shape_name": "tiny" if s.tiny else "llama-8b", "shape": s.shape, "dtype": s.dtype_name,
                    "context_tokens": s.context, "repeats": s.repeats, "max_new_tokens": s.max_new,
                    "racer_capacity": s.racer_cap, "build_s": round(build_s, 1), "static_buckets": list(cv.buckets),
@@ -975,16 +976,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     mach = machine(device)
     tag = args.tag or ("tiny-" + device.split(":")[0] if s.tiny else mach["device_name"].replace(" ", "-").lower())
-    d = results(s, cv, tag=tag, command="python scripts/gpu_bench.py " + " ".join(argv if argv is not None else
-                                                                                  sys.argv[1:]),
-                mach=mach, build_s=build_s, default=default, by_runner=by_runner, div=div,
-                batch_verify=batch_verify, engine_batch=engine_batch, errors=errors)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    jpath, mpath = out / f"gpu_bench-{tag}.json", out / f"gpu_bench-{tag}.md"
-    jpath.write_text(json.dumps(d, indent=2))
-    write_md(d, mpath)
-    print(mpath.read_text())
+    command = " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])])
+    d = results(s, cv, tag=tag, command=command, mach=mach, build_s=build_s, default=default, by_runner=by_runner,
+                div=div, batch_verify=batch_verify, engine_batch=engine_batch, errors=errors)
+    md = render_md(d)
+    jpath, mpath = common.write_results(args.out, f"gpu_bench-{tag}", d, md)
+    print(md)
     print(f"wrote {jpath} and {mpath}")
     if errors:
         print(f"some runners failed (see 'errors' in {jpath}): {errors}", file=sys.stderr)

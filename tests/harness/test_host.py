@@ -1,42 +1,30 @@
-"""scripts/host_bench.py end to end on the tiny model: head only, one round, B = 2, 8 new tokens."""
+"""benchmarks/host.py end to end on the tiny model: head only, one round, B = 2, 8 new tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host_bench.py"
+from benchmarks import common, host
 
 
-@pytest.fixture(scope="module")
-def host_bench():
-    spec = importlib.util.spec_from_file_location("host_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["host_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_parsers(host_bench):
-    assert host_bench.parse_grid("tiny-random=8,1;smollm2-135m=2") == {"tiny-random": [1, 8], "smollm2-135m": [2]}
-    assert host_bench.parse_methods("racer-c4,ar") == [("racer-c4", "racer", 4), ("ar", "ar", 1)]
-    assert host_bench.parse_tokens("tiny-random=16", ["tiny-random", "smollm2-135m"], host_bench.DEFAULT_TOKENS) == {
-        "tiny-random": 16, "smollm2-135m": host_bench.DEFAULT_TOKENS["smollm2-135m"]}
-    assert [host_bench.prompts_for(b, 16) for b in (1, 8, 16, 32, 64)] == [10, 16, 24, 40, 72]
+def test_parsers():
+    assert host.parse_grid("tiny-random=8,1;smollm2-135m=2") == {"tiny-random": [1, 8], "smollm2-135m": [2]}
+    assert host.parse_methods("racer-c4,ar") == [("racer-c4", "racer", 4), ("ar", "ar", 1)]
+    assert host.parse_tokens("tiny-random=16", ["tiny-random", "smollm2-135m"], host.DEFAULT_TOKENS) == {
+        "tiny-random": 16, "smollm2-135m": host.DEFAULT_TOKENS["smollm2-135m"]}
+    assert [host.prompts_for(b, 16) for b in (1, 8, 16, 32, 64)] == [10, 16, 24, 40, 72]
     for bad in ("tiny-random", "tiny-random=0", "x=a"):
         with pytest.raises(ValueError):
-            host_bench.parse_grid(bad)
+            host.parse_grid(bad)
     with pytest.raises(ValueError):
-        host_bench.parse_methods("racer-c0")
+        host.parse_methods("racer-c0")
 
 
-def test_host_bench_smoke_on_the_tiny_model(host_bench, tmp_path):
+def test_host_smoke_on_the_tiny_model(tmp_path):
     """Each setting in its own child process on this checkout: the host time, its parts and the tokens."""
-    rc = host_bench.main(["--no-base", "--grid", "tiny-random=2", "--methods", "racer-c4,ar", "--max-new-tokens", "8",
+    rc = host.main(["--no-base", "--grid", "tiny-random=2", "--methods", "racer-c4,ar", "--max-new-tokens", "8",
                           "--rounds", "1", "--max-prompts", "1", "--out", str(tmp_path), "--tag", "smoke"])
     assert rc == 0
     (jpath,) = tmp_path.glob("host-*-smoke.json")
@@ -48,7 +36,7 @@ def test_host_bench_smoke_on_the_tiny_model(host_bench, tmp_path):
         assert run["output_tokens"] > 0 and run["stream_steps"] > 0 and run["prompts"] == 10
         assert dv["host_us"] > 0 and dv["tokens_per_s"] > 0
         named = {p: v for p, v in dv["parts_us"].items() if p != "other"}
-        assert set(host_bench.PARTS) <= set(named), named
+        assert set(host.PARTS) <= set(named), named
         assert all(v >= 0 for v in named.values())
         # the named parts fit in the host time of their run (the tolerance: timer granularity, wrapping correction)
         assert dv["split_host_us"] > 0
@@ -56,10 +44,13 @@ def test_host_bench_smoke_on_the_tiny_model(host_bench, tmp_path):
         assert abs(sum(dv["parts_us"].values()) - dv["split_host_us"]) < 1e-6 * max(1.0, dv["split_host_us"])
         assert run["forward_ms"].get("prefill", 0) > 0
     md = tmp_path.joinpath(jpath.name.replace(".json", ".md")).read_text()
-    assert "| tiny-random | racer-c4 | 2 |" in md and "Machine:" in md and "avx512f" in md
+    assert "| tiny-random | racer-c4 | 2 |" in md and f"Machine: {common.machine_line(d['machine'])}" in md
+    assert d["command"].startswith("python -m benchmarks.host --no-base ")
+    # every child ran on this checkout's racer_batch, in its own process
+    assert {c["racer_batch"] for c in d["children"]} == {str(common.ROOT / "racer_batch")}
 
 
-def test_a_two_revision_report_has_each_ratio_column(host_bench):
+def test_a_two_revision_report_has_each_ratio_column():
     """The base-vs-head report (no child processes: two revisions' derived figures made up here) carries a
     head/base column for the host time, the host time less the scores and tokens/s, each the median of the
     per-round ratios."""
@@ -73,14 +64,23 @@ def test_a_two_revision_report_has_each_ratio_column(host_bench):
             "derived": derived(host, scores, tps)}
            for rnd in (0, 1)
            for rev, host, scores, tps in (("base", 200.0, 20.0, 100.0), ("head", 50.0 + rnd * 10, 10.0, 300.0))]
-    rows = host_bench.summarize(raw)
+    rows = host.summarize(raw)
     (row,) = rows
     assert row["host_ratio"] == pytest.approx((50 / 200 + 60 / 200) / 2)
     assert row["host_ex_ratio"] == pytest.approx((40 / 180 + 50 / 180) / 2)
     assert row["tokens_ratio"] == pytest.approx(3.0)
-    cols, cells = host_bench.summary_table(rows, ["base", "head"])
+    cols, cells = host.summary_table(rows, ["base", "head"])
     assert [c for c in cols if c.endswith("head/base")] == [
         "host µs/ss head/base", "host ex-scores µs/ss head/base", "tokens/s head/base"]
     line = dict(zip(cols, cells[0]))
     assert line["host ex-scores µs/ss head/base"] == f"{(40 / 180 + 50 / 180) / 2:.3f}"
     assert line["base host ex-scores µs/ss"] == "180.0"
+
+
+def test_a_child_refuses_a_racer_batch_from_elsewhere(tmp_path):
+    """A child told that its revision is in a folder ``racer_batch`` was not imported from stops before
+    measuring (it would time the wrong revision)."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"src": str(tmp_path), "threads": 1}))
+    with pytest.raises(SystemExit, match="not from the revision's folder"):
+        host.main(["--child", str(spec)])

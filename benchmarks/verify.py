@@ -7,36 +7,30 @@ over every (runner, T) pair in turn, ``--repeats`` times, so that machine drift 
 the figure is the median per pair. The probe is the time to read every weight once (a ``sum`` over each
 parameter), the floor of a memory-bound forward. Writes ``<out>/verify-<stamp>.json`` and ``.md``.
 
-    python scripts/verify_bench.py                       # eager vs static matmul paths, float32
-    python scripts/verify_bench.py --bf16                # also a bfloat16 copy
-    python scripts/verify_bench.py --paths small_gemm --isas avx512,avx2 --prefill 300 --no-eager  # AVX-512 vs AVX2
+    python -m benchmarks.verify                       # eager vs static matmul paths, float32
+    python -m benchmarks.verify --bf16                # also a bfloat16 copy
+    python -m benchmarks.verify --paths small_gemm --isas avx512,avx2 --prefill 300 --no-eager  # AVX-512 vs AVX2
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from benchmarks import common
+from racer_batch.drafters.base import Draft
+from racer_batch.engine.runner import ModelRunner
+from racer_batch.engine.static_runner import StaticRunner
+from racer_batch.engine.tree import flatten_tree
+from racer_batch.models import ModelBundle, load_model
 
-from racer_batch.bench import cpu_name  # noqa: E402
-from racer_batch.drafters.base import Draft  # noqa: E402
-from racer_batch.engine.runner import ModelRunner  # noqa: E402
-from racer_batch.engine.static_runner import StaticRunner  # noqa: E402
-from racer_batch.engine.tree import flatten_tree  # noqa: E402
-from racer_batch.models import load_model  # noqa: E402
-
-log = logging.getLogger("verify_bench")
+log = logging.getLogger("benchmarks.verify")
 
 
 @torch.inference_mode()
@@ -138,8 +132,8 @@ class HFStaticContender(Contender):
             layer.cumulative_length.fill_(self.context)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--context", type=int, default=300, help="cached tokens before the tree")
@@ -153,27 +147,24 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many prompt tokens "
                     "(with the per-position top-8 RACER's store needs) per contender and round")
     ap.add_argument("--no-eager", action="store_true", help="leave the eager transformers runner out")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks"))
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    sizes = sorted({int(x) for x in args.sizes.split(",")})
-    bundle = load_model(args.model, dtype="float32")
-    vocab = bundle.vocab_size
+    ap.add_argument("--out", default=str(common.OUT))
+    return ap
+
+
+def build_contenders(args: argparse.Namespace, bundle: ModelBundle, *, sizes: list[int], isas: list[str],
+                     error: Callable[[str], None]) -> tuple[list[Contender], dict[str, float]]:
+    """The contenders the arguments ask for, each warmed up on ``sizes``, and their set-up seconds (load, pack,
+    warm-up / compile). ``error``: the parser's (our kernels missing for ``--isas``)."""
     contenders: list[Contender] = []
     setup_s: dict[str, float] = {}
+    vocab = bundle.vocab_size
 
-    isas = [x for x in args.isas.split(",") if x]
-    if any(x not in ("avx2", "avx512") for x in isas):
-        ap.error(f"--isas takes avx2 and/or avx512, got {args.isas!r}")
-
-    def add(label: str, make, isa: Optional[str] = None) -> None:
+    def add(label: str, make: Callable[[], object], isa: Optional[str] = None) -> None:
         t0 = time.perf_counter()
         runner = make()
         if isa is not None:
             if getattr(runner, "_ops", None) is None:
-                ap.error(f"--isas: our CPU kernels are not available here ({label})")
+                error(f"--isas: our CPU kernels are not available here ({label})")
             runner._ops.set_isa(isa)
         runner.warmup(sizes)
         setup_s[label] = round(time.perf_counter() - t0, 2)
@@ -196,66 +187,94 @@ def main() -> int:
     if args.bf16:
         b16 = load_model(args.model, dtype="bfloat16")
         add("static-bf16", lambda: StaticRunner(b16))
+    return contenders, setup_s
+
+
+def run_rounds(contenders: list[Contender], model: torch.nn.Module, *, sizes: list[int], repeats: int) -> float:
+    """``repeats`` + 1 interleaved rounds (the first an untimed warm-up): per round the weight probe, every
+    (T, contender) verify forward, then each contender's prefill. Returns the probe's median ms."""
     probe = []
-    for rnd in range(args.repeats + 1):
-        probe.append(weight_probe_ms(bundle.model, 1))
+    for rnd in range(repeats + 1):
+        probe.append(weight_probe_ms(model, 1))
         for t in sizes:
             for c in contenders:
                 c.once(t)
         for c in contenders:
             c.once_prefill()
-        log.info("round %d/%d (the first is an untimed warm-up)", rnd + 1, args.repeats + 1)
-    probe_ms = statistics.median(probe[1:])
-    curves = {c.label: c.medians() for c in contenders}
+        log.info("round %d/%d (the first is an untimed warm-up)", rnd + 1, repeats + 1)
+    return statistics.median(probe[1:])
+
+
+def curve_rows(contenders: list[Contender], probe_ms: float) -> list[dict]:
+    """One row per contender: ms and ms / t(1) per T, t(1) over the probe, t(16) / t(1), the ISA forced and
+    the median prefill ms (None without ``--prefill``)."""
     rows = []
-    for label, curve in curves.items():
-        rows.append({"runner": label, "ms": {str(t): round(v, 2) for t, v in curve.items()},
+    for c in contenders:
+        curve = c.medians()
+        rows.append({"runner": c.label, "ms": {str(t): round(v, 2) for t, v in curve.items()},
                      "ratio": {str(t): round(v / curve[1], 3) for t, v in curve.items()},
                      "t1_over_probe": round(curve[1] / probe_ms, 3),
-                     "t16_over_t1": round(curve[16] / curve[1], 3) if 16 in curve else None})
-    for c, row in zip(contenders, rows):
-        row["isa"] = c.isa
-        row["prefill_ms"] = (round(statistics.median(c.prefill_times[1:] or c.prefill_times), 1)
-                             if c.prefill_times else None)
-    static_runners = [c.runner for c in contenders if isinstance(c.runner, StaticRunner)]
-    summary = {
-        "command": "python scripts/verify_bench.py " + " ".join(sys.argv[1:]),
-        "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "model": bundle.name, "context_tokens": args.context, "repeats": args.repeats, "sizes": sizes,
-        "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "weight_bytes": sum(p.numel() * p.element_size()
-                            for p in {p.data_ptr(): p for p in bundle.model.parameters()}.values()),
-        "probe_ms": round(probe_ms, 2), "setup_s": setup_s, "rows": rows,
-        "kv_bytes_per_token": static_runners[0].kv_bytes_per_token if static_runners else None,
-        "packed_bytes": {c.label: c.runner.packed_bytes for c in contenders if isinstance(c.runner, StaticRunner)},
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"verify-{stamp}.json").write_text(json.dumps(summary, indent=2))
-    head = "| runner | " + " | ".join(f"t({t}) ms" for t in sizes) + " | t(1)/probe | " + \
-        " | ".join(f"t({t})/t(1)" for t in sizes if t > 1) + " |"
+                     "t16_over_t1": round(curve[16] / curve[1], 3) if 16 in curve else None,
+                     "isa": c.isa,
+                     "prefill_ms": (round(statistics.median(c.prefill_times[1:] or c.prefill_times), 1)
+                                    if c.prefill_times else None)})
+    return rows
+
+
+def render_md(summary: dict, stamp: str) -> str:
+    """The Markdown of a result: the cost curve per runner (ms and ratios to t(1)), the probe, the prefills,
+    set-up seconds and prepacked bytes."""
+    sizes, rows = summary["sizes"], summary["rows"]
+    head = ["runner", *(f"t({t}) ms" for t in sizes), "t(1)/probe", *(f"t({t})/t(1)" for t in sizes if t > 1)]
+    body = [[r["runner"], *(f"{r['ms'][str(t)]:.1f}" for t in sizes), f"{r['t1_over_probe']:.2f}",
+             *(f"{r['ratio'][str(t)]:.2f}" for t in sizes if t > 1)] for r in rows]
     lines = [f"# Verify cost curve {stamp}", "", f"Reproduce: `{summary['command']}`", "",
-             f"Model {bundle.name} ({summary['weight_bytes'] / 1e6:.0f} MB of weights), {args.context} cached tokens, "
-             f"CPU: {summary['cpu']} ({summary['cores']} cores, {summary['torch_threads']} torch threads), torch "
-             f"{torch.__version__}; medians of {args.repeats} interleaved rounds.", "",
-             f"Weight-streaming probe (read every weight once): **{probe_ms:.1f} ms**.", "",
-             head, "|---" * (1 + 2 * len(sizes)) + "|"]
-    for r in rows:
-        ms = " | ".join(f"{r['ms'][str(t)]:.1f}" for t in sizes)
-        ratio = " | ".join(f"{r['ratio'][str(t)]:.2f}" for t in sizes if t > 1)
-        lines.append(f"| {r['runner']} | {ms} | {r['t1_over_probe']:.2f} | {ratio} |")
-    if args.prefill:
-        lines += ["", f"Prefill of {args.prefill} prompt tokens with the per-position top-8 (median ms): "
+             f"Model {summary['model']} ({summary['weight_bytes'] / 1e6:.0f} MB of weights), "
+             f"{summary['context_tokens']} cached tokens, machine: {common.machine_line(summary['machine'])}, "
+             f"{summary['torch_threads']} torch threads, torch {summary['machine']['torch']}; medians of "
+             f"{summary['repeats']} interleaved rounds.", "",
+             f"Weight-streaming probe (read every weight once): **{summary['probe_ms']:.1f} ms**.", "",
+             common.md_table(head, body)]
+    if summary["prefill_tokens"]:
+        lines += ["", f"Prefill of {summary['prefill_tokens']} prompt tokens with the per-position top-8 (median ms): "
                   + ", ".join(f"{r['runner']} {r['prefill_ms']}" for r in rows if r["prefill_ms"] is not None)]
     lines += ["", "Set-up seconds (load, pack, warm-up / compile): "
-              + ", ".join(f"{k} {v}" for k, v in setup_s.items()), "",
+              + ", ".join(f"{k} {v}" for k, v in summary["setup_s"].items()), "",
               "Extra bytes of prepacked weights: "
               + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in summary["packed_bytes"].items()),
               "", f"Static KV cache: {summary['kv_bytes_per_token']} bytes per position per stream.", ""]
-    (out / f"verify-{stamp}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    sizes = sorted(set(common.int_list(args.sizes)))
+    isas = [x for x in args.isas.split(",") if x]
+    if any(x not in ("avx2", "avx512") for x in isas):
+        ap.error(f"--isas takes avx2 and/or avx512, got {args.isas!r}")
+    bundle = load_model(args.model, dtype="float32")
+    contenders, setup_s = build_contenders(args, bundle, sizes=sizes, isas=isas, error=ap.error)
+    probe_ms = run_rounds(contenders, bundle.model, sizes=sizes, repeats=args.repeats)
+    static = [c.runner for c in contenders if isinstance(c.runner, StaticRunner)]
+    summary = {
+        "command": "python -m benchmarks.verify " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": bundle.name, "context_tokens": args.context, "repeats": args.repeats, "sizes": sizes,
+        "prefill_tokens": args.prefill, "machine": common.machine(), "torch_threads": torch.get_num_threads(),
+        "weight_bytes": sum(p.numel() * p.element_size()
+                            for p in {p.data_ptr(): p for p in bundle.model.parameters()}.values()),
+        "probe_ms": round(probe_ms, 2), "setup_s": setup_s, "rows": curve_rows(contenders, probe_ms),
+        "kv_bytes_per_token": static[0].kv_bytes_per_token if static else None,
+        "packed_bytes": {c.label: c.runner.packed_bytes for c in contenders if isinstance(c.runner, StaticRunner)},
+    }
+    stamp = common.stamp()
+    md = render_md(summary, stamp)
+    common.write_results(args.out, f"verify-{stamp}", summary, md)
+    print(md)
     return 0
 
 

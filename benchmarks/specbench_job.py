@@ -1,41 +1,40 @@
-#!/usr/bin/env python
 """Run all 480 Spec-Bench questions as one racer-batch job and write a summary under benchmarks/.
 
-    python scripts/run_specbench_job.py                         # RACER (racer-cpu preset), 256 new tokens
-    python scripts/run_specbench_job.py --preset ar --tag ar     # the autoregressive baseline
-    python scripts/run_specbench_job.py --smoke                  # 8 questions per group (data README rule)
+    python -m benchmarks.specbench_job                          # RACER (racer-cpu preset), 256 new tokens
+    python -m benchmarks.specbench_job --preset ar --tag ar      # the autoregressive baseline
+    python -m benchmarks.specbench_job --smoke                   # 8 questions per group (data README rule)
 
 The input Parquet (one row per question; every row uses `turns`, so a two-turn MT-bench question sees the
 model's first answer before its second turn) is written to out/specbench/input.parquet. The job runs on an
 embedded worker (local Ray + the Redis at REDIS_URL, or a private redis-server). Re-running with the same
-settings resumes the job. Outputs: benchmarks/specbench_<tag>.json and .md (per category: rows, output
-tokens, steps, MAT, token-weighted tokens/s; MT-bench categories are also reported together as multi_turn).
+settings resumes the job. Outputs: benchmarks/specbench_<tag>.json and .md (``common.write_results``; per
+category, a ``Tally`` of its rows: rows, output tokens, steps, MAT, token-weighted tokens/s; MT-bench categories
+are also reported together as multi_turn).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import common
+from racer_batch.service.execution.local import ensure_redis, init_local_ray, run_until_done, shutdown_local_ray
+from racer_batch.service.execution.queue import JobQueue, resolve_url
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.output import read_output
+from racer_batch.service.results.record import RowRecord
+from racer_batch.service.results.tally import Tally
+from racer_batch.service.submit import submit_job
 
-from racer_batch.service.execution.local import ensure_redis, init_local_ray, run_until_done, shutdown_local_ray  # noqa: E402
-from racer_batch.service.execution.queue import JobQueue, resolve_url  # noqa: E402
-from racer_batch.service.job.spec import load_spec  # noqa: E402
-from racer_batch.service.results.output import read_output  # noqa: E402
-from racer_batch.service.submit import submit_job  # noqa: E402
-
+ROOT = common.ROOT
 QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUP_ORDER = ("multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -70,50 +69,49 @@ def build_input(questions: Path, out: Path, *, smoke: bool) -> int:
     return table.num_rows
 
 
-def summarise(rows: list[dict]) -> dict:
-    by: dict[str, dict] = defaultdict(lambda: {"rows": 0, "ok": 0, "error": 0, "output_tokens": 0, "steps": 0,
-                                                 "gen_ms": 0.0, "prefill_ms": 0.0})
-    for r in rows:
-        for key in (r["route"], group_of(r["route"]) if r["route"] in MT_BENCH else None, "all"):
-            if key is None:
-                continue
-            b = by[key]
-            b["rows"] += 1
-            b["ok" if r["status"] == "ok" else "error"] += 1
-            b["output_tokens"] += r["output_tokens"] or 0
-            b["steps"] += r["steps"] or 0
-            b["prefill_ms"] += r["prefill_ms"] or 0.0
-            b["gen_ms"] += (r["prefill_ms"] or 0.0) + (r["decode_ms"] or 0.0)
-    for b in by.values():
-        b["mat"] = b["output_tokens"] / b["steps"] if b["steps"] else None
-        b["tokens_per_s"] = b["output_tokens"] / (b["gen_ms"] / 1000.0) if b["gen_ms"] else None
-    return dict(by)
+def summarise(records: list[RowRecord]) -> dict:
+    """{category: figures} over the job's rows, also for multi_turn (the MT-bench categories together) and all:
+    a ``Tally`` of the rows (its counters), ``prefill_ms``, ``mat`` and token-weighted ``tokens_per_s`` (output
+    tokens / the rows' prefill + decode time)."""
+    total, mt_bench = Tally(), Tally()
+    prefill_ms: dict[str, float] = defaultdict(float)
+    for rec in records:
+        total.observe_row(rec)  # routes: one tally per category
+        keys = [rec.route, "all"]
+        if rec.route in MT_BENCH:
+            mt_bench.observe_row(rec, group=group_of(rec.route))
+            keys.append(group_of(rec.route))
+        for key in keys:
+            prefill_ms[key] += rec.prefill_ms or 0.0
+    tallies = {**total.routes, **mt_bench.routes, "all": total}
+    return {key: {**{k: v for k, v in t.to_dict().items() if k != "routes"}, "prefill_ms": prefill_ms[key],
+                  "mat": t.mat, "tokens_per_s": t.output_tokens / (t.gen_ms / 1000.0) if t.gen_ms else None}
+            for key, t in tallies.items()}
 
 
-def write_md(path: Path, result: dict) -> None:
+def render_md(result: dict) -> str:
+    """The summary's Markdown: the job, then one table row per category (groups first, then MT-bench's)."""
     cats = result["categories"]
     order = [g for g in GROUP_ORDER if g in cats] + sorted(c for c in cats if c in MT_BENCH) + ["all"]
-    lines = [
+    body = [[c, cats[c]["rows"], cats[c]["rows"] - cats[c]["ok"], cats[c]["output_tokens"], cats[c]["steps"],
+             None if cats[c]["mat"] is None else round(cats[c]["mat"], 2),
+             None if cats[c]["tokens_per_s"] is None else round(cats[c]["tokens_per_s"], 1)] for c in order]
+    return "\n".join([
         f"# Spec-Bench as one racer-batch job ({result['tag']})", "",
+        f"Reproduce: `{result['command']}`", "",
         f"- model `{result['model']}`, method `{result['method']}` (capacity {result['capacity']}), "
         f"greedy, max_new_tokens {result['max_new_tokens']} (reduced for CPU), questions {result['rows']}",
-        f"- job `{result['job_id']}`, wall {result['wall_s']:.0f} s, machine: {result['machine']}",
+        f"- job `{result['job_id']}`, wall {result['wall_s']:.0f} s, machine: {common.machine_line(result['machine'])}",
         f"- streams per actor: {result.get('streams_per_actor', 1)}, actors: {result.get('num_actors', 'auto')}; "
         f"**job throughput {cats['all']['output_tokens'] / result['wall_s']:.1f} output tokens/s** "
         "(all output tokens / job wall time)",
         "- tokens/s per category is per row: output tokens / (the rows' prefill + decode time), so with several "
         "rows in flight it is a row's own rate, not the job's", "",
-        "| category | rows | errors | output tokens | steps | MAT | tokens/s |", "|---|---|---|---|---|---|---|",
-    ]
-    for c in order:
-        b = cats[c]
-        mat = f"{b['mat']:.2f}" if b["mat"] else "-"
-        tps = f"{b['tokens_per_s']:.1f}" if b["tokens_per_s"] else "-"
-        lines.append(f"| {c} | {b['rows']} | {b['error']} | {b['output_tokens']} | {b['steps']} | {mat} | {tps} |")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        common.md_table(["category", "rows", "errors", "output tokens", "steps", "MAT", "tokens/s"], body),
+    ])
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", type=Path, default=QUESTIONS)
     ap.add_argument("--preset", default="racer-cpu", help="preset name (racer-cpu, racer-paper, ar, pld)")
@@ -127,8 +125,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="8 questions per group (48 rows)")
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--prefix", default="racer-batch:")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=common.OUT)
+    args = ap.parse_args(argv)
     tag = args.tag or (args.preset + ("-smoke" if args.smoke else ""))
     work = ROOT / "out" / "specbench"
     input_path = work / ("input-smoke.parquet" if args.smoke else "input.parquet")
@@ -168,21 +166,20 @@ def main() -> int:
         shutdown_local_ray()
         if private is not None:
             private.stop()
-    rows = read_output(spec.output.path).to_pylist()
+    records = [RowRecord.from_row(r) for r in read_output(spec.output.path).to_pylist()]
     result = {
-        "tag": tag, "job_id": sub.job_id, "state": run.state, "rows": len(rows), "model": spec.model.name,
+        "tag": tag, "job_id": sub.job_id, "state": run.state, "rows": len(records), "model": spec.model.name,
         "method": spec.decoding.method, "capacity": spec.decoding.capacity,
         "max_new_tokens": spec.generation.max_new_tokens, "config_hash": spec.decoding.config_hash(),
         "streams_per_actor": spec.resources.streams_per_actor, "num_actors": spec.resources.num_actors,
         "decoding": spec.decoding.model_dump(mode="json"), "wall_s": wall_s,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "categories": summarise(rows),
+        "machine": common.machine(), "written_at": common.stamp(),
+        "command": " ".join(["python -m benchmarks.specbench_job", *(argv if argv is not None else sys.argv[1:])]),
+        "categories": summarise(records),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"specbench_{tag}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    write_md(args.out / f"specbench_{tag}.md", result)
-    print((args.out / f"specbench_{tag}.md").read_text())
+    md = render_md(result)
+    common.write_results(args.out, f"specbench_{tag}", result, md)
+    print(md)
     return 0 if run.state == "done" else 1
 
 

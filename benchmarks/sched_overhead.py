@@ -17,20 +17,20 @@ GPU step is mostly launch and drafting overhead) on N = 1, 2, 4 streams as Ray a
 fractional CPUs vs as threads of one process (ThreadExecutor: the GIL is shared), and the stand-in (a
 step that waits, as a GPU kernel does) as fractional actors vs threads.
 
-Writes ``benchmarks/sched_overhead.{json,md}`` and ``benchmarks/streams_cpu.{json,md}``. A benchmark, not a
+Writes ``benchmarks/sched_overhead.{json,md}`` and ``benchmarks/streams_cpu.{json,md}``
+(``common.write_results``; the machine as ``common.machine()`` at the start and at the end). A benchmark, not a
 test: it asserts nothing about speed. Needs the Redis at ``--redis-url``; starts its own local Ray.
 
-    python scripts/sched_overhead.py                     # both parts (~4 min on 2 cores)
-    python scripts/sched_overhead.py --part overhead --actors 1,2,4,8 --ms-per-step 20
+    python -m benchmarks.sched_overhead                  # both parts (~4 min on 2 cores)
+    python -m benchmarks.sched_overhead --part overhead --actors 1,2,4,8 --ms-per-step 20
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -40,26 +40,20 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from tests.standin import use_standin  # noqa: E402
-
-use_standin()  # `stand-in` model names: the test stand-in engine, here and in the workers started here
-
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-
-from racer_batch.service.execution.actors import RayExecutor, RedisSink, ThreadExecutor  # noqa: E402
-from racer_batch.service.execution.local import init_local_ray, shutdown_local_ray  # noqa: E402
-from racer_batch.service.execution.queue import JobQueue, connect  # noqa: E402
-from racer_batch.service.execution.worker import Worker  # noqa: E402
-from racer_batch.service.job.spec import load_spec  # noqa: E402
-from racer_batch.service.results.output import read_output, write_part  # noqa: E402
-from racer_batch.service.results.record import RowRecord  # noqa: E402
-from racer_batch.service.results.tally import Tally  # noqa: E402
-from racer_batch.service.submit import submit_job  # noqa: E402
+from benchmarks import common
+from racer_batch.service.execution.actors import RayExecutor, RedisSink, ThreadExecutor
+from racer_batch.service.execution.local import init_local_ray, shutdown_local_ray
+from racer_batch.service.execution.queue import JobQueue, connect
+from racer_batch.service.execution.worker import Worker
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.output import read_output, write_part
+from racer_batch.service.results.record import RowRecord
+from racer_batch.service.results.tally import Tally
+from racer_batch.service.submit import submit_job
+from tests.standin import use_standin
 
 log = logging.getLogger("sched_overhead")
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -75,7 +69,8 @@ def write_input(path: Path, *, num_rows: int, tag: str) -> Path:
 
 
 def run_job(queue: JobQueue, worker: Worker, work: Path, *, tag: str, num_rows: int, overrides: dict) -> dict:
-    """Submit a job, claim it, run it with ``worker`` and time ``run_job`` (claim excluded)."""
+    """Submit a job, claim it, run it with ``worker`` and time ``run_job`` (claim excluded). Returns its wall
+    time, its rows (``RowRecord``) and their ``Tally``."""
     inp = write_input(work / f"{tag}.parquet", num_rows=num_rows, tag=tag)
     spec = load_spec(None, dict(overrides, **{"input.path": str(inp), "output.path": str(work / f"out-{tag}")}))
     job_id = submit_job(queue, spec).job_id
@@ -85,16 +80,18 @@ def run_job(queue: JobQueue, worker: Worker, work: Path, *, tag: str, num_rows: 
     state = worker.run_job(lease)
     wall_s = time.perf_counter() - t0
     assert state == "done", f"job {tag} ended {state}: {queue.job_fields(job_id).get('message')}"
-    table = read_output(spec.output.path)
-    rows = table.to_pylist()
-    assert len(rows) == num_rows and all(r["status"] == "ok" for r in rows), f"job {tag}: rows missing or failed"
+    records = [RowRecord.from_row(r) for r in read_output(spec.output.path).to_pylist()]
+    tally = Tally()
+    for rec in records:
+        tally.observe_row(rec)
+    assert tally.rows == tally.ok == num_rows, f"job {tag}: rows missing or failed"
     shards = queue.committed(job_id)
     return {
-        "job_id": job_id, "wall_s": wall_s, "rows": rows, "out_dir": spec.output.path,
-        "gen_s": sum((r["prefill_ms"] or 0.0) + (r["decode_ms"] or 0.0) for r in rows) / 1000.0,
+        "job_id": job_id, "wall_s": wall_s, "records": records, "tally": tally, "out_dir": spec.output.path,
+        "gen_s": tally.gen_ms / 1000.0,
         "in_actor_s": sum(float(m["elapsed_s"]) for m in shards.values()),
-        "output_tokens": sum(r["output_tokens"] for r in rows),
-        "workers": sorted({r["worker"] for r in rows}),
+        "output_tokens": tally.output_tokens,
+        "workers": sorted({r.worker for r in records}),
     }
 
 
@@ -112,7 +109,7 @@ def actor_memory_mb(executor: RayExecutor) -> list[dict]:
 
 
 # ---- component timings, each on its own
-def time_components(queue: JobQueue, executor: RayExecutor, sample_rows: list[dict], work: Path, *,
+def time_components(queue: JobQueue, executor: RayExecutor, sample: list[RowRecord], work: Path, *,
                     shard_rows: int, repeats: int = 200) -> dict:
     """Milliseconds of: one row's Redis telemetry write, one cancel/lease probe, one Parquet part file of
     ``shard_rows`` rows, one Ray actor round trip."""
@@ -121,7 +118,7 @@ def time_components(queue: JobQueue, executor: RayExecutor, sample_rows: list[di
     sink = RedisSink(queue)
     job = f"bench-{uuid.uuid4().hex[:6]}"
     queue.r.hset(queue.k_job(job), mapping={"owner": "me", "cancel": "0"})
-    rec = RowRecord.from_row(dict(sample_rows[0], job_id=job))
+    rec = dataclasses.replace(sample[0], job_id=job)
     prog = Tally()
 
     def med_ms(fn, n: int) -> float:
@@ -130,13 +127,13 @@ def time_components(queue: JobQueue, executor: RayExecutor, sample_rows: list[di
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1000.0)
-        return statistics.median(ts)
+        return common.median(ts)
 
     record_ms = med_ms(lambda: sink.observe(rec, progress=prog), repeats)
     probe_ms = med_ms(lambda: sink.verdict(job, "me"), repeats)
     for k in ("", "rows", "inflight"):
         queue.r.delete(queue.k_job(job, k))
-    recs = (sample_rows * (shard_rows // max(1, len(sample_rows)) + 1))[:shard_rows]
+    recs = (sample * (shard_rows // max(1, len(sample)) + 1))[:shard_rows]
     pdir = work / "parquet-timing"
     parquet_ms = med_ms(lambda: write_part(pdir, 0, recs, shard_meta={"rows": len(recs)}), 20)
     shutil.rmtree(pdir, ignore_errors=True)
@@ -161,7 +158,7 @@ def overhead(queue: JobQueue, url: str, work: Path, args: argparse.Namespace) ->
                     "resources.cpus_per_actor": args.cpus / n}
             run_job(queue, worker, work, tag=f"warm{n}", num_rows=n * args.shard_rows, overrides=over)
             job = run_job(queue, worker, work, tag=f"n{n}", num_rows=n * args.rows_per_actor, overrides=over)
-            rows = job["rows"]
+            rows = job["records"]
             busy_s = n * job["wall_s"]
             row_gen_ms = 1000.0 * job["gen_s"] / len(rows)
             if components is None:
@@ -230,10 +227,10 @@ def streams(queue: JobQueue, url: str, work: Path, args: argparse.Namespace) -> 
                 rates = sorted(j["output_tokens"] / j["wall_s"] for j in jobs)
                 walls = [j["wall_s"] for j in jobs]
                 res = {"model": model, "kind": kind, "streams": n, "rows": num_rows, "repeats": len(jobs),
-                       "wall_s": round(statistics.median(walls), 3),
-                       "tokens_per_s": round(statistics.median(rates), 2),
+                       "wall_s": round(common.median(walls), 3),
+                       "tokens_per_s": round(common.median(rates), 2),
                        "tokens_per_s_min": round(rates[0], 2), "tokens_per_s_max": round(rates[-1], 2),
-                       "rows_per_s": round(num_rows / statistics.median(walls), 3),
+                       "rows_per_s": round(num_rows / common.median(walls), 3),
                        "memory_mb": mem, "process_rss_mb": _self_rss_mb() if kind == "threads" else None}
                 results.append(res)
                 log.info("streams %s", res)
@@ -248,72 +245,79 @@ def _self_rss_mb() -> float:
 
 # ---- output
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-            "platform": platform.platform(), "gpu": None}
+    """``common.machine()`` (the CPU, cores, load average, Python, torch); no GPU in this benchmark."""
+    return dict(common.machine(), gpu=None)
 
 
-def write_overhead_md(d: dict, path: Path, command: str) -> None:
+def machine_note(d: dict) -> str:
+    """The machine and its load at the start and the end of a part."""
+    return (f"{common.machine_line(d['machine'])}, shared with other jobs (load average {d['machine']['load']} at "
+            f"start, {d['machine_end']['load']} at the end)")
+
+
+def overhead_md(d: dict) -> str:
+    """The overhead part's Markdown: per pool size, then the components timed on their own."""
     c = d["config"]
-    lines = [
+
+    def pct(x: float, nd: int = 2) -> str:
+        return f"{100 * x:.{nd}f}%"
+
+    def memory(mem: list[dict]) -> str:
+        rss = statistics.mean(m["rss_mb"] for m in mem) if mem else 0
+        uss = statistics.mean(m["uss_mb"] for m in mem) if mem else 0
+        return f"{rss:.0f} ({uss:.0f})"
+
+    pools = common.md_table(
+        ["actors", "rows", "wall s", "rows/s", "ideal rows/s", "row gen ms", "overhead ms/row", "overhead share",
+         "in actor", "outside actor", "actor RSS MB (USS)"],
+        [[r["num_actors"], r["rows"], r["wall_s"], r["rows_per_s"], r["ideal_rows_per_s"], r["row_gen_ms"],
+          r["overhead_ms_per_row"], pct(r["overhead_share"]), pct(r["in_actor_share"]),
+          pct(r["outside_actor_share"]), memory(r["actor_memory"])] for r in d["results"]])
+    comp, per = d["components_ms"], d["components_per_row"]
+    share = per["share_of_row"]
+    components = common.md_table(
+        ["component", "one call ms", "per row ms", "share of a row's generation"],
+        [["Redis telemetry (1 per row) + probes (1 per 50 ms)",
+          f"{comp['redis_record_row_ms']} + {comp['redis_probe_ms']}", per["redis_ms"], pct(share["redis_ms"], 3)],
+         ["Parquet part file (1 per shard)", comp["parquet_part_ms"], per["parquet_ms"], pct(share["parquet_ms"], 3)],
+         ["Ray actor round trip (1 per shard)", comp["ray_roundtrip_ms"], per["ray_ms"], pct(share["ray_ms"], 3)]])
+    return "\n".join([
         "# Scheduling overhead (stand-in engine, CPU actors)", "",
-        f"Reproduce: `{command}`", "",
+        f"Reproduce: `{d['command']}`", "",
         f"Stand-in: `{c['model']}` ({c['ms_per_token']:.1f} ms per token, fixed), max_new_tokens "
         f"{c['max_new_tokens']}, shard_rows {c['shard_rows']}, {c['rows_per_actor']} rows per actor, "
-        f"Ray with {c['ray_logical_cpus']} logical CPUs split evenly among the actors. Machine: "
-        f"{d['machine']['cpus']} cores shared with other jobs (load average {d['machine']['loadavg_1m']} at "
-        f"start, {d['machine_end']['loadavg_1m']} at the end).", "",
+        f"Ray with {c['ray_logical_cpus']} logical CPUs split evenly among the actors. Machine: {machine_note(d)}.",
+        "",
         "overhead share = (actors x job wall time - generation time) / generation time; generation time is "
         "the sum of the engine's prefill + decode time over rows. Inside the actor: row parsing, Redis "
         "telemetry, cancel/lease probes. Outside: Ray dispatch, Parquet write, the worker loop, actors idle "
         "at the tail of the job. Target: at most 2%.", "",
-        "| actors | rows | wall s | rows/s | ideal rows/s | row gen ms | overhead ms/row | overhead share | "
-        "in actor | outside actor | actor RSS MB (USS) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in d["results"]:
-        mem = r["actor_memory"]
-        rss = statistics.mean(m["rss_mb"] for m in mem) if mem else 0
-        uss = statistics.mean(m["uss_mb"] for m in mem) if mem else 0
-        lines.append(f"| {r['num_actors']} | {r['rows']} | {r['wall_s']} | {r['rows_per_s']} | "
-                     f"{r['ideal_rows_per_s']} | {r['row_gen_ms']} | {r['overhead_ms_per_row']} | "
-                     f"{100 * r['overhead_share']:.2f}% | {100 * r['in_actor_share']:.2f}% | "
-                     f"{100 * r['outside_actor_share']:.2f}% | {rss:.0f} ({uss:.0f}) |")
-    comp, per = d["components_ms"], d["components_per_row"]
-    lines += [
-        "", "## Components, timed on their own", "",
-        "| component | one call ms | per row ms | share of a row's generation |", "|---|---|---|---|",
-        f"| Redis telemetry (1 per row) + probes (1 per 50 ms) | {comp['redis_record_row_ms']} + "
-        f"{comp['redis_probe_ms']} | {per['redis_ms']} | {100 * per['share_of_row']['redis_ms']:.3f}% |",
-        f"| Parquet part file (1 per shard) | {comp['parquet_part_ms']} | {per['parquet_ms']} | "
-        f"{100 * per['share_of_row']['parquet_ms']:.3f}% |",
-        f"| Ray actor round trip (1 per shard) | {comp['ray_roundtrip_ms']} | {per['ray_ms']} | "
-        f"{100 * per['share_of_row']['ray_ms']:.3f}% |", "",
-    ]
-    path.write_text("\n".join(lines))
+        pools, "", "## Components, timed on their own", "", components,
+    ])
 
 
-def write_streams_md(d: dict, path: Path, command: str) -> None:
-    lines = [
+def streams_md(d: dict) -> str:
+    """The streams part's Markdown: one row per (model, kind, streams)."""
+    def memory(r: dict) -> str:
+        if r["memory_mb"]:
+            return (f"{sum(m['rss_mb'] for m in r['memory_mb']):.0f} RSS, "
+                    f"{sum(m['uss_mb'] for m in r['memory_mb']):.0f} USS (all actors)")
+        return f"{r['process_rss_mb']:.0f} RSS (whole process)"
+
+    table = common.md_table(
+        ["model", "kind", "streams", "rows", "wall s", "tokens/s (min..max)", "rows/s", "memory MB"],
+        [[r["model"], r["kind"], r["streams"], r["rows"], r["wall_s"],
+          f"{r['tokens_per_s']} ({r['tokens_per_s_min']}..{r['tokens_per_s_max']})", r["rows_per_s"], memory(r)]
+         for r in d["results"]])
+    return "\n".join([
         "# Generation streams on CPU: Ray actor processes vs threads of one process", "",
-        f"Reproduce: `{command}`", "",
-        f"Machine: {d['machine']['cpus']} cores shared with other jobs (load average {d['machine']['loadavg_1m']} "
-        f"at start, {d['machine_end']['loadavg_1m']} at the end); no GPU. Processes: N Ray actors with "
+        f"Reproduce: `{d['command']}`", "",
+        f"Machine: {machine_note(d)}; no GPU. Processes: N Ray actors with "
         f"{d['config']['ray_logical_cpus']}/N logical CPUs each (the CPU analogue of fractional-GPU actors). "
         "Threads: N RowRunners on threads of one process (ThreadExecutor), one torch thread each.", "",
         "Each configuration: one warm-up job, then the median of the timed jobs (min..max in brackets).", "",
-        "| model | kind | streams | rows | wall s | tokens/s (min..max) | rows/s | memory MB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in d["results"]:
-        if r["memory_mb"]:
-            mem = (f"{sum(m['rss_mb'] for m in r['memory_mb']):.0f} RSS, "
-                   f"{sum(m['uss_mb'] for m in r['memory_mb']):.0f} USS (all actors)")
-        else:
-            mem = f"{r['process_rss_mb']:.0f} RSS (whole process)"
-        lines.append(f"| {r['model']} | {r['kind']} | {r['streams']} | {r['rows']} | {r['wall_s']} | "
-                     f"{r['tokens_per_s']} ({r['tokens_per_s_min']}..{r['tokens_per_s_max']}) | {r['rows_per_s']} | "
-                     f"{mem} |")
-    path.write_text("\n".join(lines) + "\n")
+        table,
+    ])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -331,35 +335,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--stream-repeats", type=int, default=3, help="timed jobs per streams configuration (median)")
     p.add_argument("--cpus", type=float, default=2.0, help="logical CPUs of the local Ray")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--out", default=str(ROOT / "benchmarks"))
+    p.add_argument("--out", default=str(common.OUT))
     args = p.parse_args(argv)
-    args.actors = [int(x) for x in args.actors.split(",")]
-    args.streams = [int(x) for x in args.streams.split(",")]
+    args.actors = common.int_list(args.actors)
+    args.streams = common.int_list(args.streams)
     args.models = args.models.split(",")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("racer_batch").setLevel(logging.WARNING)
-    command = "python scripts/sched_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    use_standin()  # `stand-in` model names: the test stand-in engine, here and in the workers started here
+    command = " ".join(["python -m benchmarks.sched_overhead", *(argv if argv is not None else sys.argv[1:])])
     prefix = f"rb-sched-{uuid.uuid4().hex[:8]}:"
     queue = JobQueue(connect(args.redis_url), prefix=prefix)
     work = Path(tempfile.mkdtemp(prefix="rb-sched-"))
     init_local_ray(num_cpus=int(args.cpus))
+    parts = [("overhead", "sched_overhead", overhead, overhead_md), ("streams", "streams_cpu", streams, streams_md)]
     try:
-        if args.part in ("overhead", "all"):
+        for part, name, measure, render in parts:
+            if args.part not in (part, "all"):
+                continue
             m0 = machine()
-            d = overhead(queue, args.redis_url, work, args)
-            d.update(machine=m0, machine_end=machine(), command=command, written_at=time.strftime("%Y-%m-%d %H:%M"))
-            (out / "sched_overhead.json").write_text(json.dumps(d, indent=2))
-            write_overhead_md(d, out / "sched_overhead.md", command)
-            print((out / "sched_overhead.md").read_text())
-        if args.part in ("streams", "all"):
-            m0 = machine()
-            d = streams(queue, args.redis_url, work, args)
-            d.update(machine=m0, machine_end=machine(), command=command, written_at=time.strftime("%Y-%m-%d %H:%M"))
-            (out / "streams_cpu.json").write_text(json.dumps(d, indent=2))
-            write_streams_md(d, out / "streams_cpu.md", command)
-            print((out / "streams_cpu.md").read_text())
+            d = measure(queue, args.redis_url, work, args)
+            d.update(machine=m0, machine_end=machine(), command=command, written_at=common.stamp())
+            md = render(d)
+            common.write_results(args.out, name, d, md)
+            print(md)
     finally:
         shutdown_local_ray()
         keys = list(queue.r.scan_iter(f"{prefix}*", count=1000))

@@ -1,13 +1,12 @@
-#!/usr/bin/env python
 """Does tuning the draft capacity give most of the gain that relaxed acceptance promises? (issue 8, part 6)
 
 The survey of relaxed acceptance (Xia, Ribar and Balanca, 2026; docs/method.md section 6) finds that tuning the
-capacity first gives most of the speed gain that relaxing acceptance promises. This script puts that to the
+capacity first gives most of the speed gain that relaxing acceptance promises. This module puts that to the
 test on our data: RACER at the paper's default capacity (64, the untuned setting), lossless at a sweep of
 capacities, and relaxed (top-k and probability-threshold acceptance) at the default and at a tuned capacity,
 all in one `racer-batch bench` process on the smoke prompts (interleaved per prompt, HF greedy baseline).
 
-    python scripts/capacity_vs_relaxed.py --per-set 8 --max-new-tokens 48 --torch-threads 1
+    python -m benchmarks.capacity_vs_relaxed --per-set 8 --max-new-tokens 48 --torch-threads 1
 
 Reading (written into the results): S(x) = speedup of setting x over HF greedy (token-weighted).
 - capacity gain  = S(best lossless capacity) / S(lossless @ default)
@@ -21,13 +20,16 @@ mean length and the repeated 4-gram rate. Writes benchmarks/capacity_vs_relaxed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+
+from benchmarks import common
+from racer_batch import load_model
+from racer_batch.bench import run_bench, summarize
 
 DEFAULT_CAPACITY = 64  # the paper's (docs/method.md section 5)
 
@@ -66,35 +68,36 @@ def analyse(overall: dict[str, dict]) -> dict:
             "share": round(share, 3) if share is not None else None, "verdict": verdict}
 
 
-def write_md(path: Path, result: dict) -> None:
-    a = result["analysis"]
+def render_md(result: dict) -> str:
+    """The Markdown of a result: the finding, then every setting's overall row."""
+    a, cfg = result["analysis"], result["config"]
     cols = ["mat", "ms_per_token", "speedup_vs_hf_greedy", "exact_match_vs_hf_greedy", "answer_accuracy",
             "mean_tokens", "repeat4"]
     lines = [
         "# Capacity tuning versus relaxed acceptance", "",
         f"Reproduce: `{result['command']}`", "",
-        f"Model {result['config']['model']} ({result['config']['dtype']}, {result['config']['device']}, "
-        f"{result['config']['torch_threads']} torch threads), {result['config']['items']} smoke prompts, "
-        f"max_new_tokens {result['config']['max_new_tokens']}, greedy. Written {result['written_at']}.", "",
+        f"Model {cfg['model']} ({cfg['dtype']}, {cfg['device']}, {cfg['torch_threads']} torch threads), "
+        f"{cfg['items']} smoke prompts, max_new_tokens {cfg['max_new_tokens']}, greedy. Written "
+        f"{result['written_at']}.", "",
+        f"Machine: {common.machine_line(result['machine'])}.", "",
         "## Finding", "",
         f"- capacity gain: S({a['best_lossless']}) / S({a['default']}) = **{a['capacity_gain']}x** (output exact)",
         f"- relaxed gain: S({a['best_relaxed']}) / S({a['default']}) = **{a['relaxed_gain']}x**",
         f"- share of the relaxed gain that capacity tuning alone gets: **{a['share']}**",
         f"- verdict: {a['verdict']}", "",
         "## All settings (overall)", "",
-        "| setting | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols),
+        common.md_records(result["overall"], cols, key="setting"), "",
+        "Columns: speedup against HF `generate` greedy (token-weighted, prefill included); exact match "
+        "counts answered turns identical to greedy; answer accuracy is correct / scored turns (numeric and "
+        "short references only, racer_batch/capability.py); repeat4 is the mean repeated 4-gram rate of "
+        "the output tokens.", "",
     ]
-    for label, row in result["overall"].items():
-        lines.append(f"| {label} | " + " | ".join("" if row.get(c) is None else str(row[c]) for c in cols) + " |")
-    lines += ["", "Columns: speedup against HF `generate` greedy (token-weighted, prefill included); exact match "
-              "counts answered turns identical to greedy; answer accuracy is correct / scored turns (numeric and "
-              "short references only, racer_batch/capability.py); repeat4 is the mean repeated 4-gram rate of "
-              "the output tokens.", ""]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.capacity_vs_relaxed", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--per-set", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -103,30 +106,25 @@ def main() -> int:
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--threshold", type=float, default=0.1)
     ap.add_argument("--torch-threads", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks")
-    args = ap.parse_args()
-
-    import torch
-
-    from racer_batch import load_model
-    from racer_batch.bench import run_bench, summarize
-
+    ap.add_argument("--out", type=Path, default=common.OUT)
+    args = ap.parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    sweep = [int(c) for c in args.sweep.split(",") if c.strip()]
+    sweep = common.int_list(args.sweep)
     names = variants(sweep, args.tuned, args.topk, args.threshold)
     bundle = load_model(args.model)
     res = run_bench(bundle, methods=names, capacity=DEFAULT_CAPACITY, max_new_tokens=args.max_new_tokens,
                     per_set=args.per_set)
     summary = summarize(res)
-    result = {"command": "python scripts/capacity_vs_relaxed.py " + " ".join(sys.argv[1:]),
-              "written_at": time.strftime("%Y-%m-%d %H:%M:%S"), "config": summary["config"],
+    result = {"command": "python -m benchmarks.capacity_vs_relaxed "
+                         + " ".join(argv if argv is not None else sys.argv[1:]),
+              "written_at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": common.machine(),
+              "config": summary["config"],
               "method_configs": summary["method_configs"], "overall": summary["overall"], "sets": summary["sets"],
               "analysis": analyse(summary["overall"])}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "capacity_vs_relaxed.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    write_md(args.out / "capacity_vs_relaxed.md", result)
-    print((args.out / "capacity_vs_relaxed.md").read_text())
+    md = render_md(result)
+    common.write_results(args.out, "capacity_vs_relaxed", result, md)
+    print(md)
     return 0
 
 

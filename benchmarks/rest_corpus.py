@@ -1,13 +1,13 @@
-#!/usr/bin/env python
 """Build a corpus for the REST drafter's static datastore without leaking the benchmark's own items.
 
-    python scripts/build_rest_corpus.py --job-output out/specbench/racer-cpu-48 --out out/corpus/rest.jsonl
+    python -m benchmarks.rest_corpus --job-output out/specbench/racer-cpu-48 --out out/corpus/rest.jsonl
     racer-batch bench --methods rest,... --corpus out/corpus/rest.jsonl
 
 Documents (JSONL, one ``{"text": ...}`` per line, the format DecodingConfig.corpus_path reads):
 
 - Spec-Bench: earlier outputs of the same route, i.e. the answers of a finished racer-batch job over
-  Spec-Bench (``--job-output``, e.g. the folder scripts/run_specbench_job.py writes), each with its question;
+  Spec-Bench (``--job-output``, e.g. the folder ``python -m benchmarks.specbench_job`` writes), each with
+  its question;
 - HumanEval: the prompt and canonical solution of each task;
 - MGSM-ZH: the question and its answer.
 
@@ -23,11 +23,10 @@ import gzip
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from racer_batch.benchdata import data_root, load_set, smoke_subset  # noqa: E402
+from benchmarks import common
+from racer_batch.benchdata import data_root, load_set, smoke_subset
 
 
 def smoke_ids(name: str, root: Path) -> set[str]:
@@ -69,14 +68,14 @@ def mgsm_docs(root: Path) -> list[str]:
     return [f"{it.turns[0]}\n{it.references[0][0]}" for it in load_set("mgsm_zh", root) if it.item_id not in skip]
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job-output", type=Path, default=None,
                     help="output folder of a finished Spec-Bench job (its answers become documents)")
-    ap.add_argument("--out", type=Path, default=ROOT / "out" / "corpus" / "rest.jsonl",
+    ap.add_argument("--out", type=Path, default=common.ROOT / "out" / "corpus" / "rest.jsonl",
                     help="corpus file to write (default: out/corpus/rest.jsonl)")
     ap.add_argument("--data", type=Path, default=None, help="the shared data folder (default: benchdata.data_root())")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     root = args.data or data_root()
     if args.job_output is not None and not args.job_output.is_dir():
         ap.error(f"--job-output {args.job_output}: not a folder")
