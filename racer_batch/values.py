@@ -99,6 +99,9 @@ class GenerationParams(BaseModel):
         return self.temperature == 0.0
 
 
+AUTO_METHOD = "auto"  # decoding.method: the service picks a lossless method per route (auto_methods)
+
+
 class DecodingConfig(BaseModel):
     """How drafts are made and verified (docs/method.md section 5 defaults)."""
 
@@ -111,6 +114,11 @@ class DecodingConfig(BaseModel):
     )
     capacity: Union[int, Literal["auto"]] = Field(
         64, description="draft tree nodes per step including the root (paper default 64), or 'auto'"
+    )
+    auto_methods: tuple[str, ...] = Field(
+        ("racer", "pld", "ar"),
+        description="method auto: the lossless methods each route chooses among by measured tokens/s "
+        "(service/execution/auto.py); the first also answers every sampled row",
     )
     max_breadth: int = Field(8, ge=1, le=64, description="copy-logit store width k and logits-tree root breadth")
     max_nodes: int = Field(10_000, ge=16, le=10_000_000, description="automaton node pool size")
@@ -196,17 +204,46 @@ class DecodingConfig(BaseModel):
     @field_validator("method")
     @classmethod
     def _registered_method(cls, v: str) -> str:
-        _registry().get_method(v)  # ValueError naming the registered methods
+        if v != AUTO_METHOD:
+            _registry().get_method(v)  # ValueError naming the registered methods
         return v
+
+    @field_validator("auto_methods", mode="before")
+    @classmethod
+    def _auto_candidates(cls, v: Any) -> Any:
+        """Distinct registered methods, at least one, ``auto`` not among them."""
+        names = [v] if isinstance(v, str) else list(v)
+        if not names or len(set(names)) != len(names) or AUTO_METHOD in names:
+            raise ValueError(f"auto_methods must list distinct registered methods, got {names}")
+        for name in names:
+            _registry().get_method(name)
+        return tuple(names)
 
     @model_validator(mode="after")
     def _method_accepts_config(self) -> "DecodingConfig":
         """The method's own check (DecodingMethod.check_config): e.g. rest refuses a config with nothing to retrieve
-        from."""
+        from. Method auto: every candidate's, and lossless acceptance (a relaxed rule would make a row's output
+        depend on which candidate answered it)."""
+        if self.method == AUTO_METHOD:
+            if self.acceptance != "lossless":
+                raise ValueError("method auto needs acceptance lossless: the candidates must all give the same "
+                                 "output")
+            for name in self.auto_methods:
+                self.for_method(name)
+            return self
         check = _registry().get_method(self.method).check_config
         if check is not None:
             check(self)
         return self
+
+    def for_method(self, name: str) -> "DecodingConfig":
+        """This config with ``method`` set to ``name`` (a candidate of method auto), validated.
+
+        Raises:
+            ValueError / pydantic.ValidationError: ``name`` is not registered or refuses these settings."""
+        d = self.model_dump(mode="json")
+        d["method"] = name
+        return type(self).model_validate(d)
 
     def config_hash(self) -> str:
         """Short stable hash of the configuration, stamped on every output row. ``runner`` and ``compile`` are
@@ -220,7 +257,7 @@ class DecodingConfig(BaseModel):
 
 
 _OPTIONAL_FIELDS = (
-    "corpus_path", "corpus_max_tokens", "rest_learn_outputs", "rest_max_query", "rest_min_query",
+    "auto_methods", "corpus_path", "corpus_max_tokens", "rest_learn_outputs", "rest_max_query", "rest_min_query",
     "rest_max_occurrences", "rest_depth", "sam_min_match", "sam_num_tokens", "logitspec_ngram",
     "logitspec_branch_tokens", "graft_threshold", "acceptance", "relaxed_topk", "relaxed_threshold",
     "runner", "compile",

@@ -24,7 +24,7 @@ from racer_batch.service.execution.queue import plural
 from racer_batch.service.job.inputs import InputError
 from racer_batch.service.job.spec import SpecError, load_spec, parse_override
 from racer_batch.service.results.output import OutputError
-from racer_batch.values import METHODS
+from racer_batch.values import AUTO_METHOD, METHODS
 
 from .exit_codes import CliExit, ExitCode, epilog
 from .options import redis_options
@@ -116,7 +116,9 @@ _INT_OR_AUTO = ("--capacity", "--num-actors")
 @click.option("--model", default=None, help="Override model.name.")
 @click.option("--preset", default=None,
               help="Override the preset (shipped: ar, pld, racer-cpu, racer-paper; or ./configs/<name>.yaml).")
-@click.option("--method", type=click.Choice(METHODS), default=None, help="Override decoding.method.")
+@click.option("--method", type=click.Choice([*METHODS, AUTO_METHOD]), default=None,
+              help="Override decoding.method (auto: each route picks among decoding.auto_methods by measured "
+              "tokens/s).")
 @click.option("--capacity", default=None, help="Override decoding.capacity (integer or auto).")
 @click.option("--max-new-tokens", type=int, default=None, help="Override generation.max_new_tokens.")
 @click.option("--num-actors", default=None, help="Override resources.num_actors (integer or auto).")

@@ -14,6 +14,7 @@ from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, grow_logits_tree
 from .pld import prompt_lookup
 from .registry import DecodingMethod
+from .snapshot import TextHistory
 from .state import DraftState
 
 
@@ -189,7 +190,7 @@ AUTOMATON_SETTINGS = ("max_nodes", "ngram", "min_border_depth")  # the automaton
 def _tree_state(config: DecodingConfig, *, scope: str, vocab_size: int, tokenizer, retrieval: bool,
                 logits: bool) -> DraftState:
     """The DraftState of racer (both parts), retrieval (the automaton) or logits (the copy-logit store)."""
-    st = DraftState(scope=scope)
+    st = DraftState(scope=scope, history=TextHistory(config.max_nodes) if scope == "job" and retrieval else None)
     if native_enabled():
         from .native import NativeDraftState
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from .automaton import Automaton
 from .copy_logits import CopyLogitStore
+from .snapshot import TextHistory
 
 _ids = itertools.count(1)
 
@@ -45,6 +46,10 @@ class DraftState:
     state_id: int = field(default_factory=lambda: next(_ids))
     freed: bool = False
     rows: int = 0
+    # the texts it learned from, kept where the state can be saved (scope job; drafters/snapshot.py), and the
+    # store as it was when last loaded or saved (what a save compares against)
+    history: TextHistory | None = None
+    store_base: Any = None
 
     def check_alive(self) -> None:
         if self.freed:
@@ -58,10 +63,17 @@ class DraftState:
         if prompt_topk is not None and len(prompt_ids):
             self.store.update(np.asarray(prompt_ids, dtype=np.int64), prompt_topk)
 
+    def learned(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """A row ended: keep its text (prompt, then output) where the state keeps a history."""
+        if self.history is not None:
+            self.history.add([*prompt_ids, *output_ids])
+
     def free(self) -> None:
         """Drop the automaton and the store; the state cannot be used afterwards."""
         self.store = None
         self.automaton = None
+        self.history = None
+        self.store_base = None
         if self.native is not None:
             self.native.free()
         self.native = None

@@ -19,6 +19,7 @@ from ..drafters.registry import get_method, make_drafter, make_state
 from ..drafters.state import DraftState
 from ..models import ModelBundle
 from ..values import (
+    AUTO_METHOD,
     DecodingConfig,
     GenerationParams,
     GenerationResult,
@@ -129,10 +130,13 @@ class Engine:
                 reserved for them and ``capacity: auto`` measures the verify cost up to that many trees.
 
         Raises:
-            ValueError: ``streams`` < 1.
+            ValueError: ``streams`` < 1, or method ``auto`` (the service's, not an engine's).
         """
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
+        if config is not None and config.method == AUTO_METHOD:
+            raise ValueError("method auto is chosen per row by the batch service among decoding.auto_methods; an "
+                             "Engine runs one method (DecodingConfig.for_method)")
         self.streams = int(streams)
         self.bundle = bundle
         self.config = config or DecodingConfig()
@@ -312,8 +316,10 @@ class Engine:
         cache = runner.new_cache(min(len(prompt_ids) + params.max_new_tokens, bundle.context_length))
         self._in_flight += 1
         try:
-            return (yield from self._decode(prompt_ids, params, drafter=drafter, cache=cache, stops=stops,
-                                            stats=stats, k=k, want_probs=want_probs, should_cancel=should_cancel))
+            result = yield from self._decode(prompt_ids, params, drafter=drafter, cache=cache, stops=stops,
+                                             stats=stats, k=k, want_probs=want_probs, should_cancel=should_cancel)
+            state.learned(prompt_ids, result.token_ids)  # kept for a saved draft state (scope job)
+            return result
         finally:
             self._in_flight -= 1
             runner.release(cache)

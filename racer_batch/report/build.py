@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from racer_batch.report import charts
+from racer_batch.report import charts, drafting
 from racer_batch.report.aggregate import OVERALL, aggregate, throughput_timeline
 from racer_batch.report.load import JobData
 from racer_batch.report.markdown import md_table
@@ -45,12 +45,15 @@ class Report:
     shadow: list[dict]  # ShadowResult.to_dict() per run and route
     timeline: dict  # {"t_s": [...], "tokens_per_s": {group: [...]}}
     charts: dict[str, bytes] = field(default_factory=dict)  # name -> PNG
+    life: dict = field(default_factory=dict)  # drafting.shard_life: MAT per shard, cold against warm
+    method_choice: dict = field(default_factory=dict)  # drafting.method_choice (method auto), else {}
 
     def to_json(self) -> dict:
         return {"title": self.title, "job": self.job, "by": self.by,
                 "price_per_device_hour": self.price_per_device_hour, "routes": self.routes,
                 "shadow": self.shadow, "shadow_note": None if self.shadow else NO_SHADOW,
-                "timeline": self.timeline, "charts": {k: CHART_FILES[k] for k in self.charts}}
+                "timeline": self.timeline, "charts": {k: CHART_FILES[k] for k in self.charts},
+                "draft_state": self.life, "method_auto": self.method_choice}
 
     def summary_lines(self) -> list[str]:
         a = self.routes[OVERALL]
@@ -117,7 +120,9 @@ def build_report(data: JobData, *, by: str = "route", price_per_device_hour: Opt
     job = _job_summary(data, rows)
     rep = Report(title=title or f"Job {job['name'] or ''} {data.job_id}".replace("  ", " ").strip(), job=job, by=by,
                  price_per_device_hour=price_per_device_hour, routes=routes, shadow=shadow,
-                 timeline={"t_s": centres, "tokens_per_s": rates})
+                 timeline={"t_s": centres, "tokens_per_s": rates},
+                 life=drafting.shard_life(rows, data.manifest, by=by),
+                 method_choice=drafting.method_choice(rows, data.manifest, by=by))
     if with_charts:
         rep.charts = {
             "acceptance": charts.acceptance_histograms(routes),
@@ -257,6 +262,25 @@ DEFINITIONS = [
 ]
 
 
+def drafting_sections(rep: Report) -> list[tuple[str, str, list]]:
+    """``(heading, note, [tables])`` of the drafting sections: the method chosen per group (method auto) and
+    the saved draft state over the job's life (when some shard started warm)."""
+    out = []
+    if rep.method_choice:
+        out.append(("Method per " + rep.by + " (method auto)",
+                    "Each group tried every candidate first, then kept the one with the most measured tokens per "
+                    "second of actor time, exploring a little (`service/execution/auto.py`); `chosen`: the "
+                    "choice over the whole job (the manifest's `method_auto`). Every candidate is lossless.",
+                    [drafting.choice_table(rep.method_choice, rep.by)]))
+    if any(s["warm_commits"] for s in rep.life.get("shards", [])):
+        out.append(("Draft state over the job's life",
+                    "MAT per shard, and pooled over the shards that started cold against those that started from "
+                    "the job's saved draft state (`started from`: the commits folded into it; "
+                    "`resources.warm_draft_state`).",
+                    [drafting.cold_warm_table(rep.life, rep.by), drafting.life_table(rep.life, rep.by)]))
+    return out
+
+
 def render_md(rep: Report) -> str:
     j = rep.job
     parts = [f"# {rep.title}", "",
@@ -279,7 +303,10 @@ def render_md(rep: Report) -> str:
         parts += [md_table(*capability_table(rep)), ""] + [f"- {line}" for line in capability_notes(rep)]
     else:
         parts += [NO_SHADOW]
-    parts += ["", f"![speedup and cost]({CHART_FILES['speed_cost']})", "", "## Throughput over time", "",
+    parts += ["", f"![speedup and cost]({CHART_FILES['speed_cost']})", ""]
+    for heading, note, tables in drafting_sections(rep):
+        parts += [f"## {heading}", "", note, ""] + [x for t in tables for x in (md_table(*t), "")]
+    parts += ["## Throughput over time", "",
               f"![tokens per second over time]({CHART_FILES['throughput']})", "", "## Definitions", ""]
     parts += [f"- {d}" for d in DEFINITIONS]
     return "\n".join(parts) + "\n"
@@ -337,6 +364,8 @@ max_new_tokens {j['max_new_tokens']}, devices {html.escape(', '.join(j['devices'
 <h2>Speedup against a baseline (shadow rows)</h2>
 {shadow_html}
 {_img(rep, 'speed_cost', 'speedup and cost per route')}
+{"".join(f"<h2>{html.escape(h)}</h2><p>{_html_text(n)}</p>" + "".join(_html_table(*t) for t in ts)
+         for h, n, ts in drafting_sections(rep))}
 <h2>Throughput over time</h2>
 {_img(rep, 'throughput', 'output tokens per second over the job time')}
 <h2>Definitions</h2><ul>{''.join(f'<li>{_html_text(d)}</li>' for d in DEFINITIONS)}</ul>

@@ -253,6 +253,19 @@ class NativeDraftState:
         Raises: ValueError: no store (retrieval only), or ``token`` outside the vocabulary."""
         return self._core.store_row(int(token))
 
+    def store_table(self) -> np.ndarray:
+        """``[vocab, k]`` int32 copy of the shared copy-logit store (-1: nothing known).
+
+        Raises: ValueError: no store (retrieval only)."""
+        return self._core.store_table()
+
+    def load_store(self, tokens: np.ndarray, rows: np.ndarray) -> None:
+        """Write ``rows [n, k]`` as the shared store's rows of ``tokens [n]`` (a row whose first id is -1 changes
+        nothing, as in an update).
+
+        Raises: ValueError: no store, shapes other than ``[n]`` / ``[n, k]``, or a token outside the vocabulary."""
+        self._core.load_store(np.asarray(tokens, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+
     store_known = delegated("_core.store_known", "Tokens whose shared store row holds a prediction (0 without a "
                             "store).")
 

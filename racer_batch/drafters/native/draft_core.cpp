@@ -1218,6 +1218,29 @@ PYBIND11_MODULE(racer_draft_core, m) {
              return out;
            },
            py::arg("token"))
+      .def("store_table",
+           [](DraftCore& s) {
+             std::lock_guard<std::mutex> lock(s.mu);
+             const Store* st = s.store();
+             if (st == nullptr) throw py::value_error("this draft state has no copy-logit store");
+             const i64 vocab = i64(st->table.size() / size_t(st->k));
+             py::array_t<i32> out({vocab, i64(st->k)});
+             std::copy(st->table.begin(), st->table.end(), out.mutable_data());
+             return out;
+           })
+      .def("load_store",
+           [](DraftCore& s, const I64Array& tokens, const I64Array& rows) {
+             std::lock_guard<std::mutex> lock(s.mu);
+             Store* st = s.store();
+             if (st == nullptr) throw py::value_error("this draft state has no copy-logit store");
+             const i64 vocab = i64(st->table.size() / size_t(st->k)), n = tokens.ndim() == 1 ? tokens.shape(0) : -1;
+             if (n < 0 || rows.ndim() != 2 || rows.shape(0) != n || rows.shape(1) != st->k)
+               throw py::value_error("load_store needs tokens [n] and rows [n, k=" + std::to_string(st->k) + "]");
+             for (i64 i = 0; i < n; ++i)
+               if (tokens.at(i) < 0 || tokens.at(i) >= vocab) throw py::value_error("token id out of the vocabulary");
+             store_update(*st, tokens.data(), rows.data(), n, st->k);
+           },
+           py::arg("tokens"), py::arg("rows"))
       .def_property_readonly("store_known",
                              [](DraftCore& s) {
                                std::lock_guard<std::mutex> lock(s.mu);

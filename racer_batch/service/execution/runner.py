@@ -29,7 +29,10 @@ from typing import Any, Callable, Generator, Iterable, Optional, Protocol, Union
 
 from racer_batch.benchdata import has_chat_template
 from racer_batch.engine.batch import BatchStats, StreamBatch, drive
+from racer_batch.service.execution.auto import MethodChooser
 from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
+from racer_batch.service.execution.job_engines import AUTO_KEY_SEP, ShardEngines
+from racer_batch.service.execution.warm import WarmStates
 from racer_batch.service.job.inputs import InputPlan, answer_columns, iter_raw_rows, row_fingerprint, shard_fingerprint
 from racer_batch.service.job.rows import RowTask, parse_row
 from racer_batch.service.job.spec import JobSpec, ModelSpec, auto_streams
@@ -39,7 +42,7 @@ from racer_batch.service.results.record import RowOrigin, RowRecord, ShadowRecor
 from racer_batch.service.results.shadow import baseline_first, sample_seed, shadow_path, shadow_selected, write_shadow
 from racer_batch.service.results.sinks import RowSink
 from racer_batch.service.results.tally import Tally
-from racer_batch.values import DecodingConfig, GenerationResult
+from racer_batch.values import AUTO_METHOD, DecodingConfig, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +192,20 @@ class RowRunner:
         self._room: dict[str, int] = {}  # config hash -> the streams its engine was made for
         self._states: dict[str, tuple[Any, Any]] = {}  # job id -> (engine, draft state)
         self._specs: dict[tuple[str, str, str], JobSpec] = {}  # (job id, spec hash, resources) -> validated spec
+        self._warm = WarmStates()  # the jobs' saved draft states (resources.warm_draft_state)
+        self._choosers: dict[str, MethodChooser] = {}  # job id -> its per-route method choice (method auto)
         self.models_loaded = 0
 
     # ---- model, engines and per-job state
     def _engine_for(self, spec: JobSpec, *, streams: int = 1) -> Any:
+        """The job's engine (method auto: its first candidate's) on its model, loaded here on first use."""
+        self._ensure_model(spec)
+        decoding = spec.decoding
+        return self._engine_for_config(decoding.for_method(decoding.auto_methods[0]) if decoding.method == AUTO_METHOD
+                                       else decoding, streams=streams)
+
+    def _ensure_model(self, spec: JobSpec) -> None:
+        """Load the job's model unless it is the loaded one (another model first ends every job's state)."""
         key = (spec.model.name, spec.model.trust_remote_code, spec.model.dtype)
         if key != self._model_key:
             for job_id in list(self._states):
@@ -204,7 +217,6 @@ class RowRunner:
             self._model_key = key
             self.models_loaded += 1
             log.info("loaded model %s on %s", spec.model.name, getattr(self._bundle, "device", "?"))
-        return self._engine_for_config(spec.decoding, streams=streams)
 
     def _engine_for_config(self, decoding: DecodingConfig, *, streams: int = 1) -> Any:
         """The engine of one decoding config on the loaded model (the job's, or a shadow baseline's), with
@@ -249,6 +261,12 @@ class RowRunner:
 
     def end_job(self, job_id: str) -> bool:
         """Free the job's draft state (and its shadow baseline's); True when there was one."""
+        self._choosers.pop(job_id, None)
+        for key in [k for k in self._states if k.startswith(job_id + AUTO_KEY_SEP)]:
+            self._warm.forget(key)
+            engine, state = self._states.pop(key)
+            engine.free_state(state)
+        self._warm.forget(job_id)
         shadow = self._states.pop(_shadow_key(job_id), None)
         if shadow is not None:
             shadow[0].free_state(shadow[1])
@@ -261,7 +279,8 @@ class RowRunner:
 
     @property
     def active_jobs(self) -> list[str]:
-        return [k for k in self._states if not k.endswith(_SHADOW_SUFFIX)]
+        jobs = (k.split(AUTO_KEY_SEP)[0] for k in self._states if not k.endswith(_SHADOW_SUFFIX))
+        return list(dict.fromkeys(jobs))  # method auto keeps a state per candidate: the job once
 
     def describe(self) -> dict:
         return {"worker": self.worker_name, "node": self.node,
@@ -298,8 +317,13 @@ class RowRunner:
         t0 = time.perf_counter()
         spec = self.spec_of(task)
         plan = task.plan if isinstance(task.plan, InputPlan) else InputPlan.from_dict(task.plan)
-        engine = self._engine_for(spec, streams=self._slots_for(spec))
-        state = self._state_for(task.job_id, engine)
+        self._ensure_model(spec)
+        chooser = None
+        if spec.decoding.method == AUTO_METHOD:
+            chooser = self._choosers.setdefault(task.job_id, MethodChooser(spec.decoding.auto_methods))
+        shard = ShardEngines(spec, task.job_id, slots=self._slots_for(spec), engine_for=self._engine_for_config,
+                             states=self._states, warm=self._warm, chooser=chooser)
+        engine = shard.first
         width = self._width(engine, spec, task.row_stop - task.row_start)
         if width > 1 or spec.resources.streams_per_actor != 1:
             log.info("job %s shard %d: %d rows in flight at once (streams_per_actor: %s)", task.job_id, task.shard,
@@ -311,6 +335,7 @@ class RowRunner:
                            device=str(getattr(engine.bundle, "device", "cpu")), model=spec.model.name,
                            method=spec.decoding.method, config_hash=spec.decoding.config_hash(), job_id=task.job_id)
         tally = Tally()
+        engines: dict[int, tuple[Any, bool]] = {}  # row position -> (its engine, greedy) while it runs
         in_order = _InRowOrder(writer)
         stopped: Optional[str] = None
 
@@ -322,11 +347,14 @@ class RowRunner:
             nonlocal stopped
             row = parse_row(spec, row_idx, raw)
             writer.add_input(row_idx, row.id, raw)
-            row_origin = dataclasses.replace(origin, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed)
+            method, row_engine, state = shard.pick(row.route, greedy=row.params.greedy)
+            row_origin = dataclasses.replace(origin, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed,
+                                             method=method)
             stopped = stopped or (None if verdict() == KEEP_GOING else verdict())
             if stopped is None:
                 call = RowCall(spec=spec, job_id=task.job_id, origin=row_origin, should_cancel=keep_going)
-                return self._row_stream(engine, state, row, call)
+                engines[pos] = (row_engine, row.params.greedy)
+                return self._row_stream(row_engine, state, row, call)
             end(pos, RowRecord.without_answer(status="cancelled", origin=row_origin,
                                               error=f"job stopped before this row ran ({stopped})"), [])
             return None
@@ -335,9 +363,11 @@ class RowRunner:
             """A row ended: telemetry now, the part file in row order. ``device_ms``: its share of the batched
             forwards per runner (B > 1), kept on the record (the cost basis of status and reports)."""
             nonlocal stopped
-            share = (device_ms or {}).get(id(getattr(engine, "runner", None)))  # the job engine's, not a baseline's
+            row_engine, greedy = engines.pop(pos, (engine, True))
+            share = (device_ms or {}).get(id(getattr(row_engine, "runner", None)))  # its engine's, not a baseline's
             if share:  # batched with other rows; a row that ran alone keeps None: its generation time counts
                 rec.device_ms = share
+            shard.observe(rec.route, rec.method, rec, greedy=greedy)
             if rec.status == "cancelled":
                 stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
             rec.finished_at = now_utc()
@@ -351,8 +381,10 @@ class RowRunner:
             stopped = LEASE_LOST  # the job went to another worker while the last rows ran: its copy wins
         meta = writer.summary(tally, worker=self.worker_name, node=self.node, attempt=task.attempt,
                               elapsed_s=time.perf_counter() - t0, streams=width,
-                              batch_sizes={str(b): n for b, n in sorted(stats.sizes.items())})
+                              batch_sizes={str(b): n for b, n in sorted(stats.sizes.items())}, **shard.summary())
         written = writer.commit(meta, stopped=stopped)
+        if written and stopped is None:
+            shard.after_commit(f"shard {task.shard} attempt {task.attempt} by {self.worker_name}")
         return ShardResult(summary=meta, stopped=stopped, written=written,
                            path=str(part_path(spec.output.path, task.shard)))
 

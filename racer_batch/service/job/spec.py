@@ -132,6 +132,11 @@ class Resources(BaseModel):
         "Outputs do not depend on it; each "
         "stream holds a KV-cache slot of its own"
     )
+    warm_draft_state: bool = Field(
+        True, description="save the job's learned draft state (automaton and copy-logit store, scope job) with "
+        "each shard's commit, next to the output, and start every later shard, on any actor, and a resumed run "
+        "from the latest saved one (docs/method.md 7.1). Outputs do not depend on it"
+    )
 
     @field_validator("streams_per_actor", mode="before")
     @classmethod

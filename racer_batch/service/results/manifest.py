@@ -11,7 +11,9 @@ from typing import Mapping, Optional
 
 from racer_batch.service.job.inputs import InputPlan
 from racer_batch.service.job.spec import JobSpec
+from racer_batch.service.results.method_auto import pool as pool_method_auto
 from racer_batch.service.results.tally import Tally
+from racer_batch.values import AUTO_METHOD
 
 
 # Keys of a shard result (RowRunner.run_shard) that describe the attempt, not the committed shard.
@@ -32,6 +34,8 @@ def job_manifest(job_id: str, spec: JobSpec, plan: InputPlan, *, state: str, don
         "shards": {f"{s:05d}": dict(m) for s, m in sorted(done.items())},
         "totals": dict(totals.to_dict(), mat=totals.mat),
     }
+    if spec.decoding.method == AUTO_METHOD:  # the choice per route and its evidence, pooled over the shards
+        manifest["method_auto"] = pool_method_auto(m.get("method_auto") for m in done.values())
     if worker is not None:
         manifest["worker"] = worker
     if faults is not None:

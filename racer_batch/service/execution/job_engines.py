@@ -1,0 +1,82 @@
+"""The engines and draft states one shard of a job answers its rows with.
+
+A job names one decoding method: every row goes to that method's engine and the job's draft state. With
+``decoding.method: auto`` the shard has one engine (and job draft state) per candidate of
+``decoding.auto_methods``, and each row goes to the candidate its route's ``MethodChooser`` picks
+(service/execution/auto.py). Either way the states are warmed and saved through ``WarmStates``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from racer_batch.service.execution.auto import MethodChooser
+from racer_batch.service.execution.warm import WarmStates
+from racer_batch.values import AUTO_METHOD
+
+AUTO_KEY_SEP = "#method="  # a job's draft state per candidate under method auto: "<job id>#method=<name>"
+
+
+def state_key(job_id: str, method: Optional[str]) -> str:
+    """Where a runner keeps a job's draft state: the job id, or with method auto one key per candidate."""
+    return job_id if method is None else f"{job_id}{AUTO_KEY_SEP}{method}"
+
+
+class ShardEngines:
+    """One shard's engines, states and per-row choice (module docstring).
+
+    Args:
+        spec: the job's JobSpec. job_id: its id. slots: rows each engine needs room for.
+        engine_for: ``(decoding, streams=) -> engine`` (the runner's engine cache).
+        states: the runner's ``{key: (engine, state)}`` of job draft states (read and updated here).
+        warm: the runner's WarmStates. chooser: the job's MethodChooser (method auto), kept by the runner across
+            shards; None otherwise.
+    """
+
+    def __init__(self, spec: Any, job_id: str, *, slots: int, engine_for: Callable[..., Any],
+                 states: dict[str, tuple[Any, Any]], warm: WarmStates, chooser: Optional[MethodChooser]) -> None:
+        self.spec, self.job_id, self.warm, self.chooser = spec, job_id, warm, chooser
+        self.auto = spec.decoding.method == AUTO_METHOD
+        names = spec.decoding.auto_methods if self.auto else (spec.decoding.method,)
+        self.engines: dict[str, Any] = {}
+        self.states: dict[str, Any] = {}
+        for name in names:
+            cfg = spec.decoding.for_method(name) if self.auto else spec.decoding
+            engine = engine_for(cfg, streams=slots)
+            key = state_key(job_id, name if self.auto else None)
+            if key not in states:
+                states[key] = (engine, engine.new_state())
+            state = warm.before_shard(key, spec, engine, states[key][1])
+            states[key] = (engine, state)
+            self.engines[name], self.states[name] = engine, state
+        self.first = self.engines[names[0]]  # chooses B (streams_per_actor: auto) and names the device
+        self._since = chooser.counters() if chooser is not None else None  # the shard's evidence starts here
+
+    def pick(self, route: str, *, greedy: bool) -> tuple[str, Any, Any]:
+        """``(method, engine, draft state)`` for the next row of ``route``."""
+        name = self.chooser.pick(route, greedy=greedy) if self.auto else next(iter(self.engines))
+        return name, self.engines[name], self.states[name]
+
+    def observe(self, route: str, method: str, record: Any, *, greedy: bool) -> None:
+        """A row ended: method auto learns from a finished greedy row's tokens, steps and actor time."""
+        if self.auto and greedy and record.status == "ok":
+            self.chooser.observe(route, method, tokens=record.output_tokens or 0, steps=record.steps or 0,
+                                 busy_ms=record.busy_ms)
+
+    def warm_commits(self) -> int:
+        """Commits in the states the shard started from (the most among the candidates; 0: all cold)."""
+        return max(self.warm.commits_at_start(state_key(self.job_id, n if self.auto else None)) for n in self.engines)
+
+    def summary(self) -> dict:
+        """What the shard summary adds: ``warm_commits`` and, with method auto, ``method_auto`` (each route's
+        evidence from this shard's rows, and the actor's choice at its end)."""
+        out: dict[str, Any] = {"warm_commits": self.warm_commits()}
+        if self.auto:
+            out["method_auto"] = self.chooser.evidence(self._since)
+        return out
+
+    def after_commit(self, label: str) -> None:
+        """The shard is committed: save every state that learned."""
+        for name, engine in self.engines.items():
+            key = state_key(self.job_id, name if self.auto else None)
+            self.warm.after_commit(key, self.spec, engine, self.states[name], label=label)

@@ -1,0 +1,72 @@
+"""``decoding.method: auto`` on a real tiny model through the row runner: every row's output is that of a fixed
+lossless method, each route tries every candidate, the rows name the method that answered them, and the
+shard summary carries the evidence and the choice per route (with B = 1 and B = 4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from racer_batch.report.build import build_report, render_md
+from racer_batch.report.load import load_output
+from racer_batch.service.execution.runner import RowRunner, ShardTask, default_engine
+from racer_batch.service.job.inputs import plan_input
+from racer_batch.service.job.spec import load_spec
+from racer_batch.service.results.manifest import job_manifest
+from racer_batch.service.results.output import read_manifest, read_output, write_manifest
+from tests.fixtures import write_parquet
+from tests.helpers import tiny_bundle
+
+PROMPTS = ["abcabd the cat and the hat", "hello world, hello there", "0123012301 0123", "mississippi miss"]
+
+
+def _spec(tmp_path, out: str, method: str, streams: int):
+    return load_spec(None, {"input.path": str(tmp_path / "in.parquet"), "output.path": str(tmp_path / out),
+                            "model.name": "tiny", "generation.max_new_tokens": 24, "output.shard_rows": 16,
+                            "decoding.method": method, "decoding.capacity": 8,
+                            "resources.streams_per_actor": streams})
+
+
+def _task(spec) -> dict:
+    return ShardTask(job_id="j", shard=0, row_start=0, row_stop=16, spec=spec.stored(),
+                     plan=plan_input(spec.input).to_dict(), spec_hash=spec.spec_hash(), owner="t").to_dict()
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, streams):
+    bundle = tiny_bundle(seed=3, head_scale=60.0)
+    rows = [{"id": f"r{i:02d}", "prompt": PROMPTS[i % 4], "route": "ab"[i % 2]} for i in range(16)]
+    write_parquet(tmp_path / "in.parquet", rows)
+    out = {}
+    for method in ("racer", "auto"):
+        spec = _spec(tmp_path, method, method, streams)
+        runner = RowRunner(worker_name="t", loader=lambda model, **kw: bundle, engine_factory=default_engine)
+        res = runner.run_shard(_task(spec))
+        assert res.committed and res.summary["ok"] == 16, res
+        out[method] = read_output(spec.output.path).to_pylist()
+    same = ("id", "text", "output_tokens", "finish_reason", "status")
+    assert [{k: r[k] for k in same} for r in out["auto"]] == [{k: r[k] for k in same} for r in out["racer"]]
+    ev = res.summary["method_auto"]
+    assert sorted(ev) == ["a", "b"]
+    for route in ("a", "b"):
+        got = [r["method"] for r in out["auto"] if r["route"] == route]
+        assert all(got.count(m) >= 2 for m in ("racer", "pld", "ar")), got  # each candidate tried first
+        cands = ev[route]["candidates"]
+        assert {m: c["rows"] for m, c in cands.items()} == {m: got.count(m) for m in ("racer", "pld", "ar")}
+        assert ev[route]["choice"] == max(cands, key=lambda m: cands[m]["tokens_per_s"])
+        assert all(c["tokens_per_s"] > 0 and c["mat"] >= 1.0 for c in cands.values())
+    assert {r["config_hash"] for r in out["auto"]} == {_spec(tmp_path, "x", "auto", streams).decoding.config_hash()}
+    # the manifest pools the shard's evidence; the report marks each route's choice
+    manifest = job_manifest("j", spec, plan_input(spec.input), state="done", done={0: res.summary})
+    write_manifest(spec.output.path, manifest)
+    rep = build_report(load_output(spec.output.path), n_boot=10, with_charts=False)
+    pooled = read_manifest(spec.output.path)["method_auto"]
+    for g in ev:  # one shard: the pooled counters are the shard's (tokens/s recomputed from rounded ms)
+        assert pooled[g]["choice"] == ev[g]["choice"]
+        for m, c in ev[g]["candidates"].items():
+            assert {k: pooled[g]["candidates"][m][k] for k in ("rows", "tokens", "steps", "mat")} == \
+                {k: c[k] for k in ("rows", "tokens", "steps", "mat")}
+    assert {g: d["choice"] for g, d in rep.method_choice.items()} == {g: ev[g]["choice"] for g in ev}
+    assert "## Method per route (method auto)" in render_md(rep)
+    assert runner.active_jobs == ["j"]
+    runner.end_job("j")
+    assert runner._states == {} and runner._choosers == {}
