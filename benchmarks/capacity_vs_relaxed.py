@@ -96,7 +96,7 @@ def render_md(result: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.capacity_vs_relaxed", description=__doc__,
+    ap = argparse.ArgumentParser(prog=common.prog("capacity_vs_relaxed"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--per-set", type=int, default=8)
@@ -116,8 +116,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     res = run_bench(bundle, methods=names, capacity=DEFAULT_CAPACITY, max_new_tokens=args.max_new_tokens,
                     per_set=args.per_set)
     summary = summarize(res)
-    result = {"command": "python -m benchmarks.capacity_vs_relaxed "
-                         + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": common.command("capacity_vs_relaxed", argv),
               "written_at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": common.machine(),
               "config": summary["config"],
               "method_configs": summary["method_configs"], "overall": summary["overall"], "sets": summary["sets"],

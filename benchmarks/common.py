@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -32,10 +33,10 @@ def machine() -> dict:
 
 
 def machine_line(m: Optional[Mapping[str, Any]] = None) -> str:
-    """One line naming the machine for a Markdown header, e.g. ``AMD EPYC (family 25 model 1, avx2), 2 cores``."""
-    m = m or machine()
-    isa = ", ".join(m.get("isa") or []) or "no AVX2"
-    return f"{m['cpu']} (family {m.get('family')} model {m.get('model')}, {isa}), {m.get('cores')} cores"
+    """One line naming the machine for a Markdown header: ``racer_batch.bench.machine_line``."""
+    from racer_batch.bench import machine_line as product_machine_line
+
+    return product_machine_line(dict(m or machine()))
 
 
 def stamp() -> str:
@@ -44,7 +45,8 @@ def stamp() -> str:
 
 
 def write_results(out_dir: Path | str, name: str, data: Mapping[str, Any], md: str) -> tuple[Path, Path]:
-    """Write ``<out_dir>/<name>.json`` (``data``, indented) and ``<name>.md`` (``md``); returns both paths.
+    """Write ``<out_dir>/<name>.json`` (``data``, indented, with ``code_revision``: :func:`revision`) and
+    ``<name>.md`` (``md``); returns both paths.
 
     A module that rewrites its files as it goes (a long run stopped midway keeps what it measured) calls this
     again with the same ``name``.
@@ -52,6 +54,7 @@ def write_results(out_dir: Path | str, name: str, data: Mapping[str, Any], md: s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out / f"{name}.json", out / f"{name}.md"
+    data = {"code_revision": revision(), **data}  # which code was measured (a results file's own key wins)
     jpath.write_text(json.dumps(data, indent=1, default=str) + "\n")
     mpath.write_text(md.rstrip("\n") + "\n")
     return jpath, mpath
@@ -72,6 +75,25 @@ def md_records(rows: Mapping[str, Mapping[str, Any]], cols: Sequence[str], *, ke
 
 
 # ---- arguments and statistics ---------------------------------------------------------------------------------
+def prog(module: str) -> str:
+    """How a module is run, for its ``--help``: ``python -m benchmarks.<module>``."""
+    return f"python -m benchmarks.{module}"
+
+
+def command(module: str, argv: Optional[Sequence[str]] = None) -> str:
+    """The command that reproduces this run, each argument quoted for a POSIX shell where it needs it.
+
+    >>> command("host", ["--grid", "tiny-random=1,8;smollm2-135m=1", "--tag", "a b"])
+    "python -m benchmarks.host --grid 'tiny-random=1,8;smollm2-135m=1' --tag 'a b'"
+    """
+    return shlex.join(["python", "-m", f"benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def revision() -> str:
+    """The code measured: ``git describe --always --dirty`` of this checkout ('' outside git)."""
+    return git("describe", "--always", "--dirty")
+
+
 def int_list(text: str) -> list[int]:
     """``"1,8,32"`` -> ``[1, 8, 32]``.
 

@@ -725,7 +725,7 @@ class Curves:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=common.prog("gpu"), description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny Llama on the CPU in float32 (smoke test)")
     p.add_argument("--device", default=None, help="default: cuda when available (required without --tiny)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
@@ -976,7 +976,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     mach = machine(device)
     tag = args.tag or ("tiny-" + device.split(":")[0] if s.tiny else mach["device_name"].replace(" ", "-").lower())
-    command = " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])])
+    command = common.command("gpu", argv)
     d = results(s, cv, tag=tag, command=command, mach=mach, build_s=build_s, default=default, by_runner=by_runner,
                 div=div, batch_verify=batch_verify, engine_batch=engine_batch, errors=errors)
     md = render_md(d)

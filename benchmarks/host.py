@@ -84,7 +84,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -670,7 +669,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         SystemExit: bad options (status 2), or a child whose ``racer_batch`` came from elsewhere.
         RuntimeError: a child failed (:func:`measure`).
     """
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=common.prog("host"), description=__doc__.split("\n")[0])
     p.add_argument("--base", default=None, help="git revision to compare against (default origin/main, else HEAD)")
     p.add_argument("--head", default="WORKTREE", help="WORKTREE (this checkout as it is; default) or a git revision")
     p.add_argument("--no-base", action="store_true", help="measure the head only")
@@ -703,7 +702,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("--rounds, --max-prompts and --threads must be >= 1")
     base = None if args.no_base else (args.base or common.default_base())
     stamp = common.stamp() + (f"-{args.tag}" if args.tag else "")
-    command = "python -m benchmarks.host " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = common.command("host", argv)
     out, paths = Path(args.out), []
 
     def write(d: dict) -> None:

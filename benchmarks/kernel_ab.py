@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -224,7 +223,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         SystemExit: bad options (status 2), or a child whose ``racer_batch`` came from elsewhere.
         RuntimeError: a child failed (:func:`measure`).
     """
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=common.prog("kernel_ab"), description=__doc__.split("\n")[0])
     p.add_argument("--base", default=None, help="git revision to compare against (e.g. HEAD~1; required)")
     p.add_argument("--head", default="WORKTREE", help="git revision, or WORKTREE (this checkout; default)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="BxCTXxT, comma-separated")
@@ -250,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     configs = [label(c) for c in parsed]
     rounds, isa = measure(args.base, args.head, configs, rounds=args.rounds, repeats=args.repeats,
                           threads=args.threads, verify=not args.no_verify)
-    d = {"command": "python -m benchmarks.kernel_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
+    d = {"command": common.command("kernel_ab", argv),
          "stamp": stamp, "machine": common.machine(), "isa": isa, "base": common.describe(args.base),
          "head": common.describe(args.head), "rounds": args.rounds, "repeats": args.repeats, "configs": configs,
          "rows": summarize(rounds, configs), "raw": rounds}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -121,14 +120,14 @@ def markdown(files: list[dict], names: list[str], rows: dict, stamp: str, comman
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.merge", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=common.prog("merge"), description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
     files = [json.loads(p.read_text()) for p in args.files]
     rows = pool(files)
     stamp = common.stamp()
-    command = "python -m benchmarks.merge " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = common.command("merge", argv)
     md = markdown(files, [p.name for p in args.files], rows, stamp, command)
     common.write_results(args.out, f"bench-pooled-{stamp}",
                          {"command": command, "sources": [str(p) for p in args.files], "overall": rows}, md)

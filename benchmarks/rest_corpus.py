@@ -69,7 +69,8 @@ def mgsm_docs(root: Path) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=common.prog("rest_corpus"), description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job-output", type=Path, default=None,
                     help="output folder of a finished Spec-Bench job (its answers become documents)")
     ap.add_argument("--out", type=Path, default=common.ROOT / "out" / "corpus" / "rest.jsonl",

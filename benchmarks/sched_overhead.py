@@ -321,7 +321,7 @@ def streams_md(d: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=common.prog("sched_overhead"), description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["overhead", "streams", "all"], default="all")
     p.add_argument("--actors", default="1,2,4,8", help="pool sizes for the overhead part")
     p.add_argument("--streams", default="1,2,4", help="stream counts for the streams part")
@@ -344,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.getLogger("racer_batch").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     use_standin()  # `stand-in` model names: the test stand-in engine, here and in the workers started here
-    command = " ".join(["python -m benchmarks.sched_overhead", *(argv if argv is not None else sys.argv[1:])])
+    command = common.command("sched_overhead", argv)
     prefix = f"rb-sched-{uuid.uuid4().hex[:8]}:"
     queue = JobQueue(connect(args.redis_url), prefix=prefix)
     work = Path(tempfile.mkdtemp(prefix="rb-sched-"))

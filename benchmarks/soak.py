@@ -201,7 +201,7 @@ def _round(v: Optional[float], nd: int = 1) -> Optional[float]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=common.prog("soak"), description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--model", default="tiny-random", help="tiny-random or a stand-in model name")
     ap.add_argument("--max-new-tokens", type=int, default=4)
@@ -219,7 +219,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           sample_s=args.sample_s)
     finally:
         shutdown_local_ray()
-    result.update(command=" ".join(["python -m benchmarks.soak", *(argv if argv is not None else sys.argv[1:])]),
+    result.update(command=common.command("soak", argv),
                   machine=common.machine(), written_at=common.stamp())
     md = render_md(result)
     common.write_results(args.out, "soak" + (f"_{args.tag}" if args.tag else ""), result, md)

@@ -112,7 +112,8 @@ def render_md(result: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=common.prog("specbench_job"), description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", type=Path, default=QUESTIONS)
     ap.add_argument("--preset", default="racer-cpu", help="preset name (racer-cpu, racer-paper, ar, pld)")
     ap.add_argument("--tag", default=None, help="name of the result files (default: the preset)")
@@ -174,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "streams_per_actor": spec.resources.streams_per_actor, "num_actors": spec.resources.num_actors,
         "decoding": spec.decoding.model_dump(mode="json"), "wall_s": wall_s,
         "machine": common.machine(), "written_at": common.stamp(),
-        "command": " ".join(["python -m benchmarks.specbench_job", *(argv if argv is not None else sys.argv[1:])]),
+        "command": common.command("specbench_job", argv),
         "categories": summarise(records),
     }
     md = render_md(result)

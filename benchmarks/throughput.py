@@ -37,7 +37,6 @@ import itertools
 import json
 import logging
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -625,7 +624,7 @@ def parse_list(text: str, *, allow_auto: bool = False) -> list:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=common.prog("throughput"), description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", default="ar,pld,racer", help="comma list of ar, pld, racer")
     p.add_argument("--racer-capacities", default="auto,4,8,12", help="racer capacities: ints and/or auto")
@@ -636,7 +635,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="default 3")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--system", default=None, help="a system message before every prompt (default none)")
-    p.add_argument("--smoke", action="store_true", help="2 prompts, 16 tokens, B 1 and 2, one round (a quick check)")
+    p.add_argument("--smoke", action="store_true", help="2 prompts, 16 tokens, B 1 and 2, one round: a check that the "
+                   "script runs (minutes, not seconds: every contender's engine is built, capacity auto measures its "
+                   "cost curve)")
     p.add_argument("--out", default=str(common.OUT))
     p.add_argument("--tag", default=None, help="appended to the file stamp")
     p.add_argument("--resummarize", default=None, metavar="JSON", help="rewrite a committed throughput-*.json "
@@ -695,7 +696,7 @@ def main(argv: Optional[list[str]] = None, *, bundle: Optional[ModelBundle] = No
         bundle = load_model(args.model, device="cpu", dtype="float32")
     prompts, ids, source = bench_prompts(args.prompts, prompts)
     stamp = common.stamp() + (f"-{args.tag}" if args.tag else "")
-    command = "python -m benchmarks.throughput " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = common.command("throughput", argv)
     out = Path(args.out)
     paths: list[Path] = []
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import time
 from typing import Callable, Optional
 
@@ -133,7 +132,7 @@ class HFStaticContender(Contender):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.verify", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=common.prog("verify"), description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--context", type=int, default=300, help="cached tokens before the tree")
@@ -261,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     probe_ms = run_rounds(contenders, bundle.model, sizes=sizes, repeats=args.repeats)
     static = [c.runner for c in contenders if isinstance(c.runner, StaticRunner)]
     summary = {
-        "command": "python -m benchmarks.verify " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": common.command("verify", argv),
         "written_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "model": bundle.name, "context_tokens": args.context, "repeats": args.repeats, "sizes": sizes,
         "prefill_tokens": args.prefill, "machine": common.machine(), "torch_threads": torch.get_num_threads(),

@@ -398,7 +398,8 @@ def write_results(summary: dict, out_dir: Path, *, command: str, stamp: str | No
     jpath = out_dir / f"bench-{stamp}.json"
     jpath.write_text(json.dumps(summary, indent=2))
     lines = [f"# Benchmark {stamp}", "", f"Reproduce: `{command}`", "",
-             "Config: " + ", ".join(f"{k}={v}" for k, v in summary["config"].items()), "",
+             "Config: " + ", ".join(f"{k}={v}" for k, v in summary["config"].items() if k != "host"), "",
+             *_md_machine(summary["config"].get("host")),
              *_md_settings(summary), "## Overall", "", md_records(summary["overall"], TABLE_COLUMNS), "",
              *_md_definitions()]
     multi = {set_of(g) for g in summary["groups"] if "/" in g}
@@ -426,6 +427,19 @@ DEFINITIONS = [
     "(1 - distinct / total 4-grams; loops raise it).",
     "draft_update_share_of_step: drafting and state-update time over the whole step time (draft + verify + update).",
 ]
+
+
+def machine_line(m: dict) -> str:
+    """One line naming a ``machine()``, e.g. ``AMD EPYC (family 25 model 1, avx2), 2 cores``."""
+    isa = ", ".join(m.get("isa") or []) or "no AVX2"
+    return f"{m['cpu']} (family {m.get('family')} model {m.get('model')}, {isa}), {m.get('cores')} cores"
+
+
+def _md_machine(host: dict | None) -> list[str]:
+    """The machine line of a results file that has one (``config.host``)."""
+    if not host:
+        return []
+    return [f"Machine: {machine_line(host)}, torch {host.get('torch')}, Python {host.get('python')}.", ""]
 
 
 def _md_definitions() -> list[str]:

@@ -7,6 +7,7 @@ done by racer_batch.engine and racer_batch.bench, which never import click.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ class _BenchPlan:
               "'racer-c32=racer:capacity=32' or 'racer-top2=racer:acceptance=topk,relaxed_topk=2'.")
 @click.option("--corpus", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Static corpus for the rest rows (JSONL with 'text' or 'token_ids', or plain text); "
-              "benchmarks/rest_corpus.py writes one without the benchmark's own prompts.")
+              "`python -m benchmarks.rest_corpus` writes one without the benchmark's own prompts.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Weights' precision for every row, HF baselines included (default float32 on CPU).")
 @click.option("--out", "out_dir", default="benchmarks", show_default=True, type=click.Path(file_okay=False))
@@ -192,7 +193,7 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
     set_torch_threads(torch_threads)
     plan = _bench_plan(methods=methods, variants=variants, capacity=capacity, corpus=corpus, sample=sample)
     bundle = _load_model(model, dtype=dtype)
-    command = "racer-batch " + " ".join(sys.argv[1:])
+    command = shlex.join(["racer-batch", *sys.argv[1:]])  # each argument quoted where a shell needs it
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
     def partial(res) -> None:  # a long run leaves its results so far on disk after every item

@@ -197,7 +197,7 @@ def test_jsonl_input(tmp_path):
     assert plan.format == "jsonl" and plan.num_rows == 2
 
 
-@pytest.mark.parametrize("bad_line, why", [('{"id": "c", "prompt": "z"', "Expecting ',' delimiter at column 26"),
+@pytest.mark.parametrize("bad_line, why", [('{"id": "c", "prompt": "z"', "Expecting ',' delimiter (column 26)"),
                                            ('["c", "z"]', "a JSON list")])
 def test_bad_jsonl_line_is_named_from_one(tmp_path, bad_line, why):
     """A broken JSONL line is named by its line number counted from 1 (blank lines counted too) and what is

@@ -347,13 +347,14 @@ class RowRunner:
             nonlocal stopped
             row = parse_row(spec, row_idx, raw)
             writer.add_input(row_idx, row.id, raw)
-            method, row_engine, state = shard.pick(row.route, greedy=row.params.greedy)
+            greedy = row.params is None or row.params.greedy  # a row that did not parse has no params
+            method, row_engine, state = shard.pick(row.route, greedy=greedy)
             row_origin = dataclasses.replace(origin, id=row.id, row_idx=row_idx, route=row.route, seed=row.seed,
                                              method=method)
             stopped = stopped or (None if verdict() == KEEP_GOING else verdict())
             if stopped is None:
                 call = RowCall(spec=spec, job_id=task.job_id, origin=row_origin, should_cancel=keep_going)
-                engines[pos] = (row_engine, row.params.greedy)
+                engines[pos] = (row_engine, greedy)
                 return self._row_stream(row_engine, state, row, call)
             end(pos, RowRecord.without_answer(status="cancelled", origin=row_origin,
                                               error=f"job stopped before this row ran ({stopped})"), [])

@@ -284,7 +284,7 @@ def _first_bad_json_line(path: str) -> Optional[tuple[int, str]]:
                 try:
                     value = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:
-                    return n, f"{exc.msg} at column {exc.pos + 1}"
+                    return n, f"{exc.msg} (column {exc.pos + 1})"
                 if not isinstance(value, dict):
                     return n, f"a JSON {type(value).__name__}"
     except OSError:
