@@ -212,6 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--streams-per-actor", type=int, default=4)
     ap.add_argument("--shard-rows", type=int, default=40)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--capacity", default="4", help="decoding.capacity of every contender (an integer or auto; "
+                    "auto's tuner makes a shard's MAT depend on timing, so the default is fixed)")
     ap.add_argument("--order", default=",".join(CONTENDERS), help="contenders, in the order their jobs run")
     ap.add_argument("--questions", type=Path, default=QUESTIONS)
     ap.add_argument("--redis-url", default=None)
@@ -227,7 +229,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = {"input.path": str(args.work / f"input-{stamp}.parquet"), "model.name": args.model,
             "generation.max_new_tokens": args.max_new_tokens, "output.shard_rows": args.shard_rows,
             "resources.num_actors": args.num_actors, "resources.streams_per_actor": args.streams_per_actor,
-            "resources.torch_threads": 1, "decoding.capacity": "auto"}
+            "resources.torch_threads": 1,
+            "decoding.capacity": args.capacity if args.capacity == "auto" else int(args.capacity)}
     url, private = ensure_redis(resolve_url(args.redis_url, None))
     jobs: dict[str, dict] = {}
     try:
@@ -245,7 +248,7 @@ def main(argv: Optional[list[str]] = None) -> int:
          "per_group": args.per_group, "rows": len(rows), "order": order,
          "settings": {"max_new_tokens": args.max_new_tokens, "num_actors": args.num_actors,
                       "streams_per_actor": args.streams_per_actor, "shard_rows": args.shard_rows, "model": args.model,
-                      "capacity": "auto"},
+                      "capacity": args.capacity},
          "lossless": lossless(jobs),
          "warm": warm_against_cold(jobs["racer-warm"], jobs["racer-cold"]) if "racer-warm" in jobs else {},
          "auto": auto_against_fixed(jobs) if "auto" in jobs else {},
