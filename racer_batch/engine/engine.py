@@ -296,7 +296,7 @@ class Engine:
         prompt_ids: list[int],
         params: GenerationParams,
         *,
-        state: DraftState,
+        state: DraftState | None,
         should_cancel: Callable[[], bool] | None,
         keep_steps: bool,
     ) -> Generator[Any, Any, GenerationResult]:
@@ -318,7 +318,8 @@ class Engine:
         try:
             result = yield from self._decode(prompt_ids, params, drafter=drafter, cache=cache, stops=stops,
                                              stats=stats, k=k, want_probs=want_probs, should_cancel=should_cancel)
-            state.learned(prompt_ids, result.token_ids)  # kept for a saved draft state (scope job)
+            if state is not None:  # kept for a saved draft state (scope job); a drafter without state has none
+                state.learned(prompt_ids, result.token_ids)
             return result
         finally:
             self._in_flight -= 1
