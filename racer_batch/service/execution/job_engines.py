@@ -28,13 +28,15 @@ class ShardEngines:
     Args:
         spec: the job's JobSpec. job_id: its id. slots: rows each engine needs room for.
         engine_for: ``(decoding, streams=) -> engine`` (the runner's engine cache).
-        states: the runner's ``{key: (engine, state)}`` of job draft states (read and updated here).
+        state_for: ``(key, engine) -> state``: the runner's draft state under ``key``, made on first use.
+        states: the runner's ``{key: (engine, state)}`` of job draft states (a warmed state replaces one here).
         warm: the runner's WarmStates. chooser: the job's MethodChooser (method auto), kept by the runner across
             shards; None otherwise.
     """
 
     def __init__(self, spec: Any, job_id: str, *, slots: int, engine_for: Callable[..., Any],
-                 states: dict[str, tuple[Any, Any]], warm: WarmStates, chooser: Optional[MethodChooser]) -> None:
+                 state_for: Callable[[str, Any], Any], states: dict[str, tuple[Any, Any]], warm: WarmStates,
+                 chooser: Optional[MethodChooser]) -> None:
         self.spec, self.job_id, self.warm, self.chooser = spec, job_id, warm, chooser
         self.auto = spec.decoding.method == AUTO_METHOD
         names = spec.decoding.auto_methods if self.auto else (spec.decoding.method,)
@@ -44,9 +46,7 @@ class ShardEngines:
             cfg = spec.decoding.for_method(name) if self.auto else spec.decoding
             engine = engine_for(cfg, streams=slots)
             key = state_key(job_id, name if self.auto else None)
-            if key not in states:
-                states[key] = (engine, engine.new_state())
-            state = warm.before_shard(key, spec, engine, states[key][1])
+            state = warm.before_shard(key, spec, engine, state_for(key, engine))
             states[key] = (engine, state)
             self.engines[name], self.states[name] = engine, state
         self.first = self.engines[names[0]]  # chooses B (streams_per_actor: auto) and names the device

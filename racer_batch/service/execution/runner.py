@@ -322,7 +322,7 @@ class RowRunner:
         if spec.decoding.method == AUTO_METHOD:
             chooser = self._choosers.setdefault(task.job_id, MethodChooser(spec.decoding.auto_methods))
         shard = ShardEngines(spec, task.job_id, slots=self._slots_for(spec), engine_for=self._engine_for_config,
-                             states=self._states, warm=self._warm, chooser=chooser)
+                             state_for=self._state_for, states=self._states, warm=self._warm, chooser=chooser)
         engine = shard.first
         width = self._width(engine, spec, task.row_stop - task.row_start)
         if width > 1 or spec.resources.streams_per_actor != 1:
