@@ -30,7 +30,7 @@ import torch
 from .benchdata import BenchPrompt, conversation, has_chat_template, smoke_prompts
 from .capability import REPEAT_N, answer_correct, repeated_ngram_rate
 from .engine import Engine
-from .models import ModelBundle
+from .models import ModelBundle, hf_model
 from .published import PAPER_ROW, SET_TITLES, SOURCE, published
 from .report.markdown import md_records, md_table
 from .service.results.record import RowRecord
@@ -199,6 +199,8 @@ def machine() -> dict:
 
 
 def _hf_runner(bundle: ModelBundle, max_new: int, *, lookup: int | None) -> Callable:
+    model = hf_model(bundle)  # HF's forward: an as-stored bundle's weights expanded to float32 (their exact numbers)
+
     def run(ids: list[int]):
         x = torch.tensor([ids], device=bundle.device)
         kw = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=bundle.eos_ids,
@@ -207,7 +209,7 @@ def _hf_runner(bundle: ModelBundle, max_new: int, *, lookup: int | None) -> Call
             kw["prompt_lookup_num_tokens"] = lookup
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = bundle.model.generate(x, **kw)
+            out = model.generate(x, **kw)
         ms = (time.perf_counter() - t0) * 1000.0
         new = out[0, len(ids):].tolist()
         return new, ms, None

@@ -70,11 +70,32 @@ class ModelBundle:
     context_length: int  # positions the model accepts (max_position_embeddings)
     device: str
     dtype: str
+    weights: str = "float32"  # as_stored | float32 (WEIGHTS)
+    # weights.stored.StoredModel where weights are as_stored: the parameters kept as the GGUF stores them
+    stored: Any = None
 
     @property
     def vocab_size(self) -> int:
         """Rows of the output layer (covers added and special tokens)."""
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def materialize(self) -> Any:
+        """The HF model with every parameter real, for code that runs the HF forward (the eager runner, HF
+        ``generate``, oracles): an as-stored bundle's stored parameters are expanded to float32 once, the very
+        numbers the float32 path loads (the stored weights stay in use by the static runner). Returns the
+        model."""
+        if self.stored is not None:
+            from .weights.stored import materialize
+
+            materialize(self.model, self.stored)
+        return self.model
+
+
+def hf_model(bundle: Any) -> Any:
+    """The bundle's HF model ready for its own forward: ``ModelBundle.materialize`` where the bundle has it (an
+    as-stored bundle's weights expanded to float32 once), else ``bundle.model`` (test stand-ins)."""
+    materialize = getattr(bundle, "materialize", None)
+    return materialize() if materialize is not None else bundle.model
 
 
 def cache_root() -> Path:
@@ -145,8 +166,7 @@ def gguf_folder(path: Path) -> Path:
     with path.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:80]
-    target = cache_root() / "models" / f"{stem}-{gguf_key(path)}-f32"
+    target = cache_root() / "models" / f"{_gguf_stem(path)}-f32"
     if not _is_model_folder(target):
         from transformers import AutoConfig
 
@@ -160,6 +180,63 @@ def gguf_folder(path: Path) -> Path:
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ModelLoadError(f"GGUF file {path}: transformers cannot read it ({exc})") from exc
     return target
+
+
+def _gguf_stem(path: Path) -> str:
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:80]
+    return f"{stem}-{gguf_key(path)}"
+
+
+def stored_folder(path: Path) -> Path:
+    """Path of the cached as-stored copy of the GGUF file ``path`` (its config, tokenizer, generation config and
+    ``weights.safetensors``: the quantised weights in the kernels' panels, the rest float32), created on first
+    use (reading a GGUF's metadata and mapping its tensors takes ~20 s; the copy loads in about a second).
+
+    Raises:
+        ModelLoadError: not a GGUF file, or one transformers' GGUF reader cannot read (the reason quoted).
+        weights.stored.StoredUnsupported: a family whose GGUF tensors transformers changes beyond a row
+            permutation (they load as float32).
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    target = cache_root() / "models" / f"{_gguf_stem(path)}-stored"
+    if not (target / "weights.safetensors").is_file():
+        _write_stored(path, target)
+    return target
+
+
+def _write_stored(gguf: Path, target: Path) -> None:
+    """Write the as-stored copy of ``gguf`` to ``target`` (atomically, as ``_dequantise``)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .weights import stored
+
+    log.info("packing %s as stored into %s (once)", gguf, target)
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:
+        raise ModelLoadError(f"GGUF file {gguf}: transformers cannot read it ({exc})") from exc
+    _check_architecture(config, f"GGUF file {gguf}")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = stored.empty_model(config)
+    weights = stored.load_gguf(gguf, model)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        stored.save(tmp, model, weights)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _is_model_folder(folder: Path) -> bool:
@@ -318,7 +395,7 @@ def _load_tiny_random(name: str, dev: str, torch_dtype: torch.dtype) -> ModelBun
     """The ``tiny-random`` bundle: SmolLM2's tokenizer with a tiny random Llama (seeded), 8192 positions."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_folder())
+    tok = AutoTokenizer.from_pretrained(stored_folder(_smollm2_gguf_dir() / SMOLLM2_GGUF))  # the same tokenizer files
     model = tiny_random_model(vocab_size=len(tok), eos_token_id=tok.eos_token_id, max_positions=8192)
     model = model.to(device=dev, dtype=torch_dtype)
     return ModelBundle(model, tok, name, _eos_ids(model, tok), 8192, dev, str(torch_dtype).removeprefix("torch."))
@@ -366,12 +443,72 @@ def _model_source(name: str) -> tuple[str | Path, str]:
     )
 
 
+def gguf_source(name: str) -> Path | None:
+    """The GGUF file a model name loads from (``smollm2-135m``, ``gemma3-270m``, a ``.gguf`` path), or None
+    (``tiny-random``, a model folder, a hub id).
+
+    Raises:
+        ModelLoadError: a built-in model whose package is missing.
+    """
+    if name == "smollm2-135m":
+        return _smollm2_gguf_dir() / SMOLLM2_GGUF
+    if name == "gemma3-270m":
+        return gemma3_gguf()
+    if Path(name).is_file() and Path(name).suffix.lower() == ".gguf":
+        return Path(name)
+    return None
+
+
+def _stored_blocker(gguf: Path | None, dev: str, torch_dtype: torch.dtype) -> str | None:
+    """Why weights cannot stay as stored here, or None."""
+    if gguf is None:
+        return "only a GGUF model (smollm2-135m, gemma3-270m, a .gguf file) has stored blocks"
+    if dev != "cpu" or torch_dtype != torch.float32:
+        return f"stored weights run on our float32 CPU kernels, not on {dev} in {str(torch_dtype)[6:]}"
+    from .engine.kernels import cpu_ops
+
+    if cpu_ops() is None:
+        return "our CPU kernels do not run here (they need AVX2, FMA and F16C and a C++ compiler)"
+    return None
+
+
+def _load_stored(name: str, gguf: Path) -> ModelBundle:
+    """An as-stored bundle of the GGUF file ``gguf`` (``stored_folder``).
+
+    A family the static runner does not run still loads so: the eager runner expands the weights to float32 when
+    it starts (``ModelBundle.materialize``).
+
+    Raises:
+        weights.stored.StoredUnsupported: the family's GGUF tensors are changed beyond a row permutation (the
+            caller falls back to float32).
+    """
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .weights import stored
+
+    folder = stored_folder(gguf)
+    where = f"model {name!r} (stored at {folder})"
+    config = AutoConfig.from_pretrained(folder)
+    _check_architecture(config, where)
+    model = stored.empty_model(config)
+    weights = stored.restore(folder, model)
+    model.generation_config = GenerationConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ctx = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+    return ModelBundle(model=model, tokenizer=tokenizer, name=name, eos_ids=_eos_ids(model, tokenizer),
+                       context_length=ctx, device="cpu", dtype="float32", weights="as_stored", stored=weights)
+
+
+WEIGHTS = ("as_stored", "float32")
+
+
 def load_model(
     name: str = DEFAULT_MODEL,
     *,
     device: str | None = None,
     dtype: str | None = None,
     trust_remote_code: bool = False,
+    weights: str | None = None,
 ) -> ModelBundle:
     """Load a target model and tokenizer by name.
 
@@ -381,14 +518,37 @@ def load_model(
         device: ``cpu`` or ``cuda[:N]``; default CUDA when available.
         dtype: ``float32`` (CPU default), ``bfloat16`` (CUDA default) or ``float16``.
         trust_remote_code: allow model code shipped with the weights; off unless set explicitly.
+        weights: ``as_stored`` (a GGUF model's quantised weights kept in their blocks, expanded inside our CPU
+            kernels: the float32 path's outputs bit for bit at a fraction of the memory and bytes per forward;
+            weights/stored.py), ``float32`` (de-quantised once into a cached float32 copy), or None: as_stored
+            where it runs (a GGUF model, on the CPU in float32 with our kernels, a family whose GGUF tensors
+            transformers only permutes), else float32. The eager runner (families the static runner does not
+            run) expands as-stored weights to float32 when it starts.
 
     Raises:
-        ModelLoadError: unknown name, missing files, unsupported architecture, hub unreachable.
+        ModelLoadError: unknown name, missing files, unsupported architecture, hub unreachable, an unknown
+            ``weights``, or ``as_stored`` asked for where it cannot run (the message says why).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if weights not in (None, *WEIGHTS):
+        raise ModelLoadError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     dev = pick_device(device)
     torch_dtype = _pick_dtype(dtype, dev)
+    if name != "tiny-random" and weights != "float32":
+        from .weights.stored import StoredUnsupported
+
+        why = _stored_blocker(gguf_source(name), dev, torch_dtype)
+        if why is None:
+            try:
+                return _load_stored(name, gguf_source(name))
+            except StoredUnsupported as exc:
+                why = str(exc)
+        if weights == "as_stored":
+            raise ModelLoadError(f"model {name!r}: weights 'as_stored' cannot run: {why}; use weights 'float32'")
+        log.info("model %r loads as float32: %s", name, why)
+    elif weights == "as_stored":
+        raise ModelLoadError("model 'tiny-random' is a random float32 model: it has no stored blocks")
     if name == "tiny-random":
         return _load_tiny_random(name, dev, torch_dtype)
     folder, where = _model_source(name)

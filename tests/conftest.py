@@ -60,10 +60,19 @@ if os.environ.get("RACER_TEST_THREADS"):  # e.g. 1 on a machine shared with othe
 
 @pytest.fixture(scope="session")
 def smol():
-    """The real default model (SmolLM2-135M-Instruct, float32)."""
+    """The real default model (SmolLM2-135M-Instruct) as the CPU loads it by default: its GGUF weights as stored
+    (``weights: as_stored`` where our kernels run, else float32)."""
     from racer_batch import load_model
 
     return load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smol_f32():
+    """The same model de-quantised to float32 (``weights: float32``): the HF oracle's weights."""
+    from racer_batch import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype="float32", weights="float32")
 
 
 @pytest.fixture()

@@ -72,6 +72,10 @@ def _decoding_options(f):
     f = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                      help="Weights' precision (default float32 on CPU, bfloat16 on CUDA). Reduced precision changes "
                      "outputs and equals greedy decoding of the same reduced model only up to numerical ties.")(f)
+    f = click.option("--weights", type=click.Choice(["as_stored", "float32"]), default=None,
+                     help="A GGUF model's weights: as_stored (its quantised blocks, expanded inside our CPU kernels; "
+                     "the same outputs bit for bit at ~1/5 of the memory) or float32 (de-quantised once). Default: "
+                     "as_stored where it runs, else float32.")(f)
     return f
 
 
@@ -96,7 +100,8 @@ def _decoding_options(f):
 @click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
               help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
 def generate(prompt: str, model: str, method: str, capacity: str, scope: str, runner: str, compile_mode: str,
-             dtype: Optional[str], max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int,
+             dtype: Optional[str], weights: Optional[str], max_new_tokens: int, temperature: float, top_p: float,
+             top_k: int, seed: int,
              stop: tuple[str, ...], system_prompt: Optional[str], raw: bool, trust_remote_code: bool,
              as_json: bool, torch_threads: int) -> None:
     """Generate an answer to PROMPT and print it with its decoding statistics."""
@@ -111,7 +116,7 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
                       compile=compile_mode),
         generation=dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                         seed=seed, stop=list(stop)))
-    bundle = _load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    bundle = _load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, weights=weights)
     engine = Engine(bundle, cfg)
     if not raw and not has_chat_template(bundle.tokenizer) and not system_prompt:
         raw = True  # a base model: PROMPT as plain text (a --system message still asks for the chat form)
@@ -123,13 +128,13 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
     if as_json:
         out = res.to_dict()
         out.update(model=bundle.name, method=method, config_hash=cfg.config_hash(), dtype=bundle.dtype,
-                   runner=engine.runner.kind)
+                   weights=bundle.weights, runner=engine.runner.kind)
         click.echo(json.dumps(out))
         return
     s = res.stats
     click.echo(res.text)
     click.echo(
-        f"\n[{bundle.name} {bundle.dtype} | {method} cap={s.capacity} | {engine.runner.kind} runner] "
+        f"\n[{bundle.name} {bundle.dtype} {bundle.weights} | {method} cap={s.capacity} | {engine.runner.kind} runner] "
         f"{res.output_tokens} tokens, finish={res.finish_reason}, "
         f"steps={s.steps}, MAT={s.mat:.2f}, prefill={res.prefill_ms:.0f} ms, decode={res.decode_ms:.0f} ms, "
         f"{res.tokens_per_s:.1f} tokens/s",
@@ -177,6 +182,9 @@ class _BenchPlan:
               "`python -m benchmarks.rest_corpus` writes one without the benchmark's own prompts.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Weights' precision for every row, HF baselines included (default float32 on CPU).")
+@click.option("--weights", type=click.Choice(["as_stored", "float32"]), default=None,
+              help="A GGUF model's weights for the engine rows: as_stored (quantised blocks, bit-identical "
+              "outputs) or float32; default as_stored where it runs. HF rows always run float32.")
 @click.option("--out", "out_dir", default="benchmarks", show_default=True, type=click.Path(file_okay=False))
 @click.option("--torch-threads", type=click.IntRange(0), default=0, show_default=True,
               help="Intra-op torch threads (0 = torch's default). Use 1 on a machine shared with busy processes.")
@@ -184,7 +192,8 @@ class _BenchPlan:
               help="System message before every conversation (default: none, as in jobs and generate; the data's "
               "protocol used \"You are a helpful assistant.\").")
 def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set: int, sample: Optional[str],
-          variants: tuple[str, ...], corpus: Optional[str], dtype: Optional[str], out_dir: str, torch_threads: int,
+          variants: tuple[str, ...], corpus: Optional[str], dtype: Optional[str], weights: Optional[str],
+          out_dir: str, torch_threads: int,
           system_prompt: Optional[str]) -> None:
     """Run the decoding methods side by side on the smoke prompts and write JSON + Markdown results."""
     from racer_batch.bench import run_bench, summarize, write_results
@@ -192,7 +201,7 @@ def bench(model: str, methods: str, capacity: str, max_new_tokens: int, per_set:
 
     set_torch_threads(torch_threads)
     plan = _bench_plan(methods=methods, variants=variants, capacity=capacity, corpus=corpus, sample=sample)
-    bundle = _load_model(model, dtype=dtype)
+    bundle = _load_model(model, dtype=dtype, weights=weights)
     command = shlex.join(["racer-batch", *sys.argv[1:]])  # each argument quoted where a shell needs it
     stamp = time.strftime("%Y%m%d-%H%M%S")
 

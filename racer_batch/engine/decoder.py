@@ -48,7 +48,7 @@ class DecoderWeights:
     model's own ``rotary_emb`` (so every rope scaling that does not depend on the sequence length is exact; Gemma
     3: one table per layer kind, ``rope_kinds``)."""
 
-    embed: torch.Tensor  # [V, H]
+    embed: Any  # [V, H]: a tensor, or a StoredWeight (weights/stored.py: rows expanded by the kernels)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [H]
     lm_head: FastLinear
@@ -63,6 +63,8 @@ class DecoderWeights:
     embed_scale: Optional[torch.Tensor] = None  # 0-dim, the embedding's dtype (Gemma: sqrt(hidden))
     rope_kinds: list[Optional[str]] = field(default_factory=lambda: [None])  # rotary_emb's layer_type argument
     rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32  # of the activations
+    device: torch.device = torch.device("cpu")
 
     @property
     def scale(self) -> float:
@@ -83,38 +85,46 @@ class DecoderWeights:
         return sorted({layer.window for layer in self.layers if layer.window})
 
     @staticmethod
-    def of(model: Any, *, matmul: str, context_length: int) -> "DecoderWeights":
+    def of(model: Any, *, matmul: str, context_length: int,
+           stored: Optional[dict[str, Any]] = None) -> "DecoderWeights":
         """The weights of a HF ``model`` of a family ``static_runner.describe_unsupported`` accepts, with every
-        matmul on ``matmul`` (``FastLinear`` path)."""
+        matmul on ``matmul`` (``FastLinear`` path), except the parameters named in ``stored`` (an as-stored
+        bundle's ``stored.weights``: name -> ``StoredWeight``), which run as stored (``FastLinear.of_stored``;
+        a stored embedding table is looked up by the kernels)."""
         cfg = model.config
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        find = (lambda p: stored.get(names.get(id(p), ""))) if stored else (lambda p: None)
         dec = model.get_decoder()
         n_heads = int(cfg.num_attention_heads)
         gemma = getattr(cfg, "model_type", "") in GEMMA_FAMILIES
         kinds = list(getattr(cfg, "layer_types", None) or [])
         rope_kinds: list[Optional[str]] = sorted(set(kinds)) if gemma else [None]
-        layers = [_layer_weights(layer, matmul, gemma=gemma, window=_window(cfg, i, kinds),
+        layers = [_layer_weights(layer, matmul, find, gemma=gemma, window=_window(cfg, i, kinds),
                                  rope=rope_kinds.index(kinds[i]) if gemma else 0) for i, layer in enumerate(dec.layers)]
         head = model.get_output_embeddings()
-        embed = dec.embed_tokens.weight.detach()
+        embed = find(dec.embed_tokens.weight) or dec.embed_tokens.weight.detach()
+        dtype = torch.float32 if find(dec.embed_tokens.weight) else embed.dtype
+        device = torch.device("cpu") if find(dec.embed_tokens.weight) else embed.device
         scale = getattr(dec.embed_tokens, "embed_scale", None)
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
         pre_attn = getattr(cfg, "query_pre_attn_scalar", None)
         return DecoderWeights(
-            embed=embed, layers=layers, final_norm=_norm_weight(dec.norm, gemma), lm_head=FastLinear(
-                head.weight, getattr(head, "bias", None), path=matmul), n_heads=n_heads,
+            embed=embed, layers=layers, final_norm=_norm_weight(dec.norm, gemma), lm_head=_linear(
+                [head.weight], [getattr(head, "bias", None)], matmul, find), n_heads=n_heads,
             n_kv=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
             head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads), eps=float(cfg.rms_norm_eps),
             context_length=int(context_length), rotary=dec.rotary_emb,
             attn_scale=float(pre_attn) ** -0.5 if gemma and pre_attn else 0.0,
             act="gelu_tanh" if act in ("gelu_pytorch_tanh", "gelu_tanh") else "silu",
-            embed_scale=None if scale is None else scale.detach().to(embed.dtype), rope_kinds=rope_kinds)
+            embed_scale=None if scale is None else scale.detach().to(dtype), rope_kinds=rope_kinds, dtype=dtype,
+            device=device)
 
     @torch.inference_mode()
     def cover(self, positions: int) -> None:
         """Make the rotary tables hold ``positions`` rows (positions past the context take the last one's)."""
         if self.rope_tables and self.rope_tables[0][0].shape[0] >= positions:
             return
-        dtype, device = self.embed.dtype, self.embed.device
+        dtype, device = self.dtype, self.device
         pos = torch.arange(positions, device=device).clamp_(max=self.context_length - 1).view(1, -1)
         x = torch.zeros(1, dtype=dtype, device=device)
         tables = []
@@ -156,26 +166,37 @@ def _norm_weight(norm: Any, gemma: bool) -> torch.Tensor:
     return 1.0 + w.float() if gemma else w
 
 
-def _layer_weights(layer: Any, matmul: str, *, gemma: bool = False, window: Optional[int] = None,
-                   rope: int = 0) -> LayerWeights:
+def _linear(weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]], matmul: str,
+            find: Callable[[torch.Tensor], Any]) -> FastLinear:
+    """One ``FastLinear`` over ``weights`` stacked along the output features (q/k/v or gate/up fused without a
+    copy: ``fuse_params``) with their biases (all None or all given): as stored where ``find`` gives every
+    weight's ``StoredWeight``; a stored part among float ones is expanded to float32 (its exact numbers)."""
+    bias = None if biases[0] is None else (fuse_params(biases) if len(biases) > 1 else biases[0].detach())
+    parts = [find(w) for w in weights]
+    if all(p is not None for p in parts):
+        return FastLinear.of_stored(parts, bias)
+    weights = [p.expanded() if p is not None else w for p, w in zip(parts, weights)]
+    return FastLinear(fuse_params(weights) if len(weights) > 1 else weights[0], bias, path=matmul)
+
+
+def _layer_weights(layer: Any, matmul: str, find: Callable[[torch.Tensor], Any], *, gemma: bool = False,
+                   window: Optional[int] = None, rope: int = 0) -> LayerWeights:
     a, m = layer.self_attn, layer.mlp
     if hasattr(a, "qkv_proj"):  # Phi-3: already fused
-        qkv = FastLinear(a.qkv_proj.weight, a.qkv_proj.bias, path=matmul)
+        qkv = _linear([a.qkv_proj.weight], [a.qkv_proj.bias], matmul, find)
     else:
-        qkv_w = fuse_params([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        qkv_b = fuse_params([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-        qkv = FastLinear(qkv_w, qkv_b, path=matmul)
+        qkv = _linear([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], [a.q_proj.bias, a.k_proj.bias,
+                                                                             a.v_proj.bias], matmul, find)
     gate_up = down = moe = None
     if hasattr(m, "experts"):
         moe = _moe_weights(m, matmul)
     else:
         if hasattr(m, "gate_up_proj"):  # Phi-3: already fused, gate first
-            gu_w, gu_b = m.gate_up_proj.weight, m.gate_up_proj.bias
+            gate_up = _linear([m.gate_up_proj.weight], [m.gate_up_proj.bias], matmul, find)
         else:
-            gu_w = fuse_params([m.gate_proj.weight, m.up_proj.weight])
-            gu_b = fuse_params([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
-        gate_up = FastLinear(gu_w, gu_b, path=matmul)
-        down = FastLinear(m.down_proj.weight, m.down_proj.bias, path=matmul)
+            gate_up = _linear([m.gate_proj.weight, m.up_proj.weight], [m.gate_proj.bias, m.up_proj.bias], matmul,
+                              find)
+        down = _linear([m.down_proj.weight], [m.down_proj.bias], matmul, find)
     q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
     post_attn = post_ffn = None
     ln_post = layer.post_attention_layernorm
@@ -184,7 +205,7 @@ def _layer_weights(layer: Any, matmul: str, *, gemma: bool = False, window: Opti
             _norm_weight(layer.post_feedforward_layernorm, True)
         ln_post = layer.pre_feedforward_layernorm
     return LayerWeights(
-        qkv=qkv, o=FastLinear(a.o_proj.weight, a.o_proj.bias, path=matmul), gate_up=gate_up, down=down,
+        qkv=qkv, o=_linear([a.o_proj.weight], [a.o_proj.bias], matmul, find), gate_up=gate_up, down=down,
         ln_in=_norm_weight(layer.input_layernorm, gemma), ln_post=_norm_weight(ln_post, gemma),
         q_norm=_norm_weight(q_norm, gemma) if q_norm is not None else None,
         k_norm=_norm_weight(k_norm, gemma) if k_norm is not None else None,
@@ -261,7 +282,8 @@ def decode(w: DecoderWeights, kv: torch.Tensor, rows: Rows, ops: Any) -> torch.T
     ``TorchOps``)."""
     ops.prepare(rows, w)
     rows.local = {win: ops.windowed(rows, win, w) for win in w.windows}
-    x = F.embedding(rows.ids, w.embed)  # [R, H], a fresh tensor (the residual is updated in place)
+    # [R, H], a fresh tensor (the residual is updated in place)
+    x = F.embedding(rows.ids, w.embed) if isinstance(w.embed, torch.Tensor) else w.embed.rows(rows.ids)
     if w.embed_scale is not None:
         x = x * w.embed_scale
     tables = [(cos[rows.pos], sin[rows.pos]) for cos, sin in w.rope_tables]  # [R, 1, D] each
@@ -328,15 +350,19 @@ class KernelOps:
         else:
             rows.attend = "masked"
         if t > 1 and rows.attend != "causal" and not (rows.attend == "sdpa" and rows.start0 == 0):
-            rows.causal_mask = prefill_mask(t, rows.start0, w.embed.dtype, rows.ids.device)
+            rows.causal_mask = prefill_mask(t, rows.start0, w.dtype, rows.ids.device)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, eps)
 
     def linear(self, x: torch.Tensor, lin: FastLinear) -> torch.Tensor:
-        return self.ops.linear(x, lin._panels, lin.bias, lin.weight.shape[0])
+        if lin.stored is not None:
+            return lin(x)
+        return self.ops.linear(x, lin._panels, lin.bias, lin.n)
 
     def linear_add(self, x: torch.Tensor, y: torch.Tensor, lin: FastLinear) -> torch.Tensor:
+        if lin.stored is not None:
+            return lin.stored_into(x, y, add=True)
         return self.ops.linear_add_(x, y, lin._panels, lin.bias)
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -353,11 +379,11 @@ class KernelOps:
         is that far along); a prompt chunk then attends through an explicit mask."""
         if int(rows.pos.max()) < window:
             return rows
-        neg = torch.finfo(w.embed.dtype).min
+        neg = torch.finfo(w.dtype).min
         if rows.mask is not None:
             return replace(rows, mask=_window_mask(rows.mask, rows.pos, window, neg))
         t = rows.ids.shape[0]
-        base = rows.causal_mask if rows.causal_mask is not None else prefill_mask(t, rows.start0, w.embed.dtype,
+        base = rows.causal_mask if rows.causal_mask is not None else prefill_mask(t, rows.start0, w.dtype,
                                                                                    rows.ids.device)
         return replace(rows, attend="sdpa" if t >= SDPA_MIN_ROWS else "masked",
                        causal_mask=_window_mask(base, rows.pos, window, neg))
@@ -383,7 +409,9 @@ class KernelOps:
         multi-MB tensor (glibc would map and unmap it every step and its heap would drift by as much)."""
         r = hidden.shape[0]
         if self._logits.shape[0] < r:
-            self._logits = torch.empty((max(r, 64), w.lm_head.weight.shape[0]), dtype=hidden.dtype)
+            self._logits = torch.empty((max(r, 64), w.lm_head.n), dtype=hidden.dtype)
+        if w.lm_head.stored is not None:
+            return w.lm_head.stored_into(self._logits[:r], hidden, add=False)
         return self.ops.linear_into_(self._logits[:r], hidden, w.lm_head._panels, w.lm_head.bias)
 
 
@@ -403,7 +431,7 @@ class TorchOps:
         else:  # one row sees the whole prefix; a prompt chunk after a prefix: causal over the chunk
             rows.attend = "masked"
             if n > 1:
-                rows.causal_mask = prefill_mask(n, rows.start0, w.embed.dtype, rows.ids.device).view(1, 1, n, rows.span)
+                rows.causal_mask = prefill_mask(n, rows.start0, w.dtype, rows.ids.device).view(1, 1, n, rows.span)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -431,12 +459,12 @@ class TorchOps:
         along. A prompt chunk then attends through an explicit mask."""
         if not rows.ids.is_cuda and int(rows.pos.max()) < window:
             return rows
-        neg = torch.finfo(w.embed.dtype).min
+        neg = torch.finfo(w.dtype).min
         if rows.mask is not None:
             return replace(rows, mask=_window_mask(rows.mask, rows.pos, window, neg))
         n, span = rows.write.shape[1], rows.span
         base = rows.causal_mask if rows.causal_mask is not None else \
-            prefill_mask(n, rows.start0, w.embed.dtype, rows.ids.device).view(1, 1, n, span)
+            prefill_mask(n, rows.start0, w.dtype, rows.ids.device).view(1, 1, n, span)
         return replace(rows, attend="masked", causal_mask=_window_mask(base, rows.pos, window, neg))
 
     def rope_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,

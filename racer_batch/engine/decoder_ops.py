@@ -56,6 +56,48 @@ class FastLinear:
             (dtype, no kernel) falls back to ``onednn_packed`` or ``torch``.
     """
 
+    stored: Optional[list] = None  # path "stored": the weight's parts (weights/stored.py), see ``of_stored``
+
+    @classmethod
+    def of_stored(cls, parts: list, bias: Optional[torch.Tensor]) -> "FastLinear":
+        """A linear over weights kept as a GGUF file stores them (weights/stored.py ``StoredWeight``, each
+        ``[n_i, K]``), concatenated along the output features (fused q/k/v or gate/up): one kernel call where
+        ``fuse_stored`` can join them, else one per part into its columns of the output. Path ``stored``; our CPU
+        kernels only (float32 in and out), bit for bit the ``small_gemm`` path over the de-quantised weights.
+
+        Raises:
+            RuntimeError: our CPU kernels do not run here.
+        """
+        from ..weights.stored import fuse_stored
+
+        self = cls.__new__(cls)
+        self._ops = cpu_ops()
+        if self._ops is None:
+            raise RuntimeError("stored weights need our CPU kernels (engine/kernels), which do not run here")
+        fused = fuse_stored(parts)
+        self.stored = [fused] if fused is not None else list(parts)
+        self.weight = torch.empty((sum(p.n for p in parts), parts[0].k), device="meta")  # the shape only
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.path = "stored"
+        self._onednn = self._panels = None
+        self._small_plain = False
+        cols, start = [], 0
+        for part in self.stored:
+            cols.append((start, start + part.n))
+            start += part.n
+        self._cols = cols
+        return self
+
+    def stored_into(self, out: torch.Tensor, x: torch.Tensor, *, add: bool) -> torch.Tensor:
+        """``out = x @ W.T + b`` (``add``: ``out +=`` that) over the stored parts; ``out [M, N]`` float32 with
+        unit column stride. Returns ``out``."""
+        op = self._ops.stored_linear_add_ if add else self._ops.stored_linear_into_
+        if len(self.stored) == 1:
+            return op(out, x, self.stored[0].packed, self.stored[0].fmt, self.bias)
+        for part, (c0, c1) in zip(self.stored, self._cols):
+            op(out[:, c0:c1], x, part.packed, part.fmt, None if self.bias is None else self.bias[c0:c1])
+        return out
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, path: str) -> None:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
@@ -89,7 +131,14 @@ class FastLinear:
             n += self._panels.numel() * self._panels.element_size()
         return n
 
+    @property
+    def n(self) -> int:
+        """Output features."""
+        return int(self.weight.shape[0])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
+        if self.stored is not None:
+            return self.stored_into(torch.empty((x.shape[0], self.n), dtype=x.dtype), x, add=False)
         if self._panels is not None:
             return self._ops.linear(x, self._panels, self.bias, self.weight.shape[0])
         if self.path == "torch" or (x.shape[0] <= SMALL_ROWS and self._small_plain):

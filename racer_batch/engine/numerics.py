@@ -90,8 +90,11 @@ def compare_greedy(bundle: Any, prompt_ids: Sequence[int], a: Sequence[int], b: 
     div = first_divergence(a, b)
     if div.identical or div.token_a is None or div.token_b is None:
         return div
-    ids = torch.tensor([list(prompt_ids) + list(a[: div.common_prefix])], device=bundle.model.device)  # [1, L]
-    logits = bundle.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()  # [V]
+    from ..models import hf_model
+
+    model = hf_model(bundle)
+    ids = torch.tensor([list(prompt_ids) + list(a[: div.common_prefix])], device=model.device)  # [1, L]
+    logits = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()  # [V]
     gap = float(logits[div.token_a] - logits[div.token_b])
     dtype = str(next(bundle.model.parameters()).dtype).removeprefix("torch.")
     return replace(div, logit_gap=gap, dtype=dtype)

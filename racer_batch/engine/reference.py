@@ -8,7 +8,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from ..models import ModelBundle
+from ..models import ModelBundle, hf_model
 from ..values import GenerationParams, GenerationResult, RowStats, StepRecord
 from .engine import Prompt, encode_prompt
 from .sampling import draw, make_generator, processed_probs
@@ -27,7 +27,7 @@ def generate_reference(
         ValueError: as ``Engine.generate``.
     """
     params = params or GenerationParams()
-    model = bundle.model
+    model = hf_model(bundle)  # the stock forward: an as-stored bundle's weights expanded to float32
     ids = encode_prompt(bundle.tokenizer, prompt, system_prompt=system_prompt)
     if len(ids) >= bundle.context_length:
         raise ValueError(f"prompt has {len(ids)} tokens but the model's context is {bundle.context_length}")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..models import ModelBundle
+from ..models import ModelBundle, hf_model
 from .decoder import layer_windows, tree_mask_filler
 from .static_runner import StaticRunner, describe_unsupported
 from .tree import FlatTrees
@@ -56,7 +56,7 @@ class ModelRunner:
 
     def __init__(self, bundle: ModelBundle) -> None:
         self.bundle = bundle
-        self.model = bundle.model
+        self.model = hf_model(bundle)  # an as-stored bundle's weights expanded: the eager forward needs tensors
         self.decoder = bundle.model.get_decoder()
         self.lm_head = bundle.model.get_output_embeddings()
         self.device = torch.device(bundle.device)

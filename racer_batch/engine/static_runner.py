@@ -184,13 +184,15 @@ class StaticRunner:
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.context_length = int(bundle.context_length)
         path = default_matmul_path(self.device, self.dtype) if matmul == "auto" else matmul
-        self.weights = DecoderWeights.of(bundle.model, matmul=path, context_length=self.context_length)
+        stored = getattr(bundle, "stored", None)
+        self.weights = DecoderWeights.of(bundle.model, matmul=path, context_length=self.context_length,
+                                         stored=stored.weights if stored is not None else None)
         self.layers = self.weights.layers
         self.lm_head = self.weights.lm_head
         self.matmul = self.lm_head.path  # what runs (a path that cannot take this weight fell back)
         # our CPU kernels for everything around the matmuls too (norms, rope + KV write, attention, SiLU): one
         # call each instead of 3-10 aten ops, which cost more than the arithmetic at a few rows
-        self._ops = self.lm_head._ops if self.matmul == "small_gemm" else None
+        self._ops = self.lm_head._ops if self.matmul in ("small_gemm", "stored") else None
         self.ops: Any = KernelOps(self._ops) if self._ops is not None else TorchOps()
         if compile and self.device.type != "cuda":
             log.warning("compile on the CPU is not supported (the compiled step measured ~30x slower than the "

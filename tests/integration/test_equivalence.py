@@ -1,4 +1,5 @@
-"""Greedy equivalence on the real default model (float32), against one HF reference harness (``hf_outputs``:
+"""Greedy equivalence on the real default model as the CPU loads it by default (its GGUF weights as stored, issue
+31: bit for bit the float32 path's outputs), against one HF reference harness on the float32 weights (``hf_outputs``:
 HF generate on the 24-prompt smoke set, 8 per set, shared/data README's rule, including Spec-Bench two-turn
 questions where turn 2 sees the model's own turn-1 answer): our reference AR, every registered decoding method
 (the registry is the list: a method registered in racer_batch/drafters gets this test with no edit here), and
@@ -39,7 +40,8 @@ def _run_turns(item, gen_one):
 
 
 @pytest.fixture(scope="session")
-def hf_outputs(smol, smoke):
+def hf_outputs(smol_f32, smoke):
+    smol = smol_f32
     tok = smol.tokenizer
 
     def gen_one(msgs):
@@ -68,13 +70,14 @@ def _assert_same(got, want, label):
     assert not bad, f"{label}: {len(bad)} of {len(want)} items differ from HF generate: {bad[:5]}"
 
 
-def test_reference_matches_hf_generate(smol, smoke, hf_outputs):
+def test_reference_matches_hf_generate(smol_f32, smoke, hf_outputs):
     """Our AR oracle equals HF generate. On every sixth smoke item (4, all three sets, a two-turn item
     included): the reference runs the stock transformers forward token by token, as slow as HF generate
     itself, and the drafters below are checked against HF generate directly (RACER on all 24)."""
     params = GenerationParams(max_new_tokens=MAX_NEW)
     subset = smoke[::6]
     assert {it.set for it in subset} == {it.set for it in smoke} and any(len(it.turns) == 2 for it in subset)
+    smol = smol_f32
     got = _engine_outputs(smol, subset, lambda msgs: generate_reference(smol, msgs, params))
     _assert_same(got, {k: hf_outputs[k] for k in got}, "reference AR")
     # the smoke set exercises both endings (checked on HF's outputs, which every method below must equal):
@@ -132,7 +135,7 @@ def test_stop_string_across_tokens_real_model(smol):
     assert stop not in out.text and base.text.startswith(out.text)
 
 
-def test_batched_streams_match_hf_generate(smol, smoke, hf_outputs):
+def test_batched_streams_match_hf_generate(smol, smol_f32, smoke, hf_outputs):
     """Issues 14 and 27: the 24 smoke items plus very short and long prompts decoded B = 2, 4, 8, 16 rows at a time
     (continuous batching, one job's draft state shared, capacity auto): every row's greedy tokens equal HF
     generate's, and so its batch-1 output (RACER one row at a time equals HF generate on the same items:
@@ -148,8 +151,8 @@ def test_batched_streams_match_hf_generate(smol, smoke, hf_outputs):
     for key, turns in extra.items():
         ids = torch.tensor([encode_prompt(smol.tokenizer, conversation(turns, []))])
         with torch.inference_mode():
-            out = smol.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                      do_sample=False, eos_token_id=smol.eos_ids, pad_token_id=smol.eos_ids[0])
+            out = smol_f32.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                          do_sample=False, eos_token_id=smol.eos_ids, pad_token_id=smol.eos_ids[0])
         want[key] = [out[0, ids.shape[1]:].tolist()]
     assert max(len(encode_prompt(smol.tokenizer, conversation(t, [])))
                for t in extra.values()) > 512  # past one prefill chunk

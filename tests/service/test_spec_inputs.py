@@ -264,6 +264,26 @@ def test_model_dtype_is_hashed_only_when_set_and_reaches_load_model(tmp_path, mo
     assert seen["dtype"] == "bfloat16" and seen["name"] == "smollm2-135m"
 
 
+def test_model_weights_is_not_hashed_and_reaches_load_model(tmp_path, monkeypatch):
+    """``model.weights`` (as_stored | float32) never changes a row, so it leaves the spec hash alone (a job
+    resumed under the other setting keeps its shards); the loader gets it; anything else is refused."""
+    write_parquet(tmp_path / "in.parquet", [{"id": 1, "prompt": "x"}])
+    plain = load_spec(None, base_overrides(tmp_path))
+    assert plain.model.weights is None
+    f32 = load_spec(None, base_overrides(tmp_path, **{"model.weights": "float32"}))
+    assert f32.model.weights == "float32" and f32.spec_hash() == plain.spec_hash()
+    with pytest.raises(SpecError, match="model.weights"):
+        load_spec(None, base_overrides(tmp_path, **{"model.weights": "q4"}))
+    seen = {}
+    import racer_batch.models as models
+    from racer_batch.service.execution.runner import default_loader
+
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: seen.update(kw, name=name) or "bundle")
+    real = f32.model.model_copy(update={"name": "smollm2-135m"})
+    assert default_loader(real, allow_remote_code=False, device="cpu") == "bundle"
+    assert seen["weights"] == "float32"
+
+
 def test_prompt_rows_follow_the_models_chat_template_under_auto():
     """``input.prompt_format`` auto (the default) keeps a `prompt` row both ways; the worker answers the chat
     messages where the model has a chat template and the raw text where it has none (a base model). chat and

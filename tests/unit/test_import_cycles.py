@@ -57,15 +57,20 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     return graph
 
 
-def folder_graph(graph: dict[str, set[str]], top: str = "racer_batch") -> dict[str, set[str]]:
+def folder_graph(graph: dict[str, set[str]], top: str = "racer_batch",
+                 packages: set[str] | None = None) -> dict[str, set[str]]:
     """The graph with every module below a sub-folder merged into that folder (``racer_batch.service.job``);
-    the package's own top-level modules and ``__init__`` stay themselves."""
+    the package's own top-level modules and ``__init__`` stay themselves. ``packages``: the folders (default:
+    those of ``racer_batch/`` with an ``__init__.py``), so that a folder holding only its ``__init__``
+    (``engine/kernels``: the Python of the native ops) is a folder of its own, not a module of its parent."""
+    if packages is None:
+        packages = {name for name, (_, is_pkg) in _modules(PACKAGE).items() if is_pkg}
 
     def node(mod: str) -> str:
         parent = mod.rsplit(".", 1)[0]
         if mod == top or parent == top:
             return mod
-        return mod if mod in graph and _is_package(mod, graph) else parent
+        return mod if mod in graph and (mod in packages or _is_package(mod, graph)) else parent
 
     out: dict[str, set[str]] = {}
     for a, targets in graph.items():
@@ -138,3 +143,8 @@ def test_the_checker_finds_a_planted_cycle(tmp_path):
     graph = import_graph(pkg)
     assert cycles(graph) == [["racer_batch.x", "racer_batch.y"]]
     assert ["racer_batch.a", "racer_batch.b"] in cycles(folder_graph(graph))
+    # a sub-folder with only its __init__ is a folder of its own, not merged into its parent
+    (pkg / "a" / "k").mkdir()
+    (pkg / "a" / "k" / "__init__.py").write_text("from racer_batch.b import two\n")
+    folders = folder_graph(import_graph(pkg), packages={"racer_batch.a", "racer_batch.b", "racer_batch.a.k"})
+    assert folders["racer_batch.a.k"] == {"racer_batch.b"}

@@ -59,28 +59,57 @@ def _smollm2_gguf():
 
 
 def test_a_gguf_file_loads_as_the_same_model_and_is_converted_once(tmp_path, monkeypatch):
-    """``load_model(PATH.gguf)``: de-quantised into the cache once (a second load reuses the folder), the same
-    weights, tokenizer, chat template and EOS ids as the built-in name that wraps the same file."""
+    """``load_model(PATH.gguf)``: as stored by default where our kernels run (packed into the cache once: a second
+    load reuses the folder), float32 on request (de-quantised into the cache once); either way the same weights
+    (as stored: once expanded), tokenizer, chat template and EOS ids as the built-in name over the same file."""
     import torch
 
     from racer_batch import models
+    from racer_batch.engine.kernels import cpu_ops
 
-    builtin = load_model("smollm2-135m", device="cpu")
+    builtin = load_model("smollm2-135m", device="cpu", weights="float32")
     monkeypatch.setenv("RACER_BATCH_CACHE", str(tmp_path))
     gguf = _smollm2_gguf()
     got = load_model(str(gguf), device="cpu")
-    folder = models.gguf_folder(gguf)
+    assert got.weights == ("as_stored" if cpu_ops() is not None else "float32")
+    folder = models.stored_folder(gguf) if got.weights == "as_stored" else models.gguf_folder(gguf)
     assert folder.parent == tmp_path / "models" and folder.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     stamp = (folder / "config.json").stat().st_mtime_ns
     again = load_model(str(gguf), device="cpu")
     assert (folder / "config.json").stat().st_mtime_ns == stamp  # not converted again
-    assert got.eos_ids == builtin.eos_ids == again.eos_ids
+    f32 = load_model(str(gguf), device="cpu", weights="float32")
+    assert f32.weights == "float32" and models.gguf_folder(gguf).is_dir()
+    assert got.eos_ids == builtin.eos_ids == again.eos_ids == f32.eos_ids
     assert got.tokenizer.chat_template == builtin.tokenizer.chat_template
     msgs = [{"role": "user", "content": "Name three prime numbers."}]
     assert got.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True) == \
         builtin.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    a, b = got.model.state_dict(), builtin.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    b = builtin.model.state_dict()
+    for bundle in (got, f32):
+        a = bundle.materialize().state_dict()  # as stored: every weight expanded, the float32 copy's numbers
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert got.model.lm_head.weight is got.model.model.embed_tokens.weight  # still tied after expanding
+
+
+def test_a_weights_setting_that_cannot_run_says_why(tmp_path):
+    from racer_batch.models import tiny_random_model
+
+    with pytest.raises(ModelLoadError, match="weights 'int4' is not one of as_stored, float32"):
+        load_model("smollm2-135m", weights="int4")
+    with pytest.raises(ModelLoadError, match="'tiny-random' is a random float32 model"):
+        load_model("tiny-random", weights="as_stored")
+    with pytest.raises(ModelLoadError, match="as_stored' cannot run: stored weights run on our float32 CPU kernels, "
+                                             "not on cpu in bfloat16"):
+        load_model("smollm2-135m", dtype="bfloat16", weights="as_stored")
+    from transformers import AutoTokenizer
+
+    from racer_batch import models
+
+    tiny_random_model(vocab_size=64).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(models.stored_folder(_smollm2_gguf())).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="as_stored' cannot run: only a GGUF model"):
+        load_model(str(tmp_path), weights="as_stored")
+    assert load_model(str(tmp_path), weights=None).weights == "float32"  # the default falls back, says so in the log
 
 
 def test_gguf_names_that_cannot_load_say_what_was_expected(tmp_path):

@@ -32,7 +32,7 @@ from ...native_build import cache_dir, compile_library, library_path  # noqa: F4
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-DNDEBUG"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-DNDEBUG"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -42,7 +42,7 @@ def _cpu_has_avx2_fma() -> bool:
         flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
     except (OSError, IndexError):
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return "avx2" in flags and "fma" in flags
+    return "avx2" in flags and "fma" in flags and "f16c" in flags
 
 
 def _compile(out: Path) -> None:

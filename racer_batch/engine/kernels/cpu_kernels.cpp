@@ -261,25 +261,41 @@ constexpr Kernel512 kKernels512[MR512 + 1] = {
     micro_kernel_512<8, NP>,     micro_kernel_512<9, NP>,  micro_kernel_512<10, NP>, micro_kernel_512<11, NP>,
     micro_kernel_512<12, NP>};
 
+// Where the weight chunks come from: ``F32Panels`` reads the float32 panels in place; ``StoredPanels`` (below,
+// the GGUF block formats) expands each chunk into a per-thread L1 buffer first. Both hand the micro-kernels the
+// same [kc][16] floats, so every output element sees the same FMA chain either way.
+struct F32Panels {
+  const float* wp;
+  int64_t K;
+  // chunk [kc][16] of panel p from k = c0 (and, when ``two``, panel p + 1's at + pstride()); ``after``: what is
+  // read after it, for the prefetch
+  const float* chunk(int64_t p, int64_t c0, int64_t /*kc*/, bool /*two*/) const { return wp + p * K * NR + c0 * NR; }
+  int64_t pstride() const { return K * NR; }
+  const float* next(int64_t p, int64_t c0, int64_t step, bool more) const {
+    const float* ch = wp + p * K * NR + c0 * NR;
+    return c0 + KC < K ? ch + KC * NR : (more ? wp + (p + step) * K * NR : ch);
+  }
+};
+
 // gemm (below) on the AVX-512 kernels: threads split pairs of panels (an odd last panel goes alone).
-RACER_AVX512 void gemm512(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, int64_t panels,
-                          int64_t N, const float* b, float* yp, int64_t ldy, bool add_into) {
+template <class Src>
+RACER_AVX512 void gemm512_t(const float* xp, int64_t ldx, int64_t M, int64_t K, const Src& src, int64_t panels,
+                            int64_t N, const float* b, float* yp, int64_t ldy, bool add_into) {
   const int64_t blocks = (M + MR512 - 1) / MR512;
   const int64_t pairs = (panels + 1) / 2;
-  const int64_t pstride = K * NR;
+  const int64_t pstride = src.pstride();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * 2 * NR * M));
   at::parallel_for(0, pairs, grain, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t p = 2 * q;
       const int64_t n0 = p * NR, nc = std::min(2 * NR, N - n0);
       const bool two = p + 1 < panels;
-      const float* panel = wp + p * pstride;
       for (int64_t c0 = 0; c0 < K; c0 += KC) {
         const int64_t kc = std::min(KC, K - c0);
-        const float* chunk = panel + c0 * NR;
+        const float* chunk = src.chunk(p, c0, kc, two);
         // read after this chunk: the pair's next chunk, or the next pair's first (a prefetch past the last
         // panel is only a hint: it cannot fault), prefetched by the row blocks in turn (below)
-        const float* next = c0 + KC < K ? chunk + KC * NR : (q + 1 < q1 ? panel + 2 * pstride : chunk);
+        const float* next = src.next(p, c0, 2, q + 1 < q1);
         const bool last = c0 + KC >= K;
         int64_t m0 = 0;
         for (int64_t left = blocks; left > 0; --left) {
@@ -318,12 +334,13 @@ std::string set_isa(const std::string& isa) {
 }
 
 // y[M, N] (row stride ldy) = x[M, K] @ W^T + bias, or y += that when add_into (a residual added in place).
-void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, int64_t panels, int64_t N,
-          const float* b, float* yp, int64_t ldy, bool add_into) {
+template <class Src>
+void gemm_t(const float* xp, int64_t ldx, int64_t M, int64_t K, const Src& src, int64_t panels, int64_t N,
+            const float* b, float* yp, int64_t ldy, bool add_into) {
   // up to 6 rows the weights' stream sets the pace and the AVX2 blocks are measured faster (lane for lane the
   // same arithmetic, so a call's rows give the same bits either way); past that the 12-row blocks win
   if (M > MR_MAX && wide_isa()) {
-    gemm512(xp, ldx, M, K, wp, panels, N, b, yp, ldy, add_into);
+    gemm512_t(xp, ldx, M, K, src, panels, N, b, yp, ldy, add_into);
     return;
   }
   const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
@@ -333,13 +350,12 @@ void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, i
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR, nc = std::min(NR, N - n0);
-      const float* panel = wp + p * K * NR;
       for (int64_t c0 = 0; c0 < K; c0 += KC) {
         const int64_t kc = std::min(KC, K - c0);
-        const float* chunk = panel + c0 * NR;
+        const float* chunk = src.chunk(p, c0, kc, false);
         // what is read after this chunk: the panel's next chunk, or the next panel's first, prefetched by
         // the row blocks in turn while they work on this one (already in L1)
-        const float* next = c0 + KC < K ? chunk + KC * NR : (p + 1 < p1 ? panel + K * NR : chunk);
+        const float* next = src.next(p, c0, 1, p + 1 < p1);
         const bool last = c0 + KC >= K;
         int64_t m0 = 0;
         for (int64_t left = blocks; left > 0; --left) {
@@ -352,6 +368,11 @@ void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, i
       }
     }
   });
+}
+
+void gemm(const float* xp, int64_t ldx, int64_t M, int64_t K, const float* wp, int64_t panels, int64_t N,
+          const float* b, float* yp, int64_t ldy, bool add_into) {
+  gemm_t(xp, ldx, M, K, F32Panels{wp, K}, panels, N, b, yp, ldy, add_into);
 }
 
 const float* check_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -416,6 +437,210 @@ at::Tensor linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
 at::Tensor linear_into_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                         const c10::optional<at::Tensor>& bias) {
   return linear_out(out, x, packed, bias, false, "racer::linear_into_");
+}
+
+// ---- the GEMM over weights as a GGUF file stores them (issue 31) ----
+//
+// A GGUF weight is kept in its own blocks; only their bit layout is rearranged once at load (Python:
+// weights/stored.py), into groups of 32 k x 16 output features (one panel), so that a panel's chunk is one linear
+// stream, like the float32 panels. Each group holds the block's numbers and what multiplies them:
+//   STORED_F16 (F16):        [32 k][16] halves                                   1024 bytes
+//   STORED_I8  (Q8_0, Q6_K): scale fp32 [2][16] (k 0-15, 16-31), q int8 [32 k][16]  640 bytes
+//   STORED_U4H (Q4_1):       a fp16 [16], c fp16 [16], q 4-bit [16 pairs of k][16]  320 bytes
+//   STORED_U4F (Q4_K):       a fp32 [16], c fp32 [16], q 4-bit [16 pairs][16]       384 bytes
+// (a pair's byte for a row holds k = 2i in its low nibble, k = 2i + 1 in its high one). A chunk is expanded
+// into a per-thread L1 buffer with the operations GGUF's reference de-quantiser (gguf-py, which transformers
+// uses) applies: F16 a conversion; Q8_0 d * q (exact); Q6_K (d * scale) * q, d * scale exact in float32, then
+// one rounding; Q4_1 d * q + m and Q4_K (d * sc) * q - dmin * m, whose products are exact (at most 21 bits), so
+// one rounding of the sum: an FMA gives that same number. The buffer then goes through the float32 GEMM's own
+// micro-kernels (gemm_t above), so every output element is the float32 path's FMA chain over the very numbers
+// the float32 copy holds: the results are bit-identical (tests/engine/test_stored_kernels.py).
+constexpr int64_t STORED_F16 = 1, STORED_I8 = 2, STORED_U4H = 3, STORED_U4F = 4;
+constexpr int64_t GROUP_K = 32;
+
+int64_t stored_group_bytes(int64_t fmt) {
+  switch (fmt) {
+    case STORED_F16: return GROUP_K * NR * 2;
+    case STORED_I8: return 2 * NR * 4 + GROUP_K * NR;
+    case STORED_U4H: return 2 * NR * 2 + GROUP_K * NR / 2;
+    case STORED_U4F: return 2 * NR * 4 + GROUP_K * NR / 2;
+    default: TORCH_CHECK(false, "racer: unknown stored weight format ", fmt);
+  }
+  return 0;
+}
+
+inline __m256 half8(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+
+// One group (32 k x 16 features) of format ``fmt`` as floats, out [32][16].
+void expand_group(int64_t fmt, const uint8_t* g, float* __restrict out) {
+  if (fmt == STORED_F16) {
+    for (int64_t k = 0; k < GROUP_K; ++k) {
+      _mm256_store_ps(out + k * NR, half8(g + k * 32));
+      _mm256_store_ps(out + k * NR + 8, half8(g + k * 32 + 16));
+    }
+  } else if (fmt == STORED_I8) {
+    const float* sc = reinterpret_cast<const float*>(g);
+    const uint8_t* q = g + 2 * NR * 4;
+    for (int64_t k = 0; k < GROUP_K; ++k) {
+      const float* s = sc + (k / 16) * NR;
+      const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * NR))));
+      const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * NR + 8))));
+      _mm256_store_ps(out + k * NR, _mm256_mul_ps(_mm256_loadu_ps(s), v0));
+      _mm256_store_ps(out + k * NR + 8, _mm256_mul_ps(_mm256_loadu_ps(s + 8), v1));
+    }
+  } else {
+    __m256 a0, a1, c0, c1;
+    const uint8_t* q;
+    if (fmt == STORED_U4H) {
+      a0 = half8(g), a1 = half8(g + 16), c0 = half8(g + 32), c1 = half8(g + 48);
+      q = g + 64;
+    } else {
+      const float* f = reinterpret_cast<const float*>(g);
+      a0 = _mm256_loadu_ps(f), a1 = _mm256_loadu_ps(f + 8), c0 = _mm256_loadu_ps(f + 16), c1 = _mm256_loadu_ps(f + 24);
+      q = g + 128;
+    }
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    for (int64_t i = 0; i < GROUP_K / 2; ++i) {
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * NR)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * NR + 8)));
+      float* even = out + (2 * i) * NR;
+      float* odd = even + NR;
+      _mm256_store_ps(even, _mm256_fmadd_ps(a0, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), c0));
+      _mm256_store_ps(even + 8, _mm256_fmadd_ps(a1, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), c1));
+      _mm256_store_ps(odd, _mm256_fmadd_ps(a0, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), c0));
+      _mm256_store_ps(odd + 8, _mm256_fmadd_ps(a1, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), c1));
+    }
+  }
+}
+
+// One weight element (row j of its panel, k within its group) by the same operations, for the embedding rows.
+inline float stored_element(int64_t fmt, const uint8_t* g, int64_t j, int64_t k) {
+  if (fmt == STORED_F16) {
+    uint16_t h;
+    std::memcpy(&h, g + (k * NR + j) * 2, 2);
+    return _cvtsh_ss(h);
+  }
+  if (fmt == STORED_I8) {
+    float s;
+    std::memcpy(&s, g + ((k / 16) * NR + j) * 4, 4);
+    return s * static_cast<float>(static_cast<int8_t>(g[2 * NR * 4 + k * NR + j]));
+  }
+  float a, c;
+  int64_t qoff;
+  if (fmt == STORED_U4H) {
+    uint16_t ha, hc;
+    std::memcpy(&ha, g + j * 2, 2);
+    std::memcpy(&hc, g + 32 + j * 2, 2);
+    a = _cvtsh_ss(ha), c = _cvtsh_ss(hc), qoff = 64;
+  } else {
+    std::memcpy(&a, g + j * 4, 4);
+    std::memcpy(&c, g + 64 + j * 4, 4);
+    qoff = 128;
+  }
+  const uint8_t byte = g[qoff + (k / 2) * NR + j];
+  return std::fma(a, static_cast<float>((k & 1) ? (byte >> 4) : (byte & 0x0F)), c);
+}
+
+// The chunk source of gemm_t for a stored weight [panels, K / 32 groups, group bytes].
+struct StoredPanels {
+  const uint8_t* wp;
+  int64_t K, fmt, gbytes;
+  static float* buffer() {
+    alignas(64) static thread_local float buf[2 * KC * NR];
+    return buf;
+  }
+  void expand(int64_t p, int64_t c0, int64_t kc, float* out) const {
+    const uint8_t* g = wp + (p * (K / GROUP_K) + c0 / GROUP_K) * gbytes;
+    for (int64_t k = 0; k < kc; k += GROUP_K, g += gbytes) expand_group(fmt, g, out + k * NR);
+  }
+  const float* chunk(int64_t p, int64_t c0, int64_t kc, bool two) const {
+    float* buf = buffer();
+    expand(p, c0, kc, buf);
+    if (two) expand(p + 1, c0, kc, buf + KC * NR);
+    return buf;
+  }
+  int64_t pstride() const { return KC * NR; }
+  const float* next(int64_t, int64_t, int64_t, bool) const { return buffer(); }  // in L1 already
+};
+
+const uint8_t* check_stored(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t N, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              op, ": x must be a float32 CPU [M, K] with unit column stride, got ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() && packed.device().is_cpu(),
+              op, ": packed must be a contiguous uint8 [panels, K / 32, group bytes]");
+  TORCH_CHECK(packed.size(2) == stored_group_bytes(fmt), op, ": format ", fmt, " has ", stored_group_bytes(fmt),
+              "-byte groups, packed has ", packed.size(2));
+  TORCH_CHECK(x.size(1) == packed.size(1) * GROUP_K, op, ": x has K=", x.size(1), ", weight K=", packed.size(1) * GROUP_K);
+  TORCH_CHECK(N > 0 && N <= packed.size(0) * NR && N > (packed.size(0) - 1) * NR,
+              op, ": N=", N, " does not match ", packed.size(0), " panels");
+  return packed.data_ptr<uint8_t>();
+}
+
+const float* stored_bias(const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& bias_c, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == N && bias->scalar_type() == at::kFloat, op, ": bias must be float32 [N]");
+  bias_c = bias->contiguous();
+  return bias_c.data_ptr<float>();
+}
+
+at::Tensor stored_out(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t fmt,
+                      const c10::optional<at::Tensor>& bias, bool add_into, const char* op) {
+  const at::Tensor xc = x.dim() == 2 && x.stride(1) != 1 ? x.contiguous() : x;
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat,
+              op, ": out must be float32 [M, N] with unit column stride");
+  const int64_t N = out.size(1);
+  const uint8_t* wp = check_stored(xc, packed, fmt, N, op);
+  TORCH_CHECK(out.size(0) == xc.size(0), op, ": out has ", out.size(0), " rows, x ", xc.size(0));
+  at::Tensor bias_c;
+  const float* b = stored_bias(bias, N, bias_c, op);
+  const int64_t K = xc.size(1);
+  if (xc.size(0) > 0) {
+    gemm_t(xc.data_ptr<float>(), xc.stride(0), xc.size(0), K, StoredPanels{wp, K, fmt, packed.size(2)},
+           packed.size(0), N, b, out.data_ptr<float>(), out.stride(0), add_into);
+  }
+  return out;
+}
+
+// y[M, N] = x @ W^T + bias over a stored weight.
+at::Tensor stored_linear(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, const c10::optional<at::Tensor>& bias,
+                         int64_t N) {
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  return stored_out(y, x, packed, fmt, bias, false, "racer::stored_linear");
+}
+
+// out += x @ W^T + bias in place (the residual), or out = that into a preallocated out (``into``).
+at::Tensor stored_linear_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t fmt,
+                              const c10::optional<at::Tensor>& bias) {
+  return stored_out(out, x, packed, fmt, bias, true, "racer::stored_linear_add_");
+}
+
+at::Tensor stored_linear_into_(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t fmt,
+                               const c10::optional<at::Tensor>& bias) {
+  return stored_out(out, x, packed, fmt, bias, false, "racer::stored_linear_into_");
+}
+
+// Rows ``ids [R]`` of a stored weight [N, K] as float32 [R, K] (the embedding lookup of a stored table).
+at::Tensor stored_rows(const at::Tensor& packed, int64_t fmt, int64_t N, const at::Tensor& ids) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
+              "racer::stored_rows: packed must be a contiguous uint8 [panels, K / 32, group bytes]");
+  TORCH_CHECK(packed.size(2) == stored_group_bytes(fmt), "racer::stored_rows: group bytes do not match format ", fmt);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "racer::stored_rows: ids must be int64 [R]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t R = idc.size(0), G = packed.size(1), K = G * GROUP_K, gb = packed.size(2);
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < N, "racer::stored_rows: id ", id[r], " out of range [0, ", N, ")");
+  at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t p = id[r] / NR, j = id[r] % NR;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = wp + (p * G + g) * gb;
+      for (int64_t k = 0; k < GROUP_K; ++k) o[r * K + g * GROUP_K + k] = stored_element(fmt, grp, j, k);
+    }
+  }
+  return out;
 }
 
 // ---- the small ops around the GEMMs: one call each instead of 3-10 aten ops ----
@@ -1442,6 +1667,12 @@ TORCH_LIBRARY(racer, m) {
   m.def("argmax_topk(Tensor logits, int k) -> (Tensor, Tensor)");
   m.def("keep_rows_(Tensor(a!) kv, Tensor slot, Tensor src, Tensor dst) -> Tensor(a!)");
   m.def("attention_causal(Tensor q, Tensor keys, Tensor values, int start, float scale) -> Tensor");
+  // the GEMM and the embedding rows over a weight kept in its GGUF blocks (STORED_* formats)
+  m.def("stored_group_bytes(int fmt) -> int", stored_group_bytes);
+  m.def("stored_linear(Tensor x, Tensor packed, int fmt, Tensor? bias, int N) -> Tensor");
+  m.def("stored_linear_add_(Tensor(a!) out, Tensor x, Tensor packed, int fmt, Tensor? bias) -> Tensor(a!)");
+  m.def("stored_linear_into_(Tensor(a!) out, Tensor x, Tensor packed, int fmt, Tensor? bias) -> Tensor(a!)");
+  m.def("stored_rows(Tensor packed, int fmt, int N, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(racer, CPU, m) {
@@ -1458,4 +1689,8 @@ TORCH_LIBRARY_IMPL(racer, CPU, m) {
   m.impl("argmax_topk", argmax_topk);
   m.impl("keep_rows_", keep_rows_);
   m.impl("attention_causal", attention_causal);
+  m.impl("stored_linear", stored_linear);
+  m.impl("stored_linear_add_", stored_linear_add_);
+  m.impl("stored_linear_into_", stored_linear_into_);
+  m.impl("stored_rows", stored_rows);
 }

@@ -136,7 +136,8 @@ def default_loader(model: ModelSpec, *, allow_remote_code: bool, device: Optiona
         )
     from racer_batch.models import load_model  # heavy import (torch, transformers) only when needed
 
-    return load_model(model.name, device=device, dtype=model.dtype, trust_remote_code=model.trust_remote_code)
+    return load_model(model.name, device=device, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
+                      weights=model.weights)
 
 
 def default_engine(bundle: Any, decoding: DecodingConfig, *, streams: int = 1) -> Any:
@@ -206,7 +207,7 @@ class RowRunner:
 
     def _ensure_model(self, spec: JobSpec) -> None:
         """Load the job's model unless it is the loaded one (another model first ends every job's state)."""
-        key = (spec.model.name, spec.model.trust_remote_code, spec.model.dtype)
+        key = (spec.model.name, spec.model.trust_remote_code, spec.model.dtype, spec.model.weights)
         if key != self._model_key:
             for job_id in list(self._states):
                 self.end_job(job_id)

@@ -83,6 +83,10 @@ class ModelSpec(BaseModel):
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
         None, description="weights' precision; None = float32 on the CPU, bfloat16 on CUDA. Reduced precision changes "
         "outputs: equal to greedy decoding of the same reduced model only up to numerical ties")
+    weights: Optional[Literal["as_stored", "float32"]] = Field(
+        None, description="a GGUF model's weights: as_stored (kept in the file's quantised blocks, expanded inside "
+        "the CPU kernels; bit-identical outputs at ~1/5 of the memory), float32 (de-quantised once), or None = "
+        "as_stored where it runs, else float32 (racer_batch.models.load_model). Never changes the output rows")
 
 
 class GenerationDefaults(BaseModel):
@@ -216,6 +220,9 @@ class JobSpec(BaseModel):
         d = self.model_dump(mode="json", exclude=exclude)
         if d["model"].get("dtype") is None:
             d["model"].pop("dtype", None)
+        # the weights' storage never changes a row (as_stored is bit-identical to float32): not hashed, so a job
+        # resumed under the other setting keeps its finished shards
+        d["model"].pop("weights", None)
         # auto (the default since it existed) answers as chat on every model that has a chat template, as the
         # old default did; hashed as chat so that a folder written before keeps its hash (a base model's rows
         # failed under chat then, so nothing it wrote is reused wrongly)
