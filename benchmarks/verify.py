@@ -10,6 +10,10 @@ parameter), the floor of a memory-bound forward. Writes ``<out>/verify-<stamp>.j
     python -m benchmarks.verify                       # eager vs static matmul paths, float32
     python -m benchmarks.verify --bf16                # also a bfloat16 copy
     python -m benchmarks.verify --paths small_gemm --isas avx512,avx2 --prefill 300 --no-eager  # AVX-512 vs AVX2
+    python -m benchmarks.verify --paths small_gemm --stored --no-eager  # a GGUF's weights as stored vs float32
+
+The float32 contenders run on the de-quantised float32 copy (``weights="float32"``); ``--stored`` adds the static
+runner on the weights as the GGUF stores them (issue 31; ``static-stored``, per ISA with ``--isas``).
 """
 
 from __future__ import annotations
@@ -146,6 +150,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many prompt tokens "
                     "(with the per-position top-8 RACER's store needs) per contender and round")
     ap.add_argument("--no-eager", action="store_true", help="leave the eager transformers runner out")
+    ap.add_argument("--stored", action="store_true", help="also the static runner on the GGUF's weights as stored")
     ap.add_argument("--out", default=str(common.OUT))
     return ap
 
@@ -186,6 +191,11 @@ def build_contenders(args: argparse.Namespace, bundle: ModelBundle, *, sizes: li
     if args.bf16:
         b16 = load_model(args.model, dtype="bfloat16")
         add("static-bf16", lambda: StaticRunner(b16))
+    if args.stored:
+        stored = load_model(args.model, weights="as_stored")
+        for i, isa in enumerate(isas or [None]):
+            add("static-stored" + (f"-{isa}" if i else ""), lambda: StaticRunner(stored), isa=isa)
+        setup_s["stored_weight_bytes"] = stored.stored.nbytes
     return contenders, setup_s
 
 
@@ -232,7 +242,9 @@ def render_md(summary: dict, stamp: str) -> str:
              f"{summary['context_tokens']} cached tokens, machine: {common.machine_line(summary['machine'])}, "
              f"{summary['torch_threads']} torch threads, torch {summary['machine']['torch']}; medians of "
              f"{summary['repeats']} interleaved rounds.", "",
-             f"Weight-streaming probe (read every weight once): **{summary['probe_ms']:.1f} ms**.", "",
+             f"Weight-streaming probe (read every float32 weight once): **{summary['probe_ms']:.1f} ms**."
+             + (f" Weights as stored: {summary['stored_weight_bytes'] / 1e6:.0f} MB."
+                if summary.get("stored_weight_bytes") else ""), "",
              common.md_table(head, body)]
     if summary["prefill_tokens"]:
         lines += ["", f"Prefill of {summary['prefill_tokens']} prompt tokens with the per-position top-8 (median ms): "
@@ -255,8 +267,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     isas = [x for x in args.isas.split(",") if x]
     if any(x not in ("avx2", "avx512") for x in isas):
         ap.error(f"--isas takes avx2 and/or avx512, got {args.isas!r}")
-    bundle = load_model(args.model, dtype="float32")
+    bundle = load_model(args.model, dtype="float32", weights="float32")
     contenders, setup_s = build_contenders(args, bundle, sizes=sizes, isas=isas, error=ap.error)
+    stored_bytes = setup_s.pop("stored_weight_bytes", None)
     probe_ms = run_rounds(contenders, bundle.model, sizes=sizes, repeats=args.repeats)
     static = [c.runner for c in contenders if isinstance(c.runner, StaticRunner)]
     summary = {
@@ -266,6 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "prefill_tokens": args.prefill, "machine": common.machine(), "torch_threads": torch.get_num_threads(),
         "weight_bytes": sum(p.numel() * p.element_size()
                             for p in {p.data_ptr(): p for p in bundle.model.parameters()}.values()),
+        "stored_weight_bytes": stored_bytes,
         "probe_ms": round(probe_ms, 2), "setup_s": setup_s, "rows": curve_rows(contenders, probe_ms),
         "kv_bytes_per_token": static[0].kv_bytes_per_token if static else None,
         "packed_bytes": {c.label: c.runner.packed_bytes for c in contenders if isinstance(c.runner, StaticRunner)},

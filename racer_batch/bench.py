@@ -240,6 +240,7 @@ def run_bench(
     corpus: str | None = None,
     on_item: Callable[[BenchResult], None] | None = None,
     system_prompt: str | None = None,
+    extra: dict[str, tuple[Callable, dict, str]] | None = None,
 ) -> BenchResult:
     """Run every method on every prompt (all turns), interleaved; returns per-group totals.
 
@@ -248,6 +249,9 @@ def run_bench(
     ``on_item``: called with the results so far after every item (the CLI writes partial files with it).
     ``system_prompt``: a system message before every conversation (default none: the model's chat template
     alone, as jobs and ``generate`` do).
+    ``extra``: more rows run by the caller, label -> (runner, config JSON, kind); a runner takes the prompt's
+    token ids and returns (new token ids, the end token included where it stopped on one; wall ms; RowStats or
+    None), e.g. another engine on other weights or an outside program (benchmarks/vs_llamacpp.py).
 
     Raises:
         ValueError: a bad method string or two rows with the same label.
@@ -260,6 +264,10 @@ def run_bench(
     if dup:
         raise ValueError(f"method labels must be unique; repeated: {dup}")
     c = _contenders(bundle, specs, capacity=capacity, max_new_tokens=max_new_tokens, corpus=corpus)
+    for label, (run, config, kind) in (extra or {}).items():
+        if label in c.runners:
+            raise ValueError(f"method labels must be unique; repeated: {[label]}")
+        c.runners[label], c.configs[label], c.kinds[label] = run, config, kind
     enc = Engine(bundle, DecodingConfig(method="ar"))
     res = BenchResult(config=dict(model=bundle.name, capacity=capacity, max_new_tokens=max_new_tokens,
                                   methods=list(c.runners), items=len(items), device=bundle.device, dtype=bundle.dtype,
@@ -391,15 +399,16 @@ def published_table(summary: dict) -> list[dict]:
     return rows
 
 
-def write_results(summary: dict, out_dir: Path, *, command: str, stamp: str | None = None) -> tuple[Path, Path]:
-    """Write JSON and Markdown (``bench-<stamp>``; a given stamp overwrites that run's partial files); returns
-    their paths."""
+def write_results(summary: dict, out_dir: Path, *, command: str, stamp: str | None = None, name: str = "bench",
+                  preamble: list[str] | None = None) -> tuple[Path, Path]:
+    """Write JSON and Markdown (``<name>-<stamp>``; a given stamp overwrites that run's partial files); returns
+    their paths. ``preamble``: Markdown lines put after the title."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     summary = dict(summary, command=command, written_at=stamp)
-    jpath = out_dir / f"bench-{stamp}.json"
+    jpath = out_dir / f"{name}-{stamp}.json"
     jpath.write_text(json.dumps(summary, indent=2))
-    lines = [f"# Benchmark {stamp}", "", f"Reproduce: `{command}`", "",
+    lines = [f"# Benchmark {stamp}", "", *(preamble or []), f"Reproduce: `{command}`", "",
              "Config: " + ", ".join(f"{k}={v}" for k, v in summary["config"].items() if k != "host"), "",
              *_md_machine(summary["config"].get("host")),
              *_md_settings(summary), "## Overall", "", md_records(summary["overall"], TABLE_COLUMNS), "",
@@ -411,7 +420,7 @@ def write_results(summary: dict, out_dir: Path, *, command: str, stamp: str | No
     for g, rows in summary["groups"].items():
         lines += [f"## {g}", "", md_records(rows, TABLE_COLUMNS), ""]
     lines += _md_published(summary)
-    mpath = out_dir / f"bench-{stamp}.md"
+    mpath = out_dir / f"{name}-{stamp}.md"
     mpath.write_text("\n".join(lines))
     return jpath, mpath
 
