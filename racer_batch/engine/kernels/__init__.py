@@ -13,7 +13,7 @@ AVX-512F the GEMM (past 6 rows) runs AVX-512 code compiled through function attr
 the flag it silently runs on one thread) and ``torch.set_num_threads`` governs it.
 
 Nothing here is required: :func:`cpu_ops` returns None, with the reason in :func:`unavailable_reason`, where
-the CPU lacks AVX2/FMA, there is no working C++ compiler, or ``RACER_KERNELS=off``; the static runner then
+the CPU lacks AVX2/FMA/F16C, there is no working C++ compiler, or ``RACER_KERNELS=off``; the static runner then
 uses oneDNN's prepacked matmul and aten ops (slower, same results up to float rounding).
 """
 
@@ -75,7 +75,7 @@ def cpu_ops():
         if off:
             reason = "RACER_KERNELS=off"
         elif not _cpu_has_avx2_fma():
-            reason = "the CPU has no AVX2/FMA"
+            reason = "the CPU has no AVX2/FMA/F16C"
         else:
             try:
                 path = _library_path()
