@@ -102,9 +102,9 @@ class DecoderWeights:
         layers = [_layer_weights(layer, matmul, find, gemma=gemma, window=_window(cfg, i, kinds),
                                  rope=rope_kinds.index(kinds[i]) if gemma else 0) for i, layer in enumerate(dec.layers)]
         head = model.get_output_embeddings()
-        embed = find(dec.embed_tokens.weight) or dec.embed_tokens.weight.detach()
-        dtype = torch.float32 if find(dec.embed_tokens.weight) else embed.dtype
-        device = torch.device("cpu") if find(dec.embed_tokens.weight) else embed.device
+        stored_embed = find(dec.embed_tokens.weight)  # a StoredWeight runs in float32 on the CPU
+        embed = stored_embed or dec.embed_tokens.weight.detach()
+        dtype, device = (torch.float32, torch.device("cpu")) if stored_embed else (embed.dtype, embed.device)
         scale = getattr(dec.embed_tokens, "embed_scale", None)
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
         pre_attn = getattr(cfg, "query_pre_attn_scalar", None)

@@ -50,13 +50,6 @@ def _has_avx512f() -> bool:
         return False
 
 
-@pytest.fixture()
-def isa_restored():
-    old = OPS.isa()
-    yield
-    OPS.set_isa(old)
-
-
 @needs_ops
 @pytest.mark.parametrize("n,k", [(37, 29), (960, 576), (16, 1), (576, 1536), (80, 200)])
 def test_linear_rows_alone_and_in_a_batch_give_the_same_bits_on_every_isa(n, k, isa_restored):

@@ -50,13 +50,6 @@ def _isas() -> list[str]:
     return ["avx2", "avx512"] if OPS is not None and ("avx512f" in open("/proc/cpuinfo").read().split()) else ["avx2"]
 
 
-@pytest.fixture()
-def isa_restored():
-    old = OPS.isa()
-    yield
-    OPS.set_isa(old)
-
-
 @needs_ops
 @pytest.mark.parametrize("kind,n,k", list(_cases()))
 def test_stored_blocks_expand_to_gguf_pys_numbers_and_the_gemm_is_bit_identical(kind, n, k, isa_restored):
