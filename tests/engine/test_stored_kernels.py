@@ -42,7 +42,7 @@ def _tensor(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, int]:
 def _cases():
     for kind in (*QUANTISED, *RANDOM_BLOCKS):
         big = kind in RANDOM_BLOCKS
-        for n, k in ([(33, 256), (64, 512), (37, 768)] if big else [(33, 96), (64, 32), (37, 576), (16, 64)]):
+        for n, k in ([(33, 256), (64, 512), (37, 768)] if big else [(33, 96), (64, 32), (37, 576), (16, 64), (100, 64)]):
             yield kind, n, k
 
 
@@ -65,7 +65,7 @@ def test_stored_blocks_expand_to_gguf_pys_numbers_and_the_gemm_is_bit_identical(
     bias = torch.randn(n, generator=g)
     for isa in _isas():
         OPS.set_isa(isa)
-        for m in (1, 2, 5, 6, 7, 13, 16, 40):
+        for m in (1, 2, 3, 4, 5, 6, 7, 13, 16, 40):
             x = torch.randn(m, k, generator=g)
             assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, None, n), OPS.linear(x, f32, None, n)), (isa, m)
             assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, bias, n), OPS.linear(x, f32, bias, n)), (isa, m)

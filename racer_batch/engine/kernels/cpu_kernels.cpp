@@ -563,6 +563,253 @@ struct StoredPanels {
   const float* next(int64_t, int64_t, int64_t, bool) const { return buffer(); }  // in L1 already
 };
 
+// ---- a few rows over a stored weight, expanded in registers ----
+// At M <= ROWS_MAX the chunk-buffer path above pays a store and a reload per weight for too few rows to share
+// them, and one panel's FMA chains (16 outputs per row, one FMA per k) wait 4 cycles per k on the FMA latency.
+// Here each k's 16 weights of a panel are expanded into registers by the same operations as expand_group and
+// used at once by every row, and NP panels run side by side so their chains overlap. Every output element still
+// gets one FMA per k, in k order, from the same start (0, or y when add_into), with the bias added after the
+// last: the float32 kernel's chain, so the bits are the same.
+constexpr int ROWS_MAX = 4;           // rows of one register block
+constexpr int64_t ROW_PF_GROUPS = 2;  // groups ahead that each panel's stream is prefetched
+
+inline void prefetch_group(const uint8_t* g, int64_t i, int64_t gbytes) {
+  if (i * 64 < gbytes) _mm_prefetch(reinterpret_cast<const char*>(g + ROW_PF_GROUPS * gbytes + i * 64), _MM_HINT_T0);
+}
+
+// Panels side by side per register block of MR rows: AVX2 has 16 registers (2 accumulators per row and panel,
+// 4 scale registers per panel), AVX-512 32 (1 and 2).
+constexpr int row_panels(bool wide, int mr) { return wide ? (mr <= 2 ? 4 : 2) : (mr == 1 ? 2 : 1); }
+
+// y[0:MR, 16 p0 : 16 (p0 + NP)] over panels p0.. of a stored weight (``w``: panel p0's first group).
+template <int64_t FMT, int NP, int MR>
+void stored_rows_kernel(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w, int64_t pstride,
+                        int64_t G, int64_t gbytes, float* __restrict y, int64_t ldy, int64_t ncols,
+                        const float* __restrict bias, bool add_into) {
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int64_t nc = std::max<int64_t>(0, std::min(NR, ncols - j * NR));
+      if (add_into && nc > 0) load_row(y + r * ldy + j * NR, acc[r][j][0], acc[r][j][1], nc);
+      else acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+    }
+  }
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const float* xg = x + gi * GROUP_K;
+    const uint8_t* g[NP];
+    __m256 a[NP][2], c[NP][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      g[j] = w + j * pstride + gi * gbytes;
+      if constexpr (FMT == STORED_U4H) {
+        a[j][0] = half8(g[j]), a[j][1] = half8(g[j] + 16), c[j][0] = half8(g[j] + 32), c[j][1] = half8(g[j] + 48);
+      } else if constexpr (FMT == STORED_U4F) {
+        const float* f = reinterpret_cast<const float*>(g[j]);
+        a[j][0] = _mm256_loadu_ps(f), a[j][1] = _mm256_loadu_ps(f + 8);
+        c[j][0] = _mm256_loadu_ps(f + 16), c[j][1] = _mm256_loadu_ps(f + 24);
+      }
+    }
+    for (int64_t i = 0; i < GROUP_K / 2; ++i) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        prefetch_group(g[j], i, gbytes);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256 we, wo;
+          if constexpr (FMT == STORED_F16) {
+            we = half8(g[j] + (2 * i) * 32 + h * 16);
+            wo = half8(g[j] + (2 * i + 1) * 32 + h * 16);
+          } else if constexpr (FMT == STORED_I8) {
+            const __m256 s = _mm256_loadu_ps(reinterpret_cast<const float*>(g[j]) + (i / 8) * NR + h * 8);
+            const uint8_t* q = g[j] + 2 * NR * 4 + h * 8;
+            we = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (2 * i) * NR)))));
+            wo = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (2 * i + 1) * NR)))));
+          } else {
+            const uint8_t* q = g[j] + (FMT == STORED_U4H ? 64 : 128) + h * 8;
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * NR)));
+            we = _mm256_fmadd_ps(a[j][h], _mm256_cvtepi32_ps(_mm256_and_si256(b, low)), c[j][h]);
+            wo = _mm256_fmadd_ps(a[j][h], _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), c[j][h]);
+          }
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            acc[r][j][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + r * ldx + 2 * i), we, acc[r][j][h]);
+            acc[r][j][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + r * ldx + 2 * i + 1), wo, acc[r][j][h]);
+          }
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    const int64_t nc = std::max<int64_t>(0, std::min(NR, ncols - j * NR));
+    if (nc == 0) continue;
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    if (bias != nullptr) {
+      alignas(32) float bb[NR] = {0};
+      std::memcpy(bb, bias + j * NR, sizeof(float) * nc);
+      b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      if (bias != nullptr) acc[r][j][0] = _mm256_add_ps(acc[r][j][0], b0), acc[r][j][1] = _mm256_add_ps(acc[r][j][1], b1);
+      store_row(y + r * ldy + j * NR, acc[r][j][0], acc[r][j][1], nc);
+    }
+  }
+}
+
+// The same on AVX-512: one zmm per panel's 16 features, by the same lane-wise operations.
+template <int64_t FMT, int NP, int MR>
+RACER_AVX512 void stored_rows_kernel_512(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w,
+                                         int64_t pstride, int64_t G, int64_t gbytes, float* __restrict y, int64_t ldy,
+                                         int64_t ncols, const float* __restrict bias, bool add_into) {
+  __m512 acc[MR][NP];
+  __mmask16 mk[NP];
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    const int64_t nc = std::max<int64_t>(0, std::min(NR, ncols - j * NR));
+    mk[j] = nc >= NR ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1u);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+      acc[r][j] = add_into ? _mm512_maskz_loadu_ps(mk[j], y + r * ldy + j * NR) : _mm512_setzero_ps();
+  }
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const float* xg = x + gi * GROUP_K;
+    const uint8_t* g[NP];
+    __m512 a[NP], c[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      g[j] = w + j * pstride + gi * gbytes;
+      if constexpr (FMT == STORED_U4H) {
+        a[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g[j])));
+        c[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g[j] + 32)));
+      } else if constexpr (FMT == STORED_U4F) {
+        a[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(g[j]));
+        c[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(g[j]) + 16);
+      }
+    }
+    for (int64_t i = 0; i < GROUP_K / 2; ++i) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        prefetch_group(g[j], i, gbytes);
+        __m512 we, wo;
+        if constexpr (FMT == STORED_F16) {
+          we = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g[j] + (2 * i) * 32)));
+          wo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g[j] + (2 * i + 1) * 32)));
+        } else if constexpr (FMT == STORED_I8) {
+          const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(g[j]) + (i / 8) * NR);
+          const uint8_t* q = g[j] + 2 * NR * 4;
+          we = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * i) * NR)))));
+          wo = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * i + 1) * NR)))));
+        } else {
+          const uint8_t* q = g[j] + (FMT == STORED_U4H ? 64 : 128);
+          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * NR)));
+          we = _mm512_fmadd_ps(a[j], _mm512_cvtepi32_ps(_mm512_and_si512(b, low)), c[j]);
+          wo = _mm512_fmadd_ps(a[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), c[j]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r * ldx + 2 * i]), we, acc[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r * ldx + 2 * i + 1]), wo, acc[r][j]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    if (mk[j] == 0) continue;
+    const __m512 bj = bias != nullptr ? _mm512_maskz_loadu_ps(mk[j], bias + j * NR) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      if (bias != nullptr) acc[r][j] = _mm512_add_ps(acc[r][j], bj);
+      _mm512_mask_storeu_ps(y + r * ldy + j * NR, mk[j], acc[r][j]);
+    }
+  }
+}
+
+using RowsKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t, int64_t,
+                            const float*, bool);
+
+// The kernel for MR rows and np <= row_panels(wide, MR) panels.
+template <int64_t FMT, int MR>
+RowsKernel rows_kernel(bool wide, int np) {
+  if (wide) {
+    if constexpr (row_panels(true, MR) == 4) {
+      if (np == 4) return stored_rows_kernel_512<FMT, 4, MR>;
+      if (np == 3) return stored_rows_kernel_512<FMT, 3, MR>;
+    }
+    return np >= 2 ? stored_rows_kernel_512<FMT, 2, MR> : stored_rows_kernel_512<FMT, 1, MR>;
+  }
+  if constexpr (row_panels(false, MR) == 2) {
+    if (np == 2) return stored_rows_kernel<FMT, 2, MR>;
+  }
+  return stored_rows_kernel<FMT, 1, MR>;
+}
+
+template <int64_t FMT>
+RowsKernel rows_kernel(bool wide, int mr, int np) {
+  switch (mr) {
+    case 1: return rows_kernel<FMT, 1>(wide, np);
+    case 2: return rows_kernel<FMT, 2>(wide, np);
+    case 3: return rows_kernel<FMT, 3>(wide, np);
+    default: return rows_kernel<FMT, 4>(wide, np);
+  }
+}
+
+RowsKernel rows_kernel(int64_t fmt, bool wide, int mr, int np) {
+  switch (fmt) {
+    case STORED_F16: return rows_kernel<STORED_F16>(wide, mr, np);
+    case STORED_I8: return rows_kernel<STORED_I8>(wide, mr, np);
+    case STORED_U4H: return rows_kernel<STORED_U4H>(wide, mr, np);
+    default: return rows_kernel<STORED_U4F>(wide, mr, np);
+  }
+}
+
+// Up to how many rows a call takes stored_rows_gemm (RACER_STORED_ROWS overrides it: A/B and debugging; 0 sends
+// every call through the chunk buffer).
+constexpr int64_t STORED_ROWS_DEFAULT = 8;  // measured: at 5-8 rows the register blocks match or beat the chunk buffer (Zen 4)
+int64_t stored_rows_max() {
+  static const int64_t m = [] {
+    const char* env = std::getenv("RACER_STORED_ROWS");
+    return env != nullptr ? std::max<int64_t>(0, std::atoi(env)) : STORED_ROWS_DEFAULT;
+  }();
+  return m;
+}
+
+// y[M, N] = x[M, K] @ W^T + bias (or y += that) over a stored weight [panels, G, gbytes], M <= stored_rows_max():
+// threads split blocks of panels; each block's rows go in register blocks of at most ROWS_MAX (its bytes stay in L1
+// from the first row block to the next).
+void stored_rows_gemm(const float* x, int64_t ldx, int64_t M, const uint8_t* wp, int64_t fmt, int64_t gbytes,
+                      int64_t K, int64_t panels, int64_t N, const float* b, float* y, int64_t ldy, bool add_into) {
+  const bool wide = wide_isa();
+  const int64_t rblocks = (M + ROWS_MAX - 1) / ROWS_MAX;
+  const int np = row_panels(wide, static_cast<int>(row_block(M, rblocks)));  // the first row block is the largest
+  const int64_t G = K / GROUP_K, pstride = G * gbytes;
+  const int64_t blocks = (panels + np - 1) / np;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * NR * np * M));
+  at::parallel_for(0, blocks, grain, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t p = q * np, n = std::min<int64_t>(np, panels - p);
+      const int64_t n0 = p * NR;
+      int64_t m0 = 0;
+      for (int64_t left = rblocks; left > 0; --left) {
+        const int64_t mr = row_block(M - m0, left);
+        rows_kernel(fmt, wide, static_cast<int>(mr), static_cast<int>(n))(
+            x + m0 * ldx, ldx, wp + p * pstride, pstride, G, gbytes, y + m0 * ldy + n0, ldy, N - n0,
+            b != nullptr ? b + n0 : nullptr, add_into);
+        m0 += mr;
+      }
+    }
+  });
+}
+
 const uint8_t* check_stored(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t N, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               op, ": x must be a float32 CPU [M, K] with unit column stride, got ", x.sizes());
@@ -594,7 +841,10 @@ at::Tensor stored_out(at::Tensor out, const at::Tensor& x, const at::Tensor& pac
   at::Tensor bias_c;
   const float* b = stored_bias(bias, N, bias_c, op);
   const int64_t K = xc.size(1);
-  if (xc.size(0) > 0) {
+  if (xc.size(0) > 0 && xc.size(0) <= stored_rows_max()) {
+    stored_rows_gemm(xc.data_ptr<float>(), xc.stride(0), xc.size(0), wp, fmt, packed.size(2), K, packed.size(0), N, b,
+                     out.data_ptr<float>(), out.stride(0), add_into);
+  } else if (xc.size(0) > 0) {
     gemm_t(xc.data_ptr<float>(), xc.stride(0), xc.size(0), K, StoredPanels{wp, K, fmt, packed.size(2)},
            packed.size(0), N, b, out.data_ptr<float>(), out.stride(0), add_into);
   }
