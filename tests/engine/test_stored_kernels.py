@@ -42,7 +42,8 @@ def _tensor(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, int]:
 def _cases():
     for kind in (*QUANTISED, *RANDOM_BLOCKS):
         big = kind in RANDOM_BLOCKS
-        for n, k in ([(33, 256), (64, 512), (37, 768)] if big else [(33, 96), (64, 32), (37, 576), (16, 64), (100, 64)]):
+        small = [(33, 96), (64, 32), (37, 576), (16, 64), (100, 64)]
+        for n, k in ([(33, 256), (64, 512), (37, 768)] if big else small):
             yield kind, n, k
 
 

@@ -570,7 +570,8 @@ struct StoredPanels {
 // used at once by every row, and NP panels run side by side so their chains overlap. Every output element still
 // gets one FMA per k, in k order, from the same start (0, or y when add_into), with the bias added after the
 // last: the float32 kernel's chain, so the bits are the same.
-constexpr int ROWS_MAX = 4;           // rows of one register block
+constexpr int ROWS_MAX = 4;           // rows of one register block (AVX2)
+constexpr int ROWS_MAX_512 = 8;       // ... (AVX-512)
 constexpr int64_t ROW_PF_GROUPS = 2;  // groups ahead that each panel's stream is prefetched
 
 inline void prefetch_group(const uint8_t* g, int64_t i, int64_t gbytes) {
@@ -579,7 +580,12 @@ inline void prefetch_group(const uint8_t* g, int64_t i, int64_t gbytes) {
 
 // Panels side by side per register block of MR rows: AVX2 has 16 registers (2 accumulators per row and panel,
 // 4 scale registers per panel), AVX-512 32 (1 and 2).
-constexpr int row_panels(bool wide, int mr) { return wide ? (mr <= 2 ? 4 : 2) : (mr == 1 ? 2 : 1); }
+#ifndef RACER_RP8
+#define RACER_RP8 1
+#endif
+constexpr int row_panels(bool wide, int mr) {
+  return wide ? (mr <= 4 ? 4 : RACER_RP8) : (mr == 1 ? 2 : 1);
+}
 
 // y[0:MR, 16 p0 : 16 (p0 + NP)] over panels p0.. of a stored weight (``w``: panel p0's first group).
 template <int64_t FMT, int NP, int MR>
@@ -587,9 +593,9 @@ void stored_rows_kernel(const float* __restrict x, int64_t ldx, const uint8_t* _
                         int64_t G, int64_t gbytes, float* __restrict y, int64_t ldy, int64_t ncols,
                         const float* __restrict bias, bool add_into) {
   __m256 acc[MR][NP][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       const int64_t nc = std::max<int64_t>(0, std::min(NR, ncols - j * NR));
       if (add_into && nc > 0) load_row(y + r * ldy + j * NR, acc[r][j][0], acc[r][j][1], nc);
@@ -601,7 +607,7 @@ void stored_rows_kernel(const float* __restrict x, int64_t ldx, const uint8_t* _
     const float* xg = x + gi * GROUP_K;
     const uint8_t* g[NP];
     __m256 a[NP][2], c[NP][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       g[j] = w + j * pstride + gi * gbytes;
       if constexpr (FMT == STORED_U4H) {
@@ -613,7 +619,7 @@ void stored_rows_kernel(const float* __restrict x, int64_t ldx, const uint8_t* _
       }
     }
     for (int64_t i = 0; i < GROUP_K / 2; ++i) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) {
         prefetch_group(g[j], i, gbytes);
 #pragma GCC unroll 2
@@ -635,7 +641,7 @@ void stored_rows_kernel(const float* __restrict x, int64_t ldx, const uint8_t* _
             we = _mm256_fmadd_ps(a[j][h], _mm256_cvtepi32_ps(_mm256_and_si256(b, low)), c[j][h]);
             wo = _mm256_fmadd_ps(a[j][h], _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), c[j][h]);
           }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < MR; ++r) {
             acc[r][j][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + r * ldx + 2 * i), we, acc[r][j][h]);
             acc[r][j][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xg + r * ldx + 2 * i + 1), wo, acc[r][j][h]);
@@ -644,7 +650,7 @@ void stored_rows_kernel(const float* __restrict x, int64_t ldx, const uint8_t* _
       }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) {
     const int64_t nc = std::max<int64_t>(0, std::min(NR, ncols - j * NR));
     if (nc == 0) continue;
@@ -654,7 +660,7 @@ void stored_rows_kernel(const float* __restrict x, int64_t ldx, const uint8_t* _
       std::memcpy(bb, bias + j * NR, sizeof(float) * nc);
       b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       if (bias != nullptr) acc[r][j][0] = _mm256_add_ps(acc[r][j][0], b0), acc[r][j][1] = _mm256_add_ps(acc[r][j][1], b1);
       store_row(y + r * ldy + j * NR, acc[r][j][0], acc[r][j][1], nc);
@@ -669,11 +675,11 @@ RACER_AVX512 void stored_rows_kernel_512(const float* __restrict x, int64_t ldx,
                                          int64_t ncols, const float* __restrict bias, bool add_into) {
   __m512 acc[MR][NP];
   __mmask16 mk[NP];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) {
     const int64_t nc = std::max<int64_t>(0, std::min(NR, ncols - j * NR));
     mk[j] = nc >= NR ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1u);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
       acc[r][j] = add_into ? _mm512_maskz_loadu_ps(mk[j], y + r * ldy + j * NR) : _mm512_setzero_ps();
   }
@@ -682,7 +688,7 @@ RACER_AVX512 void stored_rows_kernel_512(const float* __restrict x, int64_t ldx,
     const float* xg = x + gi * GROUP_K;
     const uint8_t* g[NP];
     __m512 a[NP], c[NP];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       g[j] = w + j * pstride + gi * gbytes;
       if constexpr (FMT == STORED_U4H) {
@@ -694,7 +700,7 @@ RACER_AVX512 void stored_rows_kernel_512(const float* __restrict x, int64_t ldx,
       }
     }
     for (int64_t i = 0; i < GROUP_K / 2; ++i) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) {
         prefetch_group(g[j], i, gbytes);
         __m512 we, wo;
@@ -714,7 +720,7 @@ RACER_AVX512 void stored_rows_kernel_512(const float* __restrict x, int64_t ldx,
           we = _mm512_fmadd_ps(a[j], _mm512_cvtepi32_ps(_mm512_and_si512(b, low)), c[j]);
           wo = _mm512_fmadd_ps(a[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), c[j]);
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r * ldx + 2 * i]), we, acc[r][j]);
           acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r * ldx + 2 * i + 1]), wo, acc[r][j]);
@@ -722,11 +728,11 @@ RACER_AVX512 void stored_rows_kernel_512(const float* __restrict x, int64_t ldx,
       }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) {
     if (mk[j] == 0) continue;
     const __m512 bj = bias != nullptr ? _mm512_maskz_loadu_ps(mk[j], bias + j * NR) : _mm512_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       if (bias != nullptr) acc[r][j] = _mm512_add_ps(acc[r][j], bj);
       _mm512_mask_storeu_ps(y + r * ldy + j * NR, mk[j], acc[r][j]);
@@ -740,17 +746,24 @@ using RowsKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, int6
 // The kernel for MR rows and np <= row_panels(wide, MR) panels.
 template <int64_t FMT, int MR>
 RowsKernel rows_kernel(bool wide, int np) {
-  if (wide) {
-    if constexpr (row_panels(true, MR) == 4) {
-      if (np == 4) return stored_rows_kernel_512<FMT, 4, MR>;
-      if (np == 3) return stored_rows_kernel_512<FMT, 3, MR>;
+  if constexpr (MR > ROWS_MAX) {  // AVX-512 only (stored_rows_gemm)
+    if constexpr (row_panels(true, MR) == 2) {
+      if (np >= 2) return stored_rows_kernel_512<FMT, 2, MR>;
     }
-    return np >= 2 ? stored_rows_kernel_512<FMT, 2, MR> : stored_rows_kernel_512<FMT, 1, MR>;
+    return stored_rows_kernel_512<FMT, 1, MR>;
+  } else {
+    if (wide) {
+      if constexpr (row_panels(true, MR) == 4) {
+        if (np == 4) return stored_rows_kernel_512<FMT, 4, MR>;
+        if (np == 3) return stored_rows_kernel_512<FMT, 3, MR>;
+      }
+      return np >= 2 ? stored_rows_kernel_512<FMT, 2, MR> : stored_rows_kernel_512<FMT, 1, MR>;
+    }
+    if constexpr (row_panels(false, MR) == 2) {
+      if (np == 2) return stored_rows_kernel<FMT, 2, MR>;
+    }
+    return stored_rows_kernel<FMT, 1, MR>;
   }
-  if constexpr (row_panels(false, MR) == 2) {
-    if (np == 2) return stored_rows_kernel<FMT, 2, MR>;
-  }
-  return stored_rows_kernel<FMT, 1, MR>;
 }
 
 template <int64_t FMT>
@@ -759,7 +772,11 @@ RowsKernel rows_kernel(bool wide, int mr, int np) {
     case 1: return rows_kernel<FMT, 1>(wide, np);
     case 2: return rows_kernel<FMT, 2>(wide, np);
     case 3: return rows_kernel<FMT, 3>(wide, np);
-    default: return rows_kernel<FMT, 4>(wide, np);
+    case 4: return rows_kernel<FMT, 4>(wide, np);
+    case 5: return rows_kernel<FMT, 5>(wide, np);
+    case 6: return rows_kernel<FMT, 6>(wide, np);
+    case 7: return rows_kernel<FMT, 7>(wide, np);
+    default: return rows_kernel<FMT, 8>(wide, np);
   }
 }
 
@@ -772,15 +789,30 @@ RowsKernel rows_kernel(int64_t fmt, bool wide, int mr, int np) {
   }
 }
 
-// Up to how many rows a call takes stored_rows_gemm (RACER_STORED_ROWS overrides it: A/B and debugging; 0 sends
-// every call through the chunk buffer).
-constexpr int64_t STORED_ROWS_DEFAULT = 8;  // measured: at 5-8 rows the register blocks match or beat the chunk buffer (Zen 4)
-int64_t stored_rows_max() {
-  static const int64_t m = [] {
-    const char* env = std::getenv("RACER_STORED_ROWS");
-    return env != nullptr ? std::max<int64_t>(0, std::atoi(env)) : STORED_ROWS_DEFAULT;
+// Up to how many rows a call takes stored_rows_gemm rather than the chunk buffer, measured on a Zen 4 with
+// benchmarks/stored_gemm.py (SmolLM2's weight shapes, both paths interleaved; benchmarks/stored-gemm-*.md): on
+// AVX-512 the register blocks of up to 8 rows ran ahead at every row count tried, 1 to 256 (2.3x at 1 row, 1.9x
+// at 8, 1.2x at 32, 1.05x at 256), so every call takes them; on AVX2 the blocks of up to 4 rows led up to 8 rows
+// (1.3-1.6x, level at 4-6) and trailed from 12 (0.94x, 0.56x at 256). RACER_STORED_ROWS or racer::set_stored_rows
+// overrides it (A/B and debugging; 0 sends every call through the buffer).
+constexpr int64_t STORED_ROWS_AVX2 = 8, STORED_ROWS_AVX512 = std::numeric_limits<int64_t>::max();
+int64_t& stored_rows_override() {
+  static int64_t v = [] {
+    const char* e = std::getenv("RACER_STORED_ROWS");
+    return e != nullptr ? std::max<int64_t>(0, std::atoi(e)) : int64_t{-1};
   }();
-  return m;
+  return v;
+}
+int64_t stored_rows_max() {
+  const int64_t v = stored_rows_override();
+  return v >= 0 ? v : (wide_isa() ? STORED_ROWS_AVX512 : STORED_ROWS_AVX2);
+}
+// Set the override (-1: the per-ISA default above); returns the previous one.
+int64_t set_stored_rows(int64_t rows) {
+  TORCH_CHECK(rows >= -1, "racer::set_stored_rows: -1 (default) or a row count >= 0, got ", rows);
+  const int64_t old = stored_rows_override();
+  stored_rows_override() = rows;
+  return old;
 }
 
 // y[M, N] = x[M, K] @ W^T + bias (or y += that) over a stored weight [panels, G, gbytes], M <= stored_rows_max():
@@ -789,7 +821,8 @@ int64_t stored_rows_max() {
 void stored_rows_gemm(const float* x, int64_t ldx, int64_t M, const uint8_t* wp, int64_t fmt, int64_t gbytes,
                       int64_t K, int64_t panels, int64_t N, const float* b, float* y, int64_t ldy, bool add_into) {
   const bool wide = wide_isa();
-  const int64_t rblocks = (M + ROWS_MAX - 1) / ROWS_MAX;
+  const int64_t rows_max = wide ? ROWS_MAX_512 : ROWS_MAX;
+  const int64_t rblocks = (M + rows_max - 1) / rows_max;
   const int np = row_panels(wide, static_cast<int>(row_block(M, rblocks)));  // the first row block is the largest
   const int64_t G = K / GROUP_K, pstride = G * gbytes;
   const int64_t blocks = (panels + np - 1) / np;
@@ -1919,6 +1952,8 @@ TORCH_LIBRARY(racer, m) {
   m.def("attention_causal(Tensor q, Tensor keys, Tensor values, int start, float scale) -> Tensor");
   // the GEMM and the embedding rows over a weight kept in its GGUF blocks (STORED_* formats)
   m.def("stored_group_bytes(int fmt) -> int", stored_group_bytes);
+  // up to how many rows the stored GEMM expands in registers (-1: the ISA's default); returns the previous setting
+  m.def("set_stored_rows(int rows) -> int", set_stored_rows);
   m.def("stored_linear(Tensor x, Tensor packed, int fmt, Tensor? bias, int N) -> Tensor");
   m.def("stored_linear_add_(Tensor(a!) out, Tensor x, Tensor packed, int fmt, Tensor? bias) -> Tensor(a!)");
   m.def("stored_linear_into_(Tensor(a!) out, Tensor x, Tensor packed, int fmt, Tensor? bias) -> Tensor(a!)");
