@@ -205,11 +205,13 @@ class _Generator:
     def _load(self, draft: Any) -> Any:
         return self._llama_cpp.Llama(
             model_path=self.model, n_threads=self.threads, n_threads_batch=self.threads, n_ctx=self.ctx,
-            n_batch=512, verbose=False, logits_all=False, draft_model=draft,
+            n_batch=512, verbose=False, logits_all=draft is not None, draft_model=draft,
         )
 
     def lookup(self) -> Any:
-        """The prompt-lookup ``Llama`` (llama-cpp-python makes it keep logits for every position)."""
+        """The prompt-lookup ``Llama``. It must keep logits for every position (``logits_all``): without it
+        llama-cpp-python sizes its logits buffer to one batch (512 rows) and a draft verified past position ~500
+        fails ("could not broadcast ... into shape (8 * n_vocab,)")."""
         if self._lookup is None:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 

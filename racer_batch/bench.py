@@ -464,7 +464,11 @@ def _md_settings(summary: dict) -> list[str]:
     for label, dumped in summary.get("method_configs", {}).items():
         if dumped.get("method") in HF_METHODS:
             continue
-        cfg = DecodingConfig.model_validate(dumped)
+        try:
+            cfg = DecodingConfig.model_validate(dumped)
+        except ValueError:  # an outside engine's row (run_bench's ``extra``): its own settings as given
+            out.append(f"- `{label}`: " + ", ".join(f"{k}={v}" for k, v in dumped.items()))
+            continue
         default = decoding_config(MethodSpec(label, cfg.method), capacity=conf.get("capacity", 16),
                                   corpus=conf.get("corpus"))
         diff = {k: v for k, v in cfg.model_dump(mode="json").items() if v != getattr(default, k, None)}
