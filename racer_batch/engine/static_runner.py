@@ -48,7 +48,11 @@ log = logging.getLogger(__name__)
 __all__ = ["StaticRunner", "SlotCache", "describe_unsupported", "pick_bucket", "DEFAULT_BUCKETS", "MAX_SLOTS"]
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-INITIAL_POSITIONS = 2048  # KV positions per slot allocated at start (grows on demand up to the context)
+# KV positions per slot allocated at start (grows on demand, doubling, up to the context): on CUDA room for a
+# typical row up front, so captured graphs survive the first rows; on the CPU, which captures none, a small start
+# keeps an idle worker's memory down (a 135M model's 2,048 positions are 94 MB per slot, issue 31)
+INITIAL_POSITIONS = 2048
+INITIAL_POSITIONS_CPU = 512
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds the [chunk, S] attention scores)
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -146,7 +150,8 @@ class StaticRunner:
         max_slots: the most slots ``new_cache`` grows to (a leak of rows that never release theirs stops
             there with an error instead of taking memory without bound).
         max_len: KV positions per slot at start (at least one bucket + 1; 0: the context or
-            ``INITIAL_POSITIONS``, whichever is smaller, plus one bucket of tree padding); grows on demand up to
+            ``INITIAL_POSITIONS`` (``INITIAL_POSITIONS_CPU`` on the CPU), whichever is smaller, plus one bucket of
+            tree padding); grows on demand up to
             the context (growing drops the captured CUDA graphs, which are captured again lazily).
         buckets: the padded tree sizes of the captured CUDA graphs.
         matmul: ``auto`` | ``torch`` | ``small_gemm`` | ``onednn_packed`` (``default_matmul_path``).
@@ -204,7 +209,8 @@ class StaticRunner:
         self.warmup_s: dict[int, float] = {}
         self._mask_buf = torch.empty(0, dtype=self.dtype)  # reused CPU buffer of the verify mask (_flat_mask)
         # sized for a typical row up front, so warm-up graphs survive the first rows
-        start = int(max_len) if max_len > 0 else min(self.context_length, INITIAL_POSITIONS) + self.buckets[-1]
+        initial = INITIAL_POSITIONS if self.device.type == "cuda" else INITIAL_POSITIONS_CPU
+        start = int(max_len) if max_len > 0 else min(self.context_length, initial) + self.buckets[-1]
         w = self.weights
         self.kv_cache = KVCache((len(w.layers), w.n_kv, w.head_dim), dtype=self.dtype, device=self.device,
                                 context_length=self.context_length, pad=self.buckets[-1], slots=slots,

