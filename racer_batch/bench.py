@@ -271,6 +271,7 @@ def run_bench(
     enc = Engine(bundle, DecodingConfig(method="ar"))
     res = BenchResult(config=dict(model=bundle.name, capacity=capacity, max_new_tokens=max_new_tokens,
                                   methods=list(c.runners), items=len(items), device=bundle.device, dtype=bundle.dtype,
+                                  weights=getattr(bundle, "weights", None),
                                   torch_threads=torch.get_num_threads(), machine=platform.machine(),
                                   processor=machine()["cpu"], host=machine(), corpus=corpus,
                                   runners=c.kinds, warmup_s=c.warmups),

@@ -469,10 +469,11 @@ def _stored_blocker(gguf: Path | None, dev: str, torch_dtype: torch.dtype) -> st
         return "only a GGUF model (smollm2-135m, gemma3-270m, a .gguf file) has stored blocks"
     if dev != "cpu" or torch_dtype != torch.float32:
         return f"stored weights run on our float32 CPU kernels, not on {dev} in {str(torch_dtype)[6:]}"
-    from .engine.kernels import cpu_ops
+    from .engine.kernels import cpu_ops, unavailable_reason
 
     if cpu_ops() is None:
-        return "our CPU kernels do not run here (they need AVX2, FMA and F16C and a C++ compiler)"
+        why = unavailable_reason() or "they need AVX2, FMA, F16C and a C++ compiler"
+        return f"our CPU kernels do not run here ({why})"
     return None
 
 

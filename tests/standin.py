@@ -48,6 +48,7 @@ class StandInBundle:
     device: str = "cpu"
     dtype: str = "none"
     eos_ids: tuple = ()
+    weights: str = "float32"  # what a shard summary records as the weights that ran (issue 31)
 
 
 def load_standin(name: str) -> StandInBundle:

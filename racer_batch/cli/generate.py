@@ -74,9 +74,18 @@ def _decoding_options(f):
                      "outputs and equals greedy decoding of the same reduced model only up to numerical ties.")(f)
     f = click.option("--weights", type=click.Choice(["as_stored", "float32"]), default=None,
                      help="A GGUF model's weights: as_stored (its quantised blocks, expanded inside our CPU kernels; "
-                     "the same outputs bit for bit at ~1/5 of the memory) or float32 (de-quantised once). Default: "
+                     "the same outputs bit for bit; a fifth of float32's weight bytes, ~0.4x a process's memory) or "
+                     "float32 (de-quantised once). Default: "
                      "as_stored where it runs, else float32.")(f)
     return f
+
+
+def _weights_ran(bundle: Any, engine: Any) -> str:
+    """The weights the engine's matmuls read: ``bundle.weights``, except an as-stored bundle on the eager runner,
+    which expands them to float32 when it starts (``ModelBundle.materialize``)."""
+    if bundle.weights == "as_stored" and engine.runner.kind != "static":
+        return "float32 (expanded from as_stored for the eager runner)"
+    return bundle.weights
 
 
 @click.command(epilog=_GENERATE_EPILOG)
@@ -128,13 +137,14 @@ def generate(prompt: str, model: str, method: str, capacity: str, scope: str, ru
     if as_json:
         out = res.to_dict()
         out.update(model=bundle.name, method=method, config_hash=cfg.config_hash(), dtype=bundle.dtype,
-                   weights=bundle.weights, runner=engine.runner.kind)
+                   weights=_weights_ran(bundle, engine), runner=engine.runner.kind)
         click.echo(json.dumps(out))
         return
     s = res.stats
     click.echo(res.text)
     click.echo(
-        f"\n[{bundle.name} {bundle.dtype} {bundle.weights} | {method} cap={s.capacity} | {engine.runner.kind} runner] "
+        f"\n[{bundle.name} {bundle.dtype}, weights {_weights_ran(bundle, engine)} | {method} cap={s.capacity} | "
+        f"{engine.runner.kind} runner] "
         f"{res.output_tokens} tokens, finish={res.finish_reason}, "
         f"steps={s.steps}, MAT={s.mat:.2f}, prefill={res.prefill_ms:.0f} ms, decode={res.decode_ms:.0f} ms, "
         f"{res.tokens_per_s:.1f} tokens/s",

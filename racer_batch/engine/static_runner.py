@@ -151,8 +151,8 @@ class StaticRunner:
             there with an error instead of taking memory without bound).
         max_len: KV positions per slot at start (at least one bucket + 1; 0: the context or
             ``INITIAL_POSITIONS`` (``INITIAL_POSITIONS_CPU`` on the CPU), whichever is smaller, plus one bucket of
-            tree padding); grows on demand up to
-            the context (growing drops the captured CUDA graphs, which are captured again lazily).
+            tree padding); grows on demand up to the context (growing drops the captured CUDA graphs, which are
+            captured again lazily).
         buckets: the padded tree sizes of the captured CUDA graphs.
         matmul: ``auto`` | ``torch`` | ``small_gemm`` | ``onednn_packed`` (``default_matmul_path``).
         compile: CUDA graphs of the padded step per ``(B_pad, N_pad)`` bucket, on CUDA; asked for elsewhere it

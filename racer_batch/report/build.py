@@ -77,12 +77,20 @@ class Report:
         return lines
 
 
+def _weights_text(job: dict) -> str:
+    """``as_stored``, ``float32``, ``as_stored + float32`` (shards on both), or ``unrecorded`` (older output)."""
+    return " + ".join(job.get("weights") or []) or "unrecorded"
+
+
 def _job_summary(data: JobData, rows: list[dict]) -> dict:
     """The report's ``job`` block: identity, model, method, state and sizes, from the manifest and spec."""
     m = data.manifest
     spec = data.spec
     return {"job_id": data.job_id, "name": m.get("name") or spec.get("name"), "state": m.get("state"),
             "model": m.get("model"), "dtype": m.get("dtype") or "default", "method": m.get("method"),
+            # the weights the shards ran on (as_stored / float32; model.weights may be unset), from their summaries
+            "weights": sorted({str(v["weights"]) for v in (m.get("shards") or {}).values()
+                               if isinstance(v, dict) and v.get("weights")}),
             "config_hash": m.get("config_hash"), "spec_hash": m.get("spec_hash"), "rows": len(rows),
             "output": str(data.out_dir), "decoding": spec.get("decoding"),
             "max_new_tokens": (spec.get("generation") or {}).get("max_new_tokens"),
@@ -284,7 +292,8 @@ def drafting_sections(rep: Report) -> list[tuple[str, str, list]]:
 def render_md(rep: Report) -> str:
     j = rep.job
     parts = [f"# {rep.title}", "",
-             f"Model `{j['model']}` ({j.get('dtype', 'default')} weights), method `{j['method']}` "
+             f"Model `{j['model']}` (dtype {j.get('dtype', 'default')}, weights {_weights_text(j)}), "
+             f"method `{j['method']}` "
              f"(config {j['config_hash']}), state {j['state']}, "
              f"{j['rows']} rows, max_new_tokens {j['max_new_tokens']}, devices {', '.join(j['devices']) or '-'}. "
              f"Output: `{j['output']}`."
@@ -352,7 +361,8 @@ def render_html(rep: Report) -> str:
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(rep.title)}</title>
 <style>{_CSS}</style></head><body>
 <h1>{html.escape(rep.title)}</h1>
-<p>Model <code>{html.escape(str(j['model']))}</code> ({html.escape(str(j.get('dtype', 'default')))} weights), \
+<p>Model <code>{html.escape(str(j['model']))}</code> (dtype {html.escape(str(j.get('dtype', 'default')))}, \
+weights {html.escape(_weights_text(j))}), \
 method <code>{html.escape(str(j['method']))}</code>
 (config {html.escape(str(j['config_hash']))}), state {html.escape(str(j['state']))}, {j['rows']} rows,
 max_new_tokens {j['max_new_tokens']}, devices {html.escape(', '.join(j['devices']) or '-')}. {html.escape(price)}<br>

@@ -274,6 +274,12 @@ def test_model_weights_is_not_hashed_and_reaches_load_model(tmp_path, monkeypatc
     assert f32.model.weights == "float32" and f32.spec_hash() == plain.spec_hash()
     with pytest.raises(SpecError, match="model.weights"):
         load_spec(None, base_overrides(tmp_path, **{"model.weights": "q4"}))
+    # what no worker could load is refused when the spec is read, not when a worker takes the job
+    with pytest.raises(SpecError, match="as_stored' runs in float32 .* not in bfloat16"):
+        load_spec(None, base_overrides(tmp_path, **{"model.weights": "as_stored", "model.dtype": "bfloat16"}))
+    with pytest.raises(SpecError, match="tiny-random' is a random float32 model"):
+        load_spec(None, base_overrides(tmp_path, **{"model.weights": "as_stored", "model.name": "tiny-random"}))
+    assert load_spec(None, base_overrides(tmp_path, **{"model.weights": "float32", "model.dtype": "bfloat16"}))
     seen = {}
     import racer_batch.models as models
     from racer_batch.service.execution.runner import default_loader

@@ -156,6 +156,7 @@ def test_runner_batches_rows_and_keeps_row_order(tmp_path):
     assert "all null" in _content(out[4])["r02"]["error"] and "model error" in _content(out[4])["r05"]["error"]
     meta = _shard_meta(tmp_path / "b4", 0)
     assert max(int(k) for k in meta["batch_sizes"]) == 4 and meta["streams"] == 4
+    assert meta["weights"] == "float32"  # the loaded bundle's weights, recorded whatever model.weights said
     assert set(_shard_meta(tmp_path / "b1", 0)["batch_sizes"]) == {"1"}  # B = 1: one stream per step
 
 

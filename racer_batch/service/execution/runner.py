@@ -383,6 +383,7 @@ class RowRunner:
             stopped = LEASE_LOST  # the job went to another worker while the last rows ran: its copy wins
         meta = writer.summary(tally, worker=self.worker_name, node=self.node, attempt=task.attempt,
                               elapsed_s=time.perf_counter() - t0, streams=width,
+                              weights=getattr(self._bundle, "weights", None),  # what ran (model.weights may be unset)
                               batch_sizes={str(b): n for b, n in sorted(stats.sizes.items())}, **shard.summary())
         written = writer.commit(meta, stopped=stopped)
         if written and stopped is None:

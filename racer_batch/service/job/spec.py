@@ -85,8 +85,22 @@ class ModelSpec(BaseModel):
         "outputs: equal to greedy decoding of the same reduced model only up to numerical ties")
     weights: Optional[Literal["as_stored", "float32"]] = Field(
         None, description="a GGUF model's weights: as_stored (kept in the file's quantised blocks, expanded inside "
-        "the CPU kernels; bit-identical outputs at ~1/5 of the memory), float32 (de-quantised once), or None = "
-        "as_stored where it runs, else float32 (racer_batch.models.load_model). Never changes the output rows")
+        "the CPU kernels; bit-identical outputs, a fifth of float32's weight bytes), float32 (de-quantised once), "
+        "or None = as_stored where it runs, else float32 (racer_batch.models.load_model). Never changes the output "
+        "rows")
+
+    @model_validator(mode="after")
+    def _weights_fit(self) -> "ModelSpec":
+        """The combinations load_model would refuse on any worker, refused when the spec is read instead of when
+        a worker loads the model (a queued job would fail only then)."""
+        if self.weights == "as_stored":
+            if self.dtype in ("bfloat16", "float16"):
+                raise ValueError(f"model.weights 'as_stored' runs in float32 on our CPU kernels, not in {self.dtype}: "
+                                 "use weights 'float32' (or leave it unset) with a reduced dtype")
+            if self.name == "tiny-random":
+                raise ValueError("model.weights 'as_stored': model 'tiny-random' is a random float32 model with no "
+                                 "stored blocks; leave weights unset")
+        return self
 
 
 class GenerationDefaults(BaseModel):
