@@ -109,10 +109,11 @@ def _shown(path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--weights", default="as_stored,float32", help="model.weights settings, one job each")
-    ap.add_argument("--job", default=str(common.ROOT / "jobs" / "demo.yaml"))
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--job", default=str(common.ROOT / "jobs" / "demo.yaml"),
+                    help="job spec to run (default jobs/demo.yaml)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per row (default 96)")
     ap.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
-    ap.add_argument("--out", default=str(common.OUT))
+    ap.add_argument("--out", default=str(common.OUT), help="results folder (default: the repository's benchmarks/)")
     args = ap.parse_args(argv)
     rows = [run_job(w, job=args.job, max_new=args.max_new_tokens, interval=args.interval)
             for w in filter(None, args.weights.split(","))]

@@ -43,12 +43,12 @@ def time_call(fn, reps: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rows", default="1,2,4,6,8,12,16,24,32,64,256")
+    ap.add_argument("--model", default="smollm2-135m", help="a GGUF model whose weight shapes are timed")
+    ap.add_argument("--rows", default="1,2,4,6,8,12,16,24,32,64,256", help="row counts M (comma list)")
     ap.add_argument("--isas", default="", help="comma list (default: every one this CPU runs)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--out", default=str(common.OUT))
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per (shape, M)")
+    ap.add_argument("--reps", type=int, default=9, help="calls per round (median taken)")
+    ap.add_argument("--out", default=str(common.OUT), help="results folder (default: the repository's benchmarks/)")
     args = ap.parse_args(argv)
 
     from racer_batch.engine.kernels import cpu_ops

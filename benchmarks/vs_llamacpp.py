@@ -84,14 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a built-in GGUF model or a .gguf file")
     ap.add_argument("--counts", default=DEFAULT_COUNTS, help="prompts per set (benchdata.sample_prompts)")
-    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--max-new", type=int, default=256, help="new tokens per turn (default 256)")
     ap.add_argument("--capacity", default="auto", help="racer's capacity: auto or a number")
     ap.add_argument("--threads", type=int, default=2, help="threads of every contender")
     ap.add_argument("--venv", default=DEFAULT_VENV, help="llama-cpp-python's venv (built when missing)")
     ap.add_argument("--no-f32", action="store_true", help="leave the float32 racer row out")
     ap.add_argument("--fixed", default="4,16", help="racer rows at these fixed capacities beside auto (the "
                     "capacity tuner's check; '' for none)")
-    ap.add_argument("--out", default=str(common.OUT))
+    ap.add_argument("--out", default=str(common.OUT), help="results folder (default: the repository's benchmarks/)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
