@@ -363,3 +363,17 @@ class GenerationResult:
             "tokens_per_s": self.tokens_per_s,
             "stats": self.stats.to_dict(),
         }
+
+
+def weights_conflict(name: str, dtype: Optional[str], weights: Optional[str]) -> Optional[str]:
+    """Why ``weights`` cannot go with the other model settings on any machine (None: no conflict), for what checks
+    settings before loading (the job spec, the CLI): as_stored runs in float32 only, and ``tiny-random`` has no
+    stored blocks. What depends on the machine (our kernels, a GGUF file) is ``models.load_model``'s to say."""
+    if weights != "as_stored":
+        return None
+    if dtype in ("bfloat16", "float16"):
+        return (f"weights 'as_stored' runs in float32 on our CPU kernels, not in {dtype}: use weights 'float32' (or "
+                "leave it unset) with a reduced dtype")
+    if name == "tiny-random":
+        return "weights 'as_stored': model 'tiny-random' is a random float32 model with no stored blocks"
+    return None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import click
 
-from racer_batch.values import METHODS
+from racer_batch.values import METHODS, weights_conflict
 
 from .exit_codes import CliExit, ExitCode, epilog
 from .options import parse_capacity, pydantic_message, set_torch_threads
@@ -41,13 +41,17 @@ _BENCH_EPILOG = epilog(
 
 
 def _load_model(model: str, **kwargs: Any) -> Any:
-    """``load_model`` with a ModelLoadError turned into ``error: ...`` on stderr and exit 3. transformers'
+    """``load_model`` with a ModelLoadError turned into ``error: ...`` on stderr and exit 3 (settings that conflict
+    on any machine, ``values.weights_conflict``, exit 2 before anything loads). transformers'
     per-tensor "Loading weights" bar is switched off (as on the service's actors, which get
     HF_HUB_DISABLE_PROGRESS_BARS=1): a command's stderr keeps its own messages only."""
     from transformers.utils import logging as hf_logging
 
     from racer_batch import ModelLoadError, load_model
 
+    why = weights_conflict(model, kwargs.get("dtype"), kwargs.get("weights"))
+    if why is not None:  # a conflict of options, not a model that failed to load
+        raise CliExit(f"--{why}", ExitCode.INPUT)
     hf_logging.disable_progress_bar()
     try:
         return load_model(model, **kwargs)

@@ -29,6 +29,11 @@ def test_generate_exit_codes():
     assert r.stderr.startswith("Error: ")  # one style for every command's errors (CliExit)
     assert CliRunner().invoke(main, ["generate", "hi", "--capacity", "lots"]).exit_code == 2
     assert CliRunner().invoke(main, ["generate", "hi", "--max-new-tokens", "0"]).exit_code == 2
+    # weights that no machine could run with the other options: a usage error, before any model loads
+    r = CliRunner().invoke(main, ["generate", "hi", "--weights", "as_stored", "--dtype", "bfloat16"])
+    assert r.exit_code == 2 and "as_stored' runs in float32" in r.stderr
+    r = CliRunner().invoke(main, ["generate", "hi", "--weights", "as_stored", "--model", "tiny-random"])
+    assert r.exit_code == 2 and "no stored blocks" in r.stderr
     r = CliRunner().invoke(main, ["--help"])
     assert r.exit_code == 0 and "Exit codes" in r.output
 

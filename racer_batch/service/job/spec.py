@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from racer_batch.values import DecodingConfig, GenerationParams
+from racer_batch.values import DecodingConfig, GenerationParams, weights_conflict
 
 PACKAGE_PRESETS = Path(__file__).resolve().parents[2] / "presets"  # racer_batch/presets: shipped with the package
 PRESET_DIRS_ENV = "RACER_BATCH_PRESETS"  # extra folders searched for presets, os.pathsep separated
@@ -93,13 +93,9 @@ class ModelSpec(BaseModel):
     def _weights_fit(self) -> "ModelSpec":
         """The combinations load_model would refuse on any worker, refused when the spec is read instead of when
         a worker loads the model (a queued job would fail only then)."""
-        if self.weights == "as_stored":
-            if self.dtype in ("bfloat16", "float16"):
-                raise ValueError(f"model.weights 'as_stored' runs in float32 on our CPU kernels, not in {self.dtype}: "
-                                 "use weights 'float32' (or leave it unset) with a reduced dtype")
-            if self.name == "tiny-random":
-                raise ValueError("model.weights 'as_stored': model 'tiny-random' is a random float32 model with no "
-                                 "stored blocks; leave weights unset")
+        why = weights_conflict(self.name, self.dtype, self.weights)
+        if why is not None:
+            raise ValueError(f"model.{why}")
         return self
 
 
