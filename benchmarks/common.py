@@ -119,6 +119,16 @@ def median(xs: Iterable[Optional[float]]) -> Optional[float]:
     return statistics.median(vals) if vals else None
 
 
+def median_ms(fn: Any, reps: int) -> float:
+    """Median wall milliseconds of ``reps`` calls of ``fn()``."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(ts)
+
+
 def ratio(a: Optional[float], b: Optional[float], nd: int = 3) -> Optional[float]:
     """``a / b`` rounded to ``nd`` decimals; None when either is missing or zero.
 

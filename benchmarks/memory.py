@@ -119,13 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             for w in filter(None, args.weights.split(","))]
     for r in rows:
         print(json.dumps(r))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    command = "python -m benchmarks.memory " + shlex.join(argv if argv is not None else sys.argv[1:])
+    stamp = common.stamp()
+    command = common.command("memory", argv)
     summary = {"command": command, "machine": common.machine(), "rows": rows, "job": args.job,
                "max_new_tokens": args.max_new_tokens}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"memory-{stamp}.json").write_text(json.dumps(summary, indent=2))
     lines = [f"# Worker memory {stamp}", "", f"Reproduce: `{command}`", "",
              f"Machine: {common.machine_line(summary['machine'])}. The demo job ({_shown(args.job)}, one actor, "
              f"{args.max_new_tokens} new tokens per row), sampled every {args.interval} s: the peak of the Ray "
@@ -135,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['weights']} | {r['peak_rss_mb']} | {r['peak_uss_mb']} | {r['last_rss_mb']} | {r['last_uss_mb']} | "
               f"{r['wall_s']} | {r['samples']} |"
               for r in rows]
-    (out / f"memory-{stamp}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / f'memory-{stamp}.md'}")
+    _, mpath = common.write_results(args.out, f"memory-{stamp}", summary, "\n".join(lines))
+    print(f"wrote {mpath}")
     return 0
 
 

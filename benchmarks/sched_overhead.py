@@ -121,24 +121,16 @@ def time_components(queue: JobQueue, executor: RayExecutor, sample: list[RowReco
     rec = dataclasses.replace(sample[0], job_id=job)
     prog = Tally()
 
-    def med_ms(fn, n: int) -> float:
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1000.0)
-        return common.median(ts)
-
-    record_ms = med_ms(lambda: sink.observe(rec, progress=prog), repeats)
-    probe_ms = med_ms(lambda: sink.verdict(job, "me"), repeats)
+    record_ms = common.median_ms(lambda: sink.observe(rec, progress=prog), repeats)
+    probe_ms = common.median_ms(lambda: sink.verdict(job, "me"), repeats)
     for k in ("", "rows", "inflight"):
         queue.r.delete(queue.k_job(job, k))
     recs = (sample * (shard_rows // max(1, len(sample)) + 1))[:shard_rows]
     pdir = work / "parquet-timing"
-    parquet_ms = med_ms(lambda: write_part(pdir, 0, recs, shard_meta={"rows": len(recs)}), 20)
+    parquet_ms = common.median_ms(lambda: write_part(pdir, 0, recs, shard_meta={"rows": len(recs)}), 20)
     shutil.rmtree(pdir, ignore_errors=True)
     actor = executor.actors[0]
-    ray_ms = med_ms(lambda: ray.get(actor.describe.remote()), 50)
+    ray_ms = common.median_ms(lambda: ray.get(actor.describe.remote()), 50)
     return {"redis_record_row_ms": round(record_ms, 3), "redis_probe_ms": round(probe_ms, 3),
             "parquet_part_ms": round(parquet_ms, 2), "ray_roundtrip_ms": round(ray_ms, 3)}
 

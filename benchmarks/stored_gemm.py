@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
-import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -33,12 +30,7 @@ BIG = 1 << 30  # set_stored_rows: every row count through the registers
 def time_call(fn, reps: int) -> float:
     """Median ms of ``reps`` calls of ``fn`` (after one warm call)."""
     fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(ts)
+    return common.median_ms(fn, reps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,13 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                             "buffer_over_registers": round(per_path["buffer"] / per_path["registers"], 3)})
             print(json.dumps(results[-1]))
         ops.set_isa(old_isa)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    command = "python -m benchmarks.stored_gemm " + shlex.join(argv if argv is not None else sys.argv[1:])
+    stamp = common.stamp()
+    command = common.command("stored_gemm", argv)
     machine = common.machine()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"stored-gemm-{stamp}.json").write_text(json.dumps({"command": command, "machine": machine,
-                                                               "results": results}, indent=2))
     lines = [f"# Stored GEMM: registers vs chunk buffer {stamp}", "", f"Reproduce: `{command}`", "",
              f"Machine: {common.machine_line(machine)}; {torch.get_num_threads()} threads; model {args.model}; "
              f"medians of {args.rounds} alternating rounds of {args.reps} calls.", "",
@@ -110,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['isa']} | {r['rows']} | {r['weight']} | {r['n']} x {r['k']} | {r['fmt']} | "
               f"{r['registers_gmacs']} | {r['buffer_gmacs']} |" for r in results if r["weight"] != "(all shapes)"]
-    (out / f"stored-gemm-{stamp}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / f'stored-gemm-{stamp}.md'}")
+    _, mpath = common.write_results(args.out, f"stored-gemm-{stamp}",
+                                    {"command": command, "machine": machine, "results": results}, "\n".join(lines))
+    print(f"wrote {mpath}")
     return 0
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -113,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = bench.decoding_config(bench.parse_method("racer"), capacity=capacity)
         eng = Engine(f32, cfg)
         extra["racer_f32"] = (bench._engine_runner(eng, args.max_new), cfg.model_dump(mode="json"), eng.runner.kind)
-    command = "python -m benchmarks.vs_llamacpp " + shlex.join(argv if argv is not None else sys.argv[1:])
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    command = common.command("vs_llamacpp", argv)
+    stamp = common.stamp()
     # the model's own context, as our engine's
     with LlamaCppWorker(python, str(gguf), threads=args.threads, ctx=bundle.context_length) as worker:
         version, system_info = worker.version()

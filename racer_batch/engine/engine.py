@@ -110,14 +110,10 @@ def trim_heap() -> bool:
     benchmarks/memory.py). No-op elsewhere (not Linux, or a C library without ``malloc_trim``).
     """
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
+    try:  # the process's own symbols (no library search: find_library would run ldconfig per engine)
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
         return False
     return True
 
