@@ -67,7 +67,9 @@ class ModelLoadError(ValueError):
 class ModelBundle:
     """A loaded target model with what the engine needs to know about it."""
 
-    model: Any  # transformers PreTrainedModel (causal LM), in eval mode
+    # transformers PreTrainedModel (causal LM) in eval mode; None on a plain as-stored bundle (weights/plain.py)
+    # until ``materialize`` builds it for code that runs HF's forward
+    model: Any
     tokenizer: Any
     name: str
     eos_ids: list[int]  # every id that ends generation (generation config, tokenizer, end-of-turn markers)
@@ -77,17 +79,38 @@ class ModelBundle:
     weights: str = "float32"  # as_stored | float32 (WEIGHTS)
     # weights.stored.StoredModel where weights are as_stored: the parameters kept as the GGUF stores them
     stored: Any = None
+    # the model's config: the HF config (``model.config``) or, on a plain bundle, weights.plain.PlainConfig
+    config: Any = None
+    folder: Any = None  # a plain bundle's as-stored folder (``materialize`` reads its HF config from it)
+
+    def __post_init__(self) -> None:
+        if self.config is None and self.model is not None:
+            self.config = self.model.config
 
     @property
     def vocab_size(self) -> int:
         """Rows of the output layer (covers added and special tokens)."""
+        if self.model is None:
+            head = self.stored.weights.get("lm_head.weight") or self.stored.weights.get("model.embed_tokens.weight")
+            rows = head.shape[0] if head is not None else self.stored.tensors["lm_head.weight"].shape[0]
+            return int(rows)
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     def materialize(self) -> Any:
         """The HF model with every parameter real, for code that runs the HF forward (the eager runner, HF
-        ``generate``, oracles): an as-stored bundle's stored parameters are expanded to float32 once, the very
+        ``generate``, oracles): a plain bundle's HF model is built from its folder's config first (importing the
+        family's classes), and an as-stored bundle's stored parameters are expanded to float32 once, the very
         numbers the float32 path loads (the stored weights stay in use by the static runner). Returns the
         model."""
+        if self.model is None:
+            from transformers import AutoConfig, GenerationConfig
+
+            from .weights import stored
+
+            model = stored.empty_model(AutoConfig.from_pretrained(self.folder))
+            stored.restore(self.folder, model, self.stored)
+            model.generation_config = GenerationConfig.from_pretrained(self.folder)
+            self.model = model
         if self.stored is not None:
             from .weights.stored import materialize
 
@@ -276,10 +299,16 @@ def _dequantise(gguf: Path, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    ids: set[int] = set()
+def _generation_eos(model: Any) -> Any:
+    """``eos_token_id`` of ``model``'s generation config (an id, a list, or None)."""
     gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    return getattr(gen, "eos_token_id", None) if gen is not None else None
+
+
+def _eos_ids(eos: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends generation: the generation config's ``eos`` (an id or a list), the tokenizer's EOS and
+    the end-of-turn markers (``_END_MARKERS``) it has as special tokens."""
+    ids: set[int] = set()
     if isinstance(eos, int):
         ids.add(eos)
     elif isinstance(eos, (list, tuple)):
@@ -402,7 +431,8 @@ def _load_tiny_random(name: str, dev: str, torch_dtype: torch.dtype) -> ModelBun
     tok = AutoTokenizer.from_pretrained(stored_folder(_smollm2_gguf_dir() / SMOLLM2_GGUF))  # the same tokenizer files
     model = tiny_random_model(vocab_size=len(tok), eos_token_id=tok.eos_token_id, max_positions=8192)
     model = model.to(device=dev, dtype=torch_dtype)
-    return ModelBundle(model, tok, name, _eos_ids(model, tok), 8192, dev, str(torch_dtype).removeprefix("torch."))
+    return ModelBundle(model, tok, name, _eos_ids(_generation_eos(model), tok), 8192, dev,
+                       str(torch_dtype).removeprefix("torch."))
 
 
 def _model_source(name: str) -> tuple[str | Path, str]:
@@ -478,7 +508,9 @@ def _stored_blocker(gguf: Path | None, dev: str, torch_dtype: torch.dtype) -> st
 
 
 def _load_stored(name: str, gguf: Path) -> ModelBundle:
-    """An as-stored bundle of the GGUF file ``gguf`` (``stored_folder``).
+    """An as-stored bundle of the GGUF file ``gguf`` (``stored_folder``): without transformers' model classes
+    where ``weights.plain.plain_blocker`` allows (the HF model built only on demand: ``ModelBundle.materialize``),
+    else with the family's HF model over the stored weights.
 
     A family the static runner does not run still loads so: the eager runner expands the weights to float32 when
     it starts (``ModelBundle.materialize``).
@@ -487,12 +519,20 @@ def _load_stored(name: str, gguf: Path) -> ModelBundle:
         weights.stored.StoredUnsupported: the family's GGUF tensors are changed beyond a row permutation (the
             caller falls back to float32).
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from .weights import stored
+    from .weights import plain, stored
 
     folder = stored_folder(gguf)
     where = f"model {name!r} (stored at {folder})"
+    config = plain.PlainConfig.read(folder)
+    if plain.plain_blocker(config) is None and rollback_blocker(config) is None:
+        weights = stored.read(folder)
+        tokenizer = plain.load_tokenizer(folder)
+        eos = _eos_ids(plain.generation_eos(folder), tokenizer)
+        return ModelBundle(model=None, tokenizer=tokenizer, name=name, eos_ids=eos,
+                           context_length=int(config.max_position_embeddings), device="cpu", dtype="float32",
+                           weights="as_stored", stored=weights, config=config, folder=folder)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
     config = AutoConfig.from_pretrained(folder)
     _check_architecture(config, where)
     model = stored.empty_model(config)
@@ -500,7 +540,7 @@ def _load_stored(name: str, gguf: Path) -> ModelBundle:
     model.generation_config = GenerationConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ctx = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
-    return ModelBundle(model=model, tokenizer=tokenizer, name=name, eos_ids=_eos_ids(model, tokenizer),
+    return ModelBundle(model=model, tokenizer=tokenizer, name=name, eos_ids=_eos_ids(_generation_eos(model), tokenizer),
                        context_length=ctx, device="cpu", dtype="float32", weights="as_stored", stored=weights)
 
 
@@ -534,8 +574,6 @@ def load_model(
         ModelLoadError: unknown name, missing files, unsupported architecture, hub unreachable, an unknown
             ``weights``, or ``as_stored`` asked for where it cannot run (the message says why).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     if weights not in (None, *WEIGHTS):
         raise ModelLoadError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     dev = pick_device(device)
@@ -556,6 +594,8 @@ def load_model(
         raise ModelLoadError("model 'tiny-random' is a random float32 model: it has no stored blocks")
     if name == "tiny-random":
         return _load_tiny_random(name, dev, torch_dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     folder, where = _model_source(name)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -575,7 +615,7 @@ def load_model(
         model=model,
         tokenizer=tokenizer,
         name=name,
-        eos_ids=_eos_ids(model, tokenizer),
+        eos_ids=_eos_ids(_generation_eos(model), tokenizer),
         context_length=ctx,
         device=dev,
         dtype=str(torch_dtype).removeprefix("torch."),

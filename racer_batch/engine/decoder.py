@@ -91,17 +91,43 @@ class DecoderWeights:
         matmul on ``matmul`` (``FastLinear`` path), except the parameters named in ``stored`` (an as-stored
         bundle's ``stored.weights``: name -> ``StoredWeight``), which run as stored (``FastLinear.of_stored``;
         a stored embedding table is looked up by the kernels)."""
-        cfg = model.config
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         find = (lambda p: stored.get(names.get(id(p), ""))) if stored else (lambda p: None)
         dec = model.get_decoder()
+        return DecoderWeights._build(model.config, dec, model.get_output_embeddings(), find, matmul=matmul,
+                                     context_length=context_length, rotary=dec.rotary_emb)
+
+    @staticmethod
+    def of_stored(config: Any, stored: Any, *, context_length: int) -> "DecoderWeights":
+        """The weights of an as-stored model without its HF modules (weights/plain.py): ``config`` a
+        ``PlainConfig`` that ``plain_blocker`` accepts, ``stored`` a ``StoredModel`` from ``weights.stored.read``
+        (its stored weights run as stored, its other tensors as float32), the rotary tables ``plain.rotary_of``'s.
+        The same reading as ``of``, by the parameters' HF names (``StoredModel.tree``).
+
+        Raises:
+            AttributeError: a weight the layout needs is not in ``stored`` (names a missing parameter).
+        """
+        from ..weights.plain import rotary_of
+        from ..weights.stored import StoredWeight
+
+        tree = stored.tree()
+        head = tree.lm_head if hasattr(tree, "lm_head") else tree.model.embed_tokens  # tied: the table
+        find = lambda p: p if isinstance(p, StoredWeight) else None  # noqa: E731
+        return DecoderWeights._build(config, tree.model, head, find, matmul="auto", context_length=context_length,
+                                     rotary=rotary_of(config))
+
+    @staticmethod
+    def _build(cfg: Any, dec: Any, head: Any, find: Callable[[Any], Any], *, matmul: str, context_length: int,
+               rotary: Any) -> "DecoderWeights":
+        """``of``'s reading of a decoder ``dec`` (``.layers``, ``.embed_tokens``, ``.norm``) and output layer
+        ``head`` (``.weight``, ``.bias``), modules or ``NamedTree``s alike; ``find`` gives a weight's
+        ``StoredWeight`` or None."""
         n_heads = int(cfg.num_attention_heads)
         gemma = getattr(cfg, "model_type", "") in GEMMA_FAMILIES
         kinds = list(getattr(cfg, "layer_types", None) or [])
         rope_kinds: list[Optional[str]] = sorted(set(kinds)) if gemma else [None]
         layers = [_layer_weights(layer, matmul, find, gemma=gemma, window=_window(cfg, i, kinds),
                                  rope=rope_kinds.index(kinds[i]) if gemma else 0) for i, layer in enumerate(dec.layers)]
-        head = model.get_output_embeddings()
         stored_embed = find(dec.embed_tokens.weight)  # a StoredWeight runs in float32 on the CPU
         embed = stored_embed or dec.embed_tokens.weight.detach()
         dtype, device = (torch.float32, torch.device("cpu")) if stored_embed else (embed.dtype, embed.device)
@@ -113,7 +139,7 @@ class DecoderWeights:
                 [head.weight], [getattr(head, "bias", None)], matmul, find), n_heads=n_heads,
             n_kv=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
             head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads), eps=float(cfg.rms_norm_eps),
-            context_length=int(context_length), rotary=dec.rotary_emb,
+            context_length=int(context_length), rotary=rotary,
             attn_scale=float(pre_attn) ** -0.5 if gemma and pre_attn else 0.0,
             act="gelu_tanh" if act in ("gelu_pytorch_tanh", "gelu_tanh") else "silu",
             embed_scale=None if scale is None else scale.detach().to(dtype), rope_kinds=rope_kinds, dtype=dtype,
@@ -403,6 +429,11 @@ class KernelOps:
             return _sdpa(q.unsqueeze(0), keys[:, : rows.span].unsqueeze(0), vals[:, : rows.span].unsqueeze(0),
                          rows.causal_mask, w, causal=rows.causal_mask is None)[0]
         return self.ops.attention(q, keys, vals, rows.span, rows.causal_mask, w.scale)
+
+    def release(self) -> None:
+        """Drop the reused logits buffer (a warm-up's or cost curve's largest verify sized it); the next ``head``
+        allocates one for its rows (at least 64)."""
+        self._logits = self._logits[:0].clone()
 
     def head(self, hidden: torch.Tensor, w: DecoderWeights) -> torch.Tensor:
         """Logits ``[R, V]`` written into one reused buffer (valid until the next call), so a step allocates no

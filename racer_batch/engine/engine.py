@@ -28,6 +28,7 @@ from ..values import (
 )
 from .batch import Decode, Prefill, drive
 from .capacity import CapacityTuner, cost_at, measure_cost_curve
+from .kv_cache import trim_heap
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
 from .step import DecodeRow, Stepper, argmax_and_topk
@@ -102,22 +103,6 @@ def last_positions(prompt_ids: Sequence[int]) -> np.ndarray:
     return np.sort(ids.size - 1 - first_of_reversed)
 
 
-def trim_heap() -> bool:
-    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``); True where it ran.
-
-    The warm-up and the cost curve allocate and free tens of MB of activations; glibc keeps freed pages mapped,
-    so a worker's resident memory stays at that peak (SmolLM2 as stored: ~40 MB more, measured with
-    benchmarks/memory.py). No-op elsewhere (not Linux, or a C library without ``malloc_trim``).
-    """
-    import ctypes
-
-    try:  # the process's own symbols (no library search: find_library would run ldconfig per engine)
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        return False
-    return True
-
-
 class Engine:
     """Generates with the target model under one DecodingConfig.
 
@@ -179,6 +164,9 @@ class Engine:
             self.tuner = CapacityTuner(cost, cands)
             self.cost_curve_ms = cost
         self.stepper = Stepper(self)
+        release = getattr(self.runner, "release_scratch", None)
+        if release is not None:
+            release()  # the KV pages the warm-up and cost curve wrote (static runner, CPU)
         trim_heap()  # the warm-up's and cost curve's temporaries
 
 

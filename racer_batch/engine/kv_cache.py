@@ -19,6 +19,56 @@ log = logging.getLogger(__name__)
 MAX_SLOTS = 256  # KV-cache slots one runner holds at most (streams in flight)
 
 
+def lazy_zeros(shape: Sequence[int], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A zero tensor whose CPU pages become resident only when written: ``calloc`` (through numpy) gives a large
+    block as fresh zero pages from the kernel, where ``torch.zeros`` writes every byte, and the block is advised
+    ``MADV_NOHUGEPAGE`` (numpy advises huge pages for large arrays: one 2 MB page would make ~4 of SmolLM2's
+    442 KB per-slot runs resident at the first write into one). A KV cache with room for more streams than a
+    worker runs then costs only the slots it uses (SmolLM2: 24 MB per slot at its 528-position start; an actor
+    reserving 6 slots and running 1 kept all 6 resident). Other devices: ``torch.zeros``."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+    n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    raw = np.zeros(n, dtype=np.uint8)
+    _no_huge_pages(raw.ctypes.data, n)
+    return torch.from_numpy(raw).view(dtype).view(tuple(shape))
+
+
+def _no_huge_pages(addr: int, n: int) -> None:
+    """``madvise(MADV_NOHUGEPAGE)`` over the whole pages of ``[addr, addr + n)``; nothing where it cannot."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = (addr + page - 1) // page * page
+    end = (addr + n) // page * page
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), getattr(mmap, "MADV_NOHUGEPAGE", 15))
+    except (OSError, AttributeError):
+        pass
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``, every arena); True where it
+    ran (~10 µs when there is nothing to give back).
+
+    The warm-up, the cost curve and each prompt forward allocate and free tens of MB of activations; glibc keeps
+    freed pages mapped, so a worker's resident memory would stay at that peak (SmolLM2 as stored: ~40 MB more,
+    measured with benchmarks/memory.py). Called by the engine after its warm-up and by the static runner after
+    each CPU prefill. No-op elsewhere (not Linux, or a C library without ``malloc_trim``).
+    """
+    import ctypes
+
+    try:  # the process's own symbols (no library search: find_library would run ldconfig per engine)
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        return False
+    return True
+
+
 def available_bytes(device: torch.device) -> Optional[int]:
     """Memory the KV cache may still take on ``device``: CUDA ``torch.cuda.mem_get_info``'s free bytes; on
     the CPU ``MemAvailable`` of /proc/meminfo; None where neither can be read (no check then)."""
@@ -88,6 +138,15 @@ class KVCache:
         self.grow(start_len)
 
     # ---- size and memory
+    def fresh(self) -> bool:
+        """On the CPU with no slot taken, replace the buffer by untouched zeros (``lazy_zeros``): the pages a
+        warm-up or cost curve wrote in every slot stop counting in the process's memory until a row writes them
+        again. True when it did."""
+        if self.device.type != "cpu" or self.live or not self.max_len:
+            return False
+        self.kv = lazy_zeros(tuple(self.kv.shape), self.dtype, self.device)
+        return True
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position of one slot takes: layers x 2 x kv_heads x head_dim x dtype bytes."""
@@ -144,8 +203,7 @@ class KVCache:
             return False
         new_len = max(need, min(2 * self.max_len, self.bound))
         self.check_fits(self.slots, new_len)
-        kv = torch.zeros((self.n_layers, 2, self.slots, self.n_kv, new_len, self.head_dim), dtype=self.dtype,
-                         device=self.device)
+        kv = lazy_zeros((self.n_layers, 2, self.slots, self.n_kv, new_len, self.head_dim), self.dtype, self.device)
         if self.max_len:
             kv[:, :, :, :, : self.max_len].copy_(self.kv)
         self.kv, self.max_len = kv, new_len
@@ -166,8 +224,7 @@ class KVCache:
         if n > self.max_slots:
             raise ValueError(f"{n} KV-cache slots asked for, this runner holds at most {self.max_slots}")
         self.check_fits(n, self.max_len)
-        kv = torch.zeros((self.n_layers, 2, n, self.n_kv, self.max_len, self.head_dim), dtype=self.dtype,
-                         device=self.device)
+        kv = lazy_zeros((self.n_layers, 2, n, self.n_kv, self.max_len, self.head_dim), self.dtype, self.device)
         kv[:, :, : self.slots].copy_(self.kv)
         self.kv = kv
         self.free_slots = list(range(n - 1, self.slots - 1, -1)) + self.free_slots

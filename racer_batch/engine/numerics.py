@@ -96,5 +96,5 @@ def compare_greedy(bundle: Any, prompt_ids: Sequence[int], a: Sequence[int], b: 
     ids = torch.tensor([list(prompt_ids) + list(a[: div.common_prefix])], device=model.device)  # [1, L]
     logits = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()  # [V]
     gap = float(logits[div.token_a] - logits[div.token_b])
-    dtype = str(next(bundle.model.parameters()).dtype).removeprefix("torch.")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return replace(div, logit_gap=gap, dtype=dtype)

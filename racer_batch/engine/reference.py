@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import DynamicCache
 
 from ..models import ModelBundle, hf_model
 from ..values import GenerationParams, GenerationResult, RowStats, StepRecord
@@ -36,6 +35,8 @@ def generate_reference(
         max_new_tokens=params.max_new_tokens, prompt_tokens=len(ids), context_length=bundle.context_length,
     )
     gen = make_generator(params.seed)
+    from transformers import DynamicCache
+
     cache = DynamicCache(config=model.config)
     stats = RowStats()
     t0 = time.perf_counter()

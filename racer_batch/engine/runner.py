@@ -9,15 +9,18 @@ logits at once (docs/method.md 9.9): it computes the copy-logit top-k in chunks.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from ..models import ModelBundle, hf_model
 from .decoder import layer_windows, tree_mask_filler
 from .static_runner import StaticRunner, describe_unsupported
 from .tree import FlatTrees
+
+if TYPE_CHECKING:  # transformers' cache classes are imported where the eager runner runs, not by the worker
+    from transformers import DynamicCache
 
 PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
 log = logging.getLogger(__name__)
@@ -57,11 +60,11 @@ class ModelRunner:
     def __init__(self, bundle: ModelBundle) -> None:
         self.bundle = bundle
         self.model = hf_model(bundle)  # an as-stored bundle's weights expanded: the eager forward needs tensors
-        self.decoder = bundle.model.get_decoder()
-        self.lm_head = bundle.model.get_output_embeddings()
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
         self.device = torch.device(bundle.device)
-        self.dtype = next(bundle.model.parameters()).dtype
-        config = bundle.model.config
+        self.dtype = next(self.model.parameters()).dtype
+        config = self.model.config
         self.windows = layer_windows(config)
         self._transform = output_transform(config)
 
@@ -74,6 +77,8 @@ class ModelRunner:
         """A fresh cache for one row (``needed_len`` is a hint the growing ``DynamicCache`` does not need). Every
         layer keeps every position, sliding-window layers too (their window is in the verify mask), so that
         ``keep_rows`` indexes every layer by the same positions."""
+        from transformers import DynamicCache
+
         return DynamicCache()
 
     @torch.inference_mode()
@@ -251,7 +256,7 @@ def make_runner(bundle: ModelBundle, *, kind: str = "auto", compile: str = "auto
         raise ValueError(f"decoding.runner must be auto, eager or static, got {kind!r}")
     if kind == "eager":
         return _eager(bundle)
-    why = describe_unsupported(bundle.model)
+    why = describe_unsupported(bundle)
     if why is not None:
         if kind == "static":
             raise ValueError(f"decoding.runner 'static' cannot run {bundle.name}: {why}; use 'eager' or 'auto'")
@@ -267,7 +272,7 @@ def _eager(bundle: ModelBundle) -> ModelRunner:
     from ..models import EAGER_TESTED_ARCHITECTURES
 
     runner = ModelRunner(bundle)
-    family = getattr(bundle.model.config, "model_type", None)
+    family = getattr(bundle.config, "model_type", None)
     if family not in EAGER_TESTED_ARCHITECTURES:
         worst = check_tree_verify(runner)
         log.info("family %r has no oracle test: its tree verify matched its own forward (relative difference "

@@ -40,7 +40,7 @@ from .decoder import DecoderWeights, KernelOps, Rows, TorchOps, decode, tree_mas
 from .decoder_ops import MATMUL_PATHS, default_matmul_path
 from .graphs import CudaGraphs
 from .kernels import fused_argmax_topk
-from .kv_cache import MAX_SLOTS, KVCache, SlotCache
+from .kv_cache import MAX_SLOTS, KVCache, SlotCache, trim_heap
 from .tree import FlatTrees
 
 log = logging.getLogger(__name__)
@@ -54,21 +54,32 @@ DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 INITIAL_POSITIONS = 2048
 INITIAL_POSITIONS_CPU = 512
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward (bounds the [chunk, S] attention scores)
-PREFILL_TOPK_CHUNK = 256  # prompt positions per output-layer chunk at prefill
+PREFILL_TOPK_CHUNK = 64  # prompt positions per output-layer chunk at prefill: the head's reused logits buffer
+# (KernelOps.head) stays at its 64-row start ([64, V] float32: 12.6 MB on SmolLM2; 256 rows kept 50 MB for good)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 STREAM_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded stream counts of the captured steps
 
 
 def describe_unsupported(model: Any) -> Optional[str]:
-    """Why the lean decoder cannot run ``model`` exactly, or None when it can.
+    """Why the lean decoder cannot run ``model`` (a HF model, or a ``ModelBundle``) exactly, or None when it can.
 
     Checks the family (``models.STATIC_ARCHITECTURES``), the module structure (a Llama-style decoder:
     ``model.layers[i].self_attn.{q,k,v,o}_proj`` or Phi-3's ``qkv_proj``; ``mlp.{gate,up,down}_proj``, Phi-3's
     ``gate_up_proj`` or a routed ``mlp.experts``; RMSNorms), the activation (SiLU, or Gemma's tanh GELU), the rope
     type and partial rotation, and what no layer of the decoder computes (logit soft-capping, bidirectional
     attention).
+    A plain as-stored bundle (no HF model: weights/plain.py) is checked on its config; its layout is its weights'
+    names, which ``DecoderWeights.of_stored`` reads (a missing one raises there).
     """
-    cfg = model.config
+    if getattr(model, "model", False) is None:  # a plain bundle
+        return _config_unsupported(model.config)
+    if hasattr(model, "tokenizer") and hasattr(model, "eos_ids"):  # a bundle over a HF model
+        model = model.model
+    return _config_unsupported(model.config) or _layout_unsupported(model)
+
+
+def _config_unsupported(cfg: Any) -> Optional[str]:
+    """``describe_unsupported``'s checks of the config alone."""
     if getattr(cfg, "model_type", None) not in STATIC_ARCHITECTURES:
         return f"architecture {getattr(cfg, 'model_type', None)!r} has no static decoder"
     act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
@@ -82,7 +93,7 @@ def describe_unsupported(model: Any) -> Optional[str]:
             return f"{name} is set (the eager runner applies it)"
     if getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention"
-    return _layout_unsupported(model)
+    return None
 
 
 def _rope_unsupported(cfg: Any) -> Optional[str]:
@@ -176,7 +187,7 @@ class StaticRunner:
         matmul: str = "auto",
         compile: bool = False,
     ) -> None:
-        why = describe_unsupported(bundle.model)
+        why = describe_unsupported(bundle)
         if why is not None:
             raise ValueError(f"static runner cannot run {bundle.name}: {why}; use decoding.runner 'eager'")
         if matmul not in MATMUL_PATHS:
@@ -185,13 +196,16 @@ class StaticRunner:
             raise ValueError(f"need 1 <= slots <= max_slots, got slots={slots}, max_slots={max_slots}")
         self.bundle = bundle
         self.device = torch.device(bundle.device)
-        self.dtype = next(bundle.model.parameters()).dtype
+        self.dtype = next(bundle.model.parameters()).dtype if bundle.model is not None else torch.float32
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.context_length = int(bundle.context_length)
         path = default_matmul_path(self.device, self.dtype) if matmul == "auto" else matmul
         stored = getattr(bundle, "stored", None)
-        self.weights = DecoderWeights.of(bundle.model, matmul=path, context_length=self.context_length,
-                                         stored=stored.weights if stored is not None else None)
+        if bundle.model is None:  # a plain as-stored bundle: its weights by name, no HF modules
+            self.weights = DecoderWeights.of_stored(bundle.config, stored, context_length=self.context_length)
+        else:
+            self.weights = DecoderWeights.of(bundle.model, matmul=path, context_length=self.context_length,
+                                             stored=stored.weights if stored is not None else None)
         self.layers = self.weights.layers
         self.lm_head = self.weights.lm_head
         self.matmul = self.lm_head.path  # what runs (a path that cannot take this weight fell back)
@@ -314,6 +328,8 @@ class StaticRunner:
                 self._prefill_topk(hidden, want, start, topk, top)
         cache.length = n
         last_logits = self.ops.head(last, self.weights).float()[0].clone()  # [V], its own copy (a reused buffer)
+        if self.device.type == "cpu":
+            trim_heap()  # the chunks' activations (tens of MB) back to the system, not kept by glibc
         return last_logits, top
 
     def _prefill_topk(self, hidden: torch.Tensor, want: torch.Tensor, start: int, k: int, top: torch.Tensor) -> None:
@@ -485,6 +501,15 @@ class StaticRunner:
         if self.graphs is not None:
             self.graphs.clear()
         log.info("static runner: tree size %d above the buckets; added bucket %d", size, b)
+
+    def release_scratch(self) -> None:
+        """After the warm-up and the cost curve (no row holds a slot): the KV pages they wrote given back on the
+        CPU (``KVCache.fresh``), so an actor with room for more streams than it runs holds only what it uses, and
+        the output layer's logits buffer sized by their largest verify (``KernelOps.release``)."""
+        self.kv_cache.fresh()
+        release = getattr(self.ops, "release", None)
+        if release is not None:
+            release()
 
     def warmup(self, capacities: Sequence[int] = ()) -> dict[int, float]:
         """Add the bucket of the largest of ``capacities`` and, with CUDA graphs, capture the step of every

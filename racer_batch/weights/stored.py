@@ -25,7 +25,7 @@ eager oracle).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -252,14 +252,49 @@ class StoredModel:
     """What ``load_gguf`` put into a model: ``weights`` maps the name of each parameter kept as stored (a meta
     tensor in the model until ``materialize``; tied names share one weight) to its weight; ``expanded`` names the
     GGUF tensors of a quantised type without a stored format, de-quantised to float32 instead (their GGUF
-    type names)."""
+    type names); ``tensors`` (from ``read``): every other parameter by name, float32, as the file holds it."""
 
     weights: dict[str, StoredWeight]
     expanded: dict[str, str]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(w.nbytes for w in {id(w): w for w in self.weights.values()}.values())
+
+    def tree(self, prefix: str = "") -> "NamedTree":
+        """The parameters below ``prefix`` as attributes (``NamedTree``): stored ones as ``StoredWeight``."""
+        return NamedTree({**self.tensors, **self.weights}, prefix)
+
+
+class NamedTree:
+    """Parameters named as a HF model names them (``model.layers.0.self_attn.q_proj.weight``), read by attribute
+    as from the model's modules: ``tree.layers[0].self_attn.q_proj.weight``. A path no name starts with raises
+    AttributeError (so ``hasattr`` tells a layout apart), except a missing ``bias``, which is None as on a HF
+    ``Linear`` without one; ``layers`` gives the list of numbered sub-trees. Lets ``engine.decoder.DecoderWeights``
+    read an as-stored model's weights without building its HF module tree (transformers' modeling code costs a
+    worker ~130 MB of memory; issue 31)."""
+
+    def __init__(self, params: dict[str, Any], prefix: str = "") -> None:
+        self._params, self._prefix = params, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        path = self._prefix + name
+        if path in self._params:
+            return self._params[path]
+        if name == "layers":
+            n = 0
+            while any(k.startswith(f"{path}.{n}.") for k in self._params):
+                n += 1
+            if n:
+                return [NamedTree(self._params, f"{path}.{i}.") for i in range(n)]
+        if any(k.startswith(path + ".") for k in self._params):
+            return NamedTree(self._params, path + ".")
+        if name == "bias":
+            return None
+        raise AttributeError(f"no parameter named {path!r} or below it")
 
 
 def empty_model(config: Any) -> Any:
@@ -375,12 +410,10 @@ def save(folder: Any, model: Any, stored: StoredModel) -> None:
               metadata={"stored": json.dumps(meta), "expanded": json.dumps(stored.expanded)})
 
 
-def restore(folder: Any, model: Any) -> StoredModel:
-    """Fill ``model`` (``empty_model`` of the same config) from what ``save`` wrote to ``folder``.
-
-    Raises:
-        StoredUnsupported: the file does not match the model (a parameter missing or of another shape).
-    """
+def read(folder: Any) -> StoredModel:
+    """The weights ``save`` wrote to ``folder``, without a model: the stored weights by parameter name (tied
+    names share one) and every other parameter in ``StoredModel.tensors``. The file is memory-mapped: a tensor's
+    pages are read when first used."""
     import json
     from pathlib import Path
 
@@ -397,17 +430,28 @@ def restore(folder: Any, model: Any) -> StoredModel:
             weights[name] = StoredWeight(loaded.pop(name), int(fmt), int(n), int(k), source)
     for name, (owner, *_rest) in meta.items():
         weights[name] = weights[owner]
+    return StoredModel(weights, json.loads(info.get("expanded", "{}")), loaded)
+
+
+def restore(folder: Any, model: Any, stored: Optional[StoredModel] = None) -> StoredModel:
+    """Fill ``model`` (``empty_model`` of the same config) from what ``save`` wrote to ``folder`` (``stored``:
+    what ``read`` already gave for it).
+
+    Raises:
+        StoredUnsupported: the file does not match the model (a parameter missing or of another shape).
+    """
+    stored = stored if stored is not None else read(folder)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, value in loaded.items():
+    for name, value in stored.tensors.items():
         if name not in params or tuple(params[name].shape) != tuple(value.shape):
-            raise StoredUnsupported(f"{path}: tensor {name} {tuple(value.shape)} does not fit the model")
+            raise StoredUnsupported(f"{folder}: tensor {name} {tuple(value.shape)} does not fit the model")
         _set_param(model, name, value)
     for name, p in model.named_parameters(remove_duplicate=False):
-        if p.is_meta and name not in weights:
-            raise StoredUnsupported(f"{path} has no weight for the model's {name}")
-    return StoredModel(weights, json.loads(info.get("expanded", "{}")))
+        if p.is_meta and name not in stored.weights:
+            raise StoredUnsupported(f"{folder} has no weight for the model's {name}")
+    return stored
 
 
 def _set_param(model: Any, name: str, value: torch.Tensor) -> None:

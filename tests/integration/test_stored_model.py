@@ -67,3 +67,83 @@ def test_prefill_and_tree_verify_logits_are_bit_identical_to_the_float32_path(sm
     assert out["stored"][-1].shape == (66, vocab)
     for i, (a, b) in enumerate(zip(out["stored"], out["f32"], strict=True)):
         assert a.shape == b.shape and torch.equal(a, b), i
+
+
+def test_the_default_loads_without_transformers_model_classes_and_equals_the_hf_module_path(smol):
+    """The CPU default is a plain bundle (weights/plain.py: no HF model until asked for), and a runner over its
+    weights by name gives the logits of a runner over the HF model's modules with the same stored weights."""
+    from racer_batch import load_model
+
+    assert smol.model is None or smol.stored is not None  # a test before may have asked for the HF model
+    plain = load_model("smollm2-135m", device="cpu", dtype="float32")
+    assert plain.model is None and plain.config.model_type == "llama" and plain.folder is not None
+    assert type(plain.tokenizer).__name__ == "TokenizersBackend" and plain.vocab_size == 49152
+    runner = StaticRunner(plain)
+    assert runner.matmul == "stored" and runner.weights.rotary.__class__.__name__ == "DefaultRotary"
+    modules = load_model("smollm2-135m", device="cpu", dtype="float32")
+    modules.materialize()  # the HF model over the same stored weights: DecoderWeights.of reads its modules
+    assert modules.model is not None and modules.vocab_size == plain.vocab_size
+    other = StaticRunner(modules)
+    assert other.matmul == "stored" and other.weights.rotary is modules.model.get_decoder().rotary_emb
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, plain.vocab_size, (150,), generator=gen).tolist()
+    tree = flatten_tree(_draft(gen, 12, plain.vocab_size), committed_len=150, device="cpu", dtype=torch.float32)
+    got = []
+    for r in (runner, other):
+        cache = r.new_cache(200)
+        logits, top = r.prefill(prompt, cache=cache, topk=4)
+        got.append((logits.clone(), top.clone(), r.verify_tree(tree, cache=cache).clone()))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_plain_tokenizer_is_the_auto_tokenizer(smol):
+    """The tokenizer class named in the stored folder, loaded directly, encodes, renders chats and decodes as
+    ``AutoTokenizer`` does (special tokens in user text included)."""
+    from transformers import AutoTokenizer
+
+    from racer_batch.benchdata import smoke_prompts
+    from racer_batch.weights.plain import load_tokenizer
+
+    folder = load_model_folder()
+    ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(auto)
+    texts = [t for item in smoke_prompts() for t in item.turns] + ["x <|im_end|> y <|im_start|>", "  tabs\tand\nlines "]
+    for text in texts:
+        assert ours(text, add_special_tokens=True)["input_ids"] == auto(text, add_special_tokens=True)["input_ids"]
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+        a = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert a == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+        for skip in (True, False):
+            assert ours.decode(a, skip_special_tokens=skip) == auto.decode(a, skip_special_tokens=skip)
+
+
+def load_model_folder():
+    from racer_batch.models import gguf_source, stored_folder
+
+    return stored_folder(gguf_source("smollm2-135m"))
+
+
+def test_a_worker_loading_the_default_imports_no_transformers_model_classes():
+    """What a generation worker imports to load the default and build its engine: no transformers model family,
+    sympy, torch._dynamo or scipy (together ~130-150 MB of a worker's memory; benchmarks/memory.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import racer_batch.service.execution.actors\n"
+        "from racer_batch import load_model\n"
+        "from racer_batch.engine import Engine\n"
+        "from racer_batch.values import DecodingConfig, GenerationParams\n"
+        "b = load_model('smollm2-135m')\n"
+        "e = Engine(b, DecodingConfig(method='racer', capacity=4))\n"
+        "r = e.generate([{'role': 'user', 'content': 'Count to five.'}], GenerationParams(max_new_tokens=8))\n"
+        "assert len(r.token_ids) > 0\n"
+        "heavy = [m for m in sys.modules if m.startswith(('transformers.models.llama', 'sympy', 'torch._dynamo',\n"
+        "         'scipy', 'transformers.modeling_utils', 'transformers.models.auto'))]\n"
+        "print('HEAVY', sorted(heavy)[:8], b.model is None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "HEAVY [] True" in out.stdout, out.stdout[-2000:]
