@@ -71,9 +71,9 @@ def describe_unsupported(model: Any) -> Optional[str]:
     A plain as-stored bundle (no HF model: weights/plain.py) is checked on its config; its layout is its weights'
     names, which ``DecoderWeights.of_stored`` reads (a missing one raises there).
     """
-    if getattr(model, "model", False) is None:  # a plain bundle
-        return _config_unsupported(model.config)
-    if hasattr(model, "tokenizer") and hasattr(model, "eos_ids"):  # a bundle over a HF model
+    if isinstance(model, ModelBundle):
+        if model.model is None:  # a plain bundle
+            return _config_unsupported(model.config)
         model = model.model
     return _config_unsupported(model.config) or _layout_unsupported(model)
 
