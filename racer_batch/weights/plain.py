@@ -5,9 +5,9 @@ modeling module ``masking_utils``, torch._dynamo and scipy) costs a process ~130
 more than SmolLM2's stored weights (~100 MB). For a family whose whole forward our static runner computes from
 the config and the weights' names, none of that is needed: the config is read from ``config.json`` as plain data
 (``PlainConfig``), the rotary tables are computed here (``DefaultRotary``, the numbers of HF's default rope), the
-weights are named tensors (``weights.stored.read``), and the tokenizer is loaded by its own class (not through
-``AutoTokenizer``, which imports every config class). The HF model is built only where something runs HF's
-forward (``ModelBundle.materialize``: the eager runner, oracles).
+weights are named tensors (``weights.stored.read``), and the tokenizer is read by the ``tokenizers`` library
+(``weights/tokenizer.py``; not through ``AutoTokenizer``, which imports every config class). The HF model is
+built only where something runs HF's forward (``ModelBundle.materialize``: the eager runner, oracles).
 
 Which models load so: ``plain_blocker`` says why not (then the HF classes load as before).
 """
@@ -108,10 +108,15 @@ def rotary_of(config: Any) -> DefaultRotary:
 
 
 def load_tokenizer(folder: Any) -> Any:
-    """The tokenizer saved in ``folder`` by its own class where ``tokenizer_config.json`` names transformers'
-    ``TokenizersBackend`` (what ``AutoTokenizer`` would build, without importing every config class), else
-    ``AutoTokenizer``'s."""
+    """The tokenizer saved in ``folder``: a ``weights.tokenizer.PlainTokenizer`` (the ``tokenizers`` library
+    alone) where ``plain_tokenizer_blocker`` allows it; else transformers' ``TokenizersBackend`` where
+    ``tokenizer_config.json`` names it (what ``AutoTokenizer`` would build, without importing every config
+    class); else ``AutoTokenizer``'s."""
+    from .tokenizer import PlainTokenizer, plain_tokenizer_blocker
+
     folder = Path(folder)
+    if plain_tokenizer_blocker(folder) is None:
+        return PlainTokenizer(folder)
     try:
         cls = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):

@@ -77,7 +77,7 @@ def test_the_default_loads_without_transformers_model_classes_and_equals_the_hf_
     assert smol.model is None or smol.stored is not None  # a test before may have asked for the HF model
     plain = load_model("smollm2-135m", device="cpu", dtype="float32")
     assert plain.model is None and plain.config.model_type == "llama" and plain.folder is not None
-    assert type(plain.tokenizer).__name__ == "TokenizersBackend" and plain.vocab_size == 49152
+    assert type(plain.tokenizer).__name__ == "PlainTokenizer" and plain.vocab_size == 49152
     runner = StaticRunner(plain)
     assert runner.matmul == "stored" and runner.weights.rotary.__class__.__name__ == "DefaultRotary"
     modules = load_model("smollm2-135m", device="cpu", dtype="float32")
@@ -98,24 +98,46 @@ def test_the_default_loads_without_transformers_model_classes_and_equals_the_hf_
 
 
 def test_the_plain_tokenizer_is_the_auto_tokenizer(smol):
-    """The tokenizer class named in the stored folder, loaded directly, encodes, renders chats and decodes as
-    ``AutoTokenizer`` does (special tokens in user text included)."""
+    """The default's tokenizer over the ``tokenizers`` library alone (weights/tokenizer.py) encodes, renders chats
+    (the template's own system prompt, a given one, several turns) and decodes as ``AutoTokenizer`` does, special
+    tokens in user text included, and names the same special tokens, ids and vocabulary."""
     from transformers import AutoTokenizer
 
     from racer_batch.benchdata import smoke_prompts
     from racer_batch.weights.plain import load_tokenizer
+    from racer_batch.weights.tokenizer import PlainTokenizer
 
     folder = load_model_folder()
     ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-    assert type(ours) is type(auto)
+    assert isinstance(ours, PlainTokenizer)
+    assert ours.chat_template == auto.chat_template and ours.special_tokens_map == auto.special_tokens_map
+    assert ours.all_special_tokens == auto.all_special_tokens and ours.eos_token_id == auto.eos_token_id
+    assert ours.get_vocab() == auto.get_vocab() and len(ours) == len(auto)
+    for token in ("<|im_end|>", "<|im_start|>", "hello", "no-such-token-here"):
+        assert ours.convert_tokens_to_ids(token) == auto.convert_tokens_to_ids(token)
     texts = [t for item in smoke_prompts() for t in item.turns] + ["x <|im_end|> y <|im_start|>", "  tabs\tand\nlines "]
-    for text in texts:
-        assert ours(text, add_special_tokens=True)["input_ids"] == auto(text, add_special_tokens=True)["input_ids"]
-        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
-        a = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
-        assert a == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+    for i, text in enumerate(texts):
+        for special in (True, False):
+            assert ours(text, add_special_tokens=special)["input_ids"] == \
+                auto(text, add_special_tokens=special)["input_ids"]
+        chats = [[{"role": "user", "content": text}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}],
+                 [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": texts[i - 1]},
+                  {"role": "user", "content": text}]]
+        for chat in chats:
+            for gen in (True, False):
+                assert ours.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False) == \
+                    auto.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
+            a = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+            assert a == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+            for skip in (True, False):
+                assert ours.decode(a, skip_special_tokens=skip) == auto.decode(a, skip_special_tokens=skip)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):  # any ids, the added (special) ones among them
+        ids = torch.randint(0, len(auto), (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
+        ids[0] = int(torch.randint(0, 17, (1,), generator=gen))
         for skip in (True, False):
-            assert ours.decode(a, skip_special_tokens=skip) == auto.decode(a, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
 
 
 def load_model_folder():
@@ -125,8 +147,9 @@ def load_model_folder():
 
 
 def test_a_worker_loading_the_default_imports_no_transformers_model_classes():
-    """What a generation worker imports to load the default and build its engine: no transformers model family,
-    sympy, torch._dynamo or scipy (together ~130-150 MB of a worker's memory; benchmarks/memory.py)."""
+    """What a generation worker imports to load the default and build its engine: no transformers at all (its
+    model families, sympy, torch._dynamo and scipy cost ~130-150 MB of a worker's memory, its tokenizer class
+    ~36 MB more than the ``tokenizers`` library alone; benchmarks/memory.py)."""
     import subprocess
     import sys
 
@@ -142,8 +165,8 @@ def test_a_worker_loading_the_default_imports_no_transformers_model_classes():
         "assert len(r.token_ids) > 0\n"
         "heavy = [m for m in sys.modules if m.startswith(('transformers.models.llama', 'sympy', 'torch._dynamo',\n"
         "         'scipy', 'transformers.modeling_utils', 'transformers.models.auto'))]\n"
-        "print('HEAVY', sorted(heavy)[:8], b.model is None)\n"
+        "print('HEAVY', sorted(heavy)[:8], b.model is None, 'transformers' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "HEAVY [] True" in out.stdout, out.stdout[-2000:]
+    assert "HEAVY [] True False" in out.stdout, out.stdout[-2000:]
