@@ -228,7 +228,10 @@ def stored_folder(path: Path) -> Path:
     with path.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    target = cache_root() / "models" / f"{_gguf_stem(path)}-stored"
+    from .weights.stored import LAYOUT
+
+    # the layout in the name: a folder an older version wrote (layout 1, "-stored") is left as it is, not read
+    target = cache_root() / "models" / f"{_gguf_stem(path)}-stored{'' if LAYOUT == 1 else LAYOUT}"
     if not (target / "weights.safetensors").is_file():
         _write_stored(path, target)
     return target

@@ -170,3 +170,64 @@ def test_a_worker_loading_the_default_imports_no_transformers_model_classes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "HEAVY [] True False" in out.stdout, out.stdout[-2000:]
+
+
+def test_fused_weights_are_views_of_the_one_file_mapping(smol):
+    """Layout 2 (weights/stored.py ``save``): q/k/v and gate/up lie side by side in the file, so the runner's fused
+    weights are views of the file's one mapping, not copies (43.5 MB of SmolLM2's weights were copied before)."""
+    import os
+
+    from racer_batch import load_model
+
+    plain = load_model("smollm2-135m", device="cpu", dtype="float32")
+    size = os.path.getsize(plain.folder / "weights.safetensors")
+    runner = StaticRunner(plain)
+    fused = [lin.stored for layer in runner.weights.layers for lin in (layer.qkv, layer.gate_up)]
+    assert all(len(parts) == 1 for parts in fused)  # one kernel call each
+    storages = {p.packed.untyped_storage().data_ptr() for layer in runner.weights.layers
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) for p in lin.stored}
+    assert len(storages) == 1
+    one = runner.weights.layers[0].qkv.stored[0].packed.untyped_storage()
+    assert one.nbytes() == size
+
+
+def test_a_folder_of_the_first_layout_reads_to_the_same_weights(smol, tmp_path):
+    """A folder written before layout 2 (one file tensor per weight, keyed by its first name; no ``layout`` in
+    the metadata) reads to equal weights, and a runner over them gives the same logits."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from racer_batch.weights import stored
+    from racer_batch.weights.plain import PlainConfig
+
+    folder = load_model_folder()
+    new = stored.read(folder)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(folder / name, tmp_path / name)
+    tensors, meta, first = dict(new.tensors), {}, {}
+    for name, w in new.weights.items():
+        owner = first.setdefault(id(w), name)
+        if owner == name:
+            tensors[name] = w.packed.clone()
+        meta[name] = [owner, w.fmt, w.n, w.k, w.source]
+    save_file(tensors, str(tmp_path / "weights.safetensors"),
+              metadata={"stored": json.dumps(meta), "expanded": json.dumps(new.expanded)})
+    old = stored.read(tmp_path)
+    assert old.weights.keys() == new.weights.keys() and old.tensors.keys() == new.tensors.keys()
+    for name, w in new.weights.items():
+        assert torch.equal(old.weights[name].packed, w.packed) and old.weights[name].fmt == w.fmt
+    assert old.weights["lm_head.weight"] is old.weights["model.embed_tokens.weight"]
+    from racer_batch.models import ModelBundle
+
+    config = PlainConfig.read(folder)
+    got = []
+    for weights, where in ((new, folder), (old, tmp_path)):
+        bundle = ModelBundle(model=None, tokenizer=smol.tokenizer, name="x", eos_ids=smol.eos_ids,
+                             context_length=2048, device="cpu", dtype="float32", weights="as_stored",
+                             stored=weights, config=config, folder=where)
+        r = StaticRunner(bundle)
+        cache = r.new_cache(64)
+        got.append(r.prefill(list(range(5, 45)), cache=cache, topk=4)[0].clone())
+    assert torch.equal(got[0], got[1])
