@@ -237,6 +237,18 @@ def stored_folder(path: Path) -> Path:
     return target
 
 
+def _read_stored(folder: Path) -> Any:
+    """``weights.stored.read(folder)``; a cut or corrupt cached copy raised as a ModelLoadError that says to delete
+    the folder (the next load rebuilds it from the GGUF)."""
+    from .weights import stored
+
+    try:
+        return stored.read(folder)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"the cached as-stored copy {folder} is unreadable ({exc}); delete that folder and "
+                             "load again to rebuild it from the GGUF file") from exc
+
+
 def _write_stored(gguf: Path, target: Path) -> None:
     """Write the as-stored copy of ``gguf`` to ``target`` (atomically, as ``_dequantise``)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -528,7 +540,7 @@ def _load_stored(name: str, gguf: Path) -> ModelBundle:
     where = f"model {name!r} (stored at {folder})"
     config = plain.PlainConfig.read(folder)
     if plain.plain_blocker(config) is None and rollback_blocker(config) is None:
-        weights = stored.read(folder)
+        weights = _read_stored(folder)
         tokenizer = plain.load_tokenizer(folder)
         eos = _eos_ids(plain.generation_eos(folder), tokenizer)
         return ModelBundle(model=None, tokenizer=tokenizer, name=name, eos_ids=eos,
@@ -539,7 +551,7 @@ def _load_stored(name: str, gguf: Path) -> ModelBundle:
     config = AutoConfig.from_pretrained(folder)
     _check_architecture(config, where)
     model = stored.empty_model(config)
-    weights = stored.restore(folder, model)
+    weights = stored.restore(folder, model, _read_stored(folder))
     model.generation_config = GenerationConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ctx = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096

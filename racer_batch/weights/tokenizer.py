@@ -37,6 +37,10 @@ _PLAIN_CONFIG_KEYS = frozenset({
 })
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# apply_chat_template arguments of transformers' that change the rendering and that PlainTokenizer refuses
+# rather than ignores (a falsy value is accepted: it asks for nothing)
+_UNSUPPORTED_CHAT_ARGS = ("tools", "documents", "continue_final_message", "chat_template",
+                          "return_assistant_tokens_mask", "return_tensors", "padding", "truncation", "max_length")
 
 
 def plain_tokenizer_blocker(folder: Any) -> Optional[str]:
@@ -72,7 +76,7 @@ class PlainTokenizer:
     Attributes:
         chat_template: the template text (``chat_template.jinja``, else the config's), or None.
         bos_token, eos_token, unk_token, pad_token: the special tokens' texts from the config, or None.
-        eos_token_id: the id of ``eos_token`` (None without one).
+        eos_token_id, bos_token_id, unk_token_id, pad_token_id: their ids (None without one).
     """
 
     def __init__(self, folder: Any) -> None:
@@ -95,7 +99,11 @@ class PlainTokenizer:
                 raise ValueError(f"{folder}: {name} {text!r} is not in the vocabulary")
         for name in _SPECIAL_NAMES:
             setattr(self, name, self._specials.get(name))
-        self.eos_token_id: Optional[int] = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        ids = {n: self._tok.token_to_id(t) for n, t in self._specials.items()}
+        self.eos_token_id: Optional[int] = ids.get("eos_token")
+        self.bos_token_id: Optional[int] = ids.get("bos_token")
+        self.unk_token_id: Optional[int] = ids.get("unk_token")
+        self.pad_token_id: Optional[int] = ids.get("pad_token")
         self._compiled: Any = None
 
     @property
@@ -125,13 +133,23 @@ class PlainTokenizer:
     def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids`` (an int, a list of ints, or a mapping with ``input_ids``); with
         ``skip_special_tokens`` the added tokens marked special are left out."""
+        if hasattr(token_ids, "keys"):
+            token_ids = token_ids["input_ids"]
+        if hasattr(token_ids, "tolist"):
+            token_ids = token_ids.tolist()
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        elif hasattr(token_ids, "keys"):
-            token_ids = token_ids["input_ids"]
-        elif hasattr(token_ids, "tolist"):
-            token_ids = token_ids.tolist()
-        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]:
+        """``decode`` of each sequence."""
+        return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
+
+    def convert_ids_to_tokens(self, ids: Any) -> Any:
+        """Token text of an id (None when outside the vocabulary), or a list of them for a list."""
+        if isinstance(ids, int):
+            return self._tok.id_to_token(ids)
+        return [self._tok.id_to_token(int(i)) for i in ids]
 
     def convert_tokens_to_ids(self, tokens: Any) -> Any:
         """Id of a token text (None when unknown and no ``unk_token``), or a list of them for a list."""
@@ -156,8 +174,14 @@ class PlainTokenizer:
         """
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
+        unsupported = sorted(k for k in _UNSUPPORTED_CHAT_ARGS if kwargs.get(k) not in (None, False))
+        if unsupported:
+            raise ValueError(f"{unsupported} not supported by PlainTokenizer.apply_chat_template (the product's "
+                             "chat rows do not use them); load the folder with transformers' AutoTokenizer for them")
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ValueError("a chat is a non-empty list of messages (one conversation; batches are not supported)")
         messages = [_template_message(i, m) for i, m in enumerate(conversation)]
-        variables = {**self._specials, **kwargs}
+        variables = {**self._specials, **{k: v for k, v in kwargs.items() if k not in _UNSUPPORTED_CHAT_ARGS}}
         text = self._template().render(messages=messages, tools=None, documents=None,
                                        add_generation_prompt=add_generation_prompt, **variables)
         if not tokenize:

@@ -231,3 +231,21 @@ def test_a_folder_of_the_first_layout_reads_to_the_same_weights(smol, tmp_path):
         cache = r.new_cache(64)
         got.append(r.prefill(list(range(5, 45)), cache=cache, topk=4)[0].clone())
     assert torch.equal(got[0], got[1])
+
+
+def test_a_cut_cached_copy_is_a_model_load_error_that_says_how_to_rebuild(tmp_path, monkeypatch):
+    """A cached as-stored folder whose weights file was cut (disk full, a killed copy) is refused with the
+    folder named and the fix (delete it), not an internal error."""
+    import shutil
+
+    from racer_batch import models
+
+    src = load_model_folder()
+    monkeypatch.setenv("RACER_BATCH_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / src.name
+    shutil.copytree(src, folder)
+    data = (folder / "weights.safetensors").read_bytes()
+    (folder / "weights.safetensors").write_bytes(data[: len(data) // 2])
+    assert models.stored_folder(models.gguf_source("smollm2-135m")) == folder  # the cut copy is the one used
+    with pytest.raises(models.ModelLoadError, match="delete that folder"):
+        models.load_model("smollm2-135m", device="cpu", dtype="float32")

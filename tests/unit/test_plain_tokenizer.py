@@ -75,6 +75,15 @@ def test_encodes_renders_and_decodes_as_auto_tokenizer(tmp_path):
                     auto.decode(ids["input_ids"], skip_special_tokens=skip)
     assert "think c c c c" in ours.apply_chat_template(CHATS[2], tokenize=False)  # reasoning under both names
     assert ours.decode(5) == auto.decode(5) and ours.decode({"input_ids": [4, 5]}) == auto.decode([4, 5])
+    import torch
+
+    assert ours.decode(torch.tensor(5)) == auto.decode(torch.tensor(5))
+    assert ours.decode(torch.tensor([4, 5])) == auto.decode(torch.tensor([4, 5]))
+    assert ours.batch_decode([[4, 5], [6]]) == auto.batch_decode([[4, 5], [6]])
+    assert ours.convert_ids_to_tokens([4, 5]) == auto.convert_ids_to_tokens([4, 5])
+    assert ours.convert_ids_to_tokens(2) == auto.convert_ids_to_tokens(2)
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(ours, name) == getattr(auto, name), name
 
 
 def test_template_errors_and_the_sandbox(tmp_path):
@@ -87,6 +96,14 @@ def test_template_errors_and_the_sandbox(tmp_path):
         ours.apply_chat_template([{"role": "user", "content": "a", "meta": object()}])
     with pytest.raises(TypeError, match="must be a str"):
         ours(["hello"])
+    for kwargs in ({"tools": [{"name": "f"}]}, {"continue_final_message": True}, {"documents": [{"text": "a"}]}):
+        with pytest.raises(ValueError, match="not supported by PlainTokenizer"):  # refused, never ignored
+            ours.apply_chat_template(CHATS[0], tokenize=False, **kwargs)
+    assert ours.apply_chat_template(CHATS[0], tokenize=False, tools=None) == \
+        ours.apply_chat_template(CHATS[0], tokenize=False)
+    for bad in ([], [CHATS[0], CHATS[1]]):
+        with pytest.raises(ValueError):
+            ours.apply_chat_template(bad)
     bad = PlainTokenizer(make_folder(tmp_path, chat_template="{% set ns = namespace(_x=1) %}{{ ns._x }}"))
     with pytest.raises(jinja2.exceptions.SecurityError):
         bad.apply_chat_template(CHATS[0], tokenize=False)
