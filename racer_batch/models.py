@@ -231,7 +231,7 @@ def stored_folder(path: Path) -> Path:
     from .weights.stored import LAYOUT
 
     # the layout in the name: a folder an older version wrote (layout 1, "-stored") is left as it is, not read
-    target = cache_root() / "models" / f"{_gguf_stem(path)}-stored{'' if LAYOUT == 1 else LAYOUT}"
+    target = cache_root() / "models" / f"{_gguf_stem(path)}-stored{LAYOUT}"
     if not (target / "weights.safetensors").is_file():
         _write_stored(path, target)
     return target

@@ -94,16 +94,13 @@ class PlainTokenizer:
         template = folder / "chat_template.jinja"
         self.chat_template: Optional[str] = template.read_text() if template.is_file() else cfg.get("chat_template")
         self._specials = {n: cfg[n] for n in _SPECIAL_NAMES if cfg.get(n) is not None}
-        for name, text in self._specials.items():
-            if self._tok.token_to_id(text) is None:
+        for name in _SPECIAL_NAMES:  # bos_token / bos_token_id, ... (None without one)
+            text = self._specials.get(name)
+            tid = None if text is None else self._tok.token_to_id(text)
+            if text is not None and tid is None:
                 raise ValueError(f"{folder}: {name} {text!r} is not in the vocabulary")
-        for name in _SPECIAL_NAMES:
-            setattr(self, name, self._specials.get(name))
-        ids = {n: self._tok.token_to_id(t) for n, t in self._specials.items()}
-        self.eos_token_id: Optional[int] = ids.get("eos_token")
-        self.bos_token_id: Optional[int] = ids.get("bos_token")
-        self.unk_token_id: Optional[int] = ids.get("unk_token")
-        self.pad_token_id: Optional[int] = ids.get("pad_token")
+            setattr(self, name, text)
+            setattr(self, f"{name}_id", tid)
         self._compiled: Any = None
 
     @property
