@@ -279,6 +279,8 @@ class NativeDraftState:
     num_scanned = delegated("_core.num_scanned", "Nodes the eviction scans have visited so far (the victims "
                             "included): how much the resume hint of draft_core.cpp's ``evict_lru_leaf`` saves, "
                             "against ``num_evicted``.")
+    num_relabelled = delegated("_core.num_relabelled", "Order labels of the recency list rewritten so far (the "
+                               "list's order-maintenance work behind the resume hint).")
     num_rows = delegated("_core.num_rows", "Open rows.")
     memory_bytes = delegated("_core.memory_bytes", "Bytes held: store table, own layers, automaton nodes and index "
                              "(capacity, not just use).")

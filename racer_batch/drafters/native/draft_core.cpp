@@ -187,14 +187,16 @@ class Automaton {
   Automaton(i32 vocab, i32 max_nodes, i32 ngram, i32 min_border_depth)
       : vocab_(vocab), max_nodes_(max_nodes), ngram_(ngram), min_depth_(std::max(2, min_border_depth)) {
     nodes_.push_back(blank_node());
+    ord_.push_back(0);  // the root's label: the front
     nodes_[kRoot].states = 1;  // the automaton's own cursor (automaton.py), always at the trie root
   }
 
   i64 num_nodes() const { return i64(nodes_.size()) - 1; }
   i64 num_evicted() const { return num_evicted_; }
   i64 num_scanned() const { return num_scanned_; }
+  i64 num_relabelled() const { return num_relabelled_; }
   size_t bytes() const {
-    return nodes_.capacity() * sizeof(Node) + index_.bytes();
+    return nodes_.capacity() * sizeof(Node) + ord_.capacity() * sizeof(u64) + index_.bytes();
   }
 
   void open(Cursor& c) { nodes_[c.state].states += 1; }
@@ -261,6 +263,54 @@ class Automaton {
     nodes_[x].nxt = n;
     nodes_[a].nxt = x;
     nodes_[n].prv = x;
+    label(x);
+  }
+
+  // Order labels (an order-maintenance list): behind(x, y) <=> x lies nearer the tail than y, in O(1), so a
+  // node that turns evictable is placed against the resume node without walking the list. A new label is the
+  // midpoint of its neighbours'; where they are adjacent, the smallest window of nodes around it whose label
+  // span gives every node a gap of at least 64 x (window size) is relabelled evenly (amortised O(log n) per
+  // insertion, as in Bender et al., "Two simplified algorithms for maintaining order in a list", ESA 2002).
+  static constexpr u64 kOrdEnd = u64(1) << 62;  // the label past the tail
+  u64 ord_after(i32 x) const { return nodes_[x].nxt == kRoot ? kOrdEnd : ord_[nodes_[x].nxt]; }
+  bool behind(i32 x, i32 y) const { return ord_[x] > ord_[y]; }
+
+  void label(i32 x) {
+    const u64 lo = ord_[nodes_[x].prv], hi = ord_after(x);
+    if (hi - lo >= 2) {
+      ord_[x] = lo + (hi - lo) / 2;
+      return;
+    }
+    relabel_around(x);
+  }
+
+  void relabel_around(i32 x) {
+    i32 first = x, last = x;  // the window [first .. last] along the list, x inside
+    u64 count = 1;
+    for (;;) {
+      for (u64 g = count; g > 0; --g) {  // grow the window by about its size on each side
+        if (nodes_[first].prv != kRoot) {
+          first = nodes_[first].prv;
+          ++count;
+        }
+        if (nodes_[last].nxt != kRoot) {
+          last = nodes_[last].nxt;
+          ++count;
+        }
+      }
+      const u64 lo = ord_[nodes_[first].prv], hi = ord_after(last);
+      const u64 gap = (hi - lo) / (count + 1);
+      if (gap >= 64 * count || (nodes_[first].prv == kRoot && nodes_[last].nxt == kRoot)) {
+        u64 v = lo;
+        for (i32 y = first;; y = nodes_[y].nxt) {
+          v += gap;
+          ord_[y] = v;
+          if (y == last) break;
+        }
+        num_relabelled_ += i64(count);
+        return;
+      }
+    }
   }
 
   bool evictable(i32 x) const {
@@ -273,20 +323,19 @@ class Automaton {
     released(x);
   }
 
-  // A pin or a state of x was dropped: if x became evictable behind the resume node (or maybe so: the walk
-  // toward the front is bounded), the hint goes.
+  // A pin or a state of x was dropped: if x became evictable behind the resume node, the next scan starts at x
+  // (every node behind x lies behind the resume node, so none of them is evictable). A resume node at the root:
+  // the whole list lies behind it.
   void released(i32 x) {
     if (resume_ < 0 || x == resume_ || !evictable(x)) return;
-    i32 y = nodes_[x].prv;
-    for (i32 step = 0; step < kHintWalk && y != kRoot && y != resume_; ++step) y = nodes_[y].prv;
-    // kept only where the walk reached the front without passing the resume node (a resume node at the root:
-    // the whole list lies behind it)
-    if (y != kRoot || resume_ == kRoot) resume_ = -1;
+    if (resume_ == kRoot || behind(x, resume_)) resume_ = x;
   }
 
   void touch(i32 x, i32 a) {  // move x just behind its parent a (a move toward the front)
-    if (x == resume_) resume_ = -1;
     if (nodes_[x].prv != a) {
+      // the resume node moving toward the front: the scan starts at its front-side neighbour instead (the
+      // nodes behind that one are those that were behind the resume node; x, ahead now, is scanned later)
+      if (x == resume_) resume_ = nodes_[x].prv;
       unlink_recency(x);
       link_behind(x, a);
     }
@@ -321,6 +370,7 @@ class Automaton {
     if (nodes_.size() == nodes_.capacity())
       nodes_.reserve(std::min<size_t>(size_t(max_nodes_) + 1, std::max<size_t>(64, nodes_.size() * 2)));
     nodes_.push_back(blank_node());
+    ord_.push_back(0);
     return i32(nodes_.size() - 1);
   }
 
@@ -332,11 +382,12 @@ class Automaton {
 
   i32 vocab_, max_nodes_, ngram_, min_depth_;
   std::vector<Node> nodes_;
+  std::vector<u64> ord_;  // order labels of the recency list: growing from the front (the root: 0) to the tail
   ChildIndex index_;
   i64 num_evicted_ = 0;
   i64 num_scanned_ = 0;  // nodes the eviction scans visited
+  i64 num_relabelled_ = 0;  // order labels rewritten by relabel_around
   i32 resume_ = -1;  // where the next eviction scan may start (-1: at the tail); see evict_lru_leaf
-  static constexpr i32 kHintWalk = 512;  // longest walk of ``released`` before it drops the hint
   // scratch
   std::vector<i32> fresh_, chain_;
   std::vector<HeapItem> heap_;
@@ -349,14 +400,13 @@ class Automaton {
 };
 
 // The scan resumes where the previous one stopped (``resume_``, kept across tokens, rows and calls): every node
-// it skipped then is still unevictable. A node turns evictable only when (a) an eviction frees the victim's
+// behind the resume node is unevictable. A node turns evictable only when (a) an eviction frees the victim's
 // parent or failure target, which sit ahead of the victim (the recency invariants), so at or ahead of the new
 // resume node; or (b) a pin or a state is dropped (``unpin``, ``set_state``, ``close``), where ``released``
-// walks from the node toward the front and drops the hint unless it reaches the front first (at most
-// kHintWalk steps; the windows a cursor unpins were touched within its last ngram tokens, so they sit near the
-// front). A node moved or created behind the resume node is pinned or given a state before the next scan,
-// and a move of the resume node itself drops the hint. The victim is therefore the one a scan from the tail
-// would find (as automaton.py's).
+// moves the resume node back to the node if it lies behind (order labels tell in O(1)). A node moved or created
+// behind the resume node is pinned or given a state before the next scan, and the resume node itself moving
+// toward the front hands the hint to its front-side neighbour. The victim is therefore the one a scan from the
+// tail would find (as automaton.py's).
 i32 Automaton::evict_lru_leaf() {
   i32 x = resume_ >= 0 ? resume_ : nodes_[kRoot].prv;
   while (x != kRoot) {
@@ -756,6 +806,7 @@ class DraftCore {
   i64 num_nodes() const { return automaton_ ? automaton_->num_nodes() : 0; }
   i64 num_evicted() const { return automaton_ ? automaton_->num_evicted() : 0; }
   i64 num_scanned() const { return automaton_ ? automaton_->num_scanned() : 0; }
+  i64 num_relabelled() const { return automaton_ ? automaton_->num_relabelled() : 0; }
   i64 num_rows() const { return i64(rows_.size()); }
   i64 memory_bytes() const {
     size_t n = automaton_ ? automaton_->bytes() : 0;
@@ -1199,6 +1250,11 @@ PYBIND11_MODULE(racer_draft_core, m) {
                              [](DraftCore& s) {
                                std::lock_guard<std::mutex> lock(s.mu);
                                return s.num_scanned();
+                             })
+      .def_property_readonly("num_relabelled",
+                             [](DraftCore& s) {
+                               std::lock_guard<std::mutex> lock(s.mu);
+                               return s.num_relabelled();
                              })
       .def_property_readonly("num_rows",
                              [](DraftCore& s) {
