@@ -128,7 +128,7 @@ class ChildIndex {
 
 // ------------------------------------------------------------------------------------------------ automaton
 
-struct Node {
+struct alignas(64) Node {  // one cache line each: std::vector allocates it 64-byte aligned (C++17 aligned new)
   i64 freq;         // windows that passed through the node
   i32 token;        // token on the edge from the parent
   i32 parent;
@@ -140,6 +140,8 @@ struct Node {
   i32 prv, nxt;     // recency list (toward the front / toward the tail)
   i32 first_child, last_child, prev_sib, next_sib;  // children in insertion order
 };
+
+static_assert(sizeof(Node) == 64, "a node is one cache line");
 
 struct Cursor {
   std::vector<i32> active{kRoot};  // active[j]: node of the text's last j tokens (the growing windows)
