@@ -218,12 +218,15 @@ class StreamBatch:
         done, self._done = self._done, []
         return done
 
-    def _count(self, keys: list[Hashable], runner: Any, ms: float, rows: int, charge: Optional[float] = None) -> None:
-        """Count one batched step of ``ms`` forward time over ``keys``; each stream is charged an equal share of
-        ``charge`` (default ``ms``; a CPU step: its whole wall time, host work included)."""
+    def _count(self, keys: list[Hashable], runner: Any, ms: float, rows: int, charge: Optional[float] = None,
+               shares: Optional[list[float]] = None) -> None:
+        """Count one batched step of ``ms`` forward time over ``keys``; each stream is charged its share of
+        ``charge`` (default ``ms``; a CPU step: its whole wall time, host work included): ``shares`` (summing to
+        1), else an equal share."""
         st = self.stats
-        for key in keys:
-            self._charge(key, runner, (ms if charge is None else charge) / len(keys))
+        total = ms if charge is None else charge
+        for i, key in enumerate(keys):
+            self._charge(key, runner, total * (shares[i] if shares is not None else 1.0 / len(keys)))
         st.verify_ms += ms
         st.steps += 1
         st.streams += len(keys)
@@ -254,7 +257,8 @@ class StreamBatch:
                     self._send(key, None)
             return
         wall = (time.perf_counter() - t0) * 1000.0
-        self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if _on_cpu(stepper.runner) else ms)
+        self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if _on_cpu(stepper.runner) else ms,
+                    shares=step_shares(stepper.last_sizes, getattr(stepper.engine, "row_cost", None)))
         for key in keys:
             self._send(key, None)
 
@@ -286,6 +290,28 @@ class StreamBatch:
             except Exception as exc:  # noqa: BLE001
                 outs.append(exc)
         return outs
+
+
+def step_shares(sizes: Any, row_cost: Optional[tuple[float, float]]) -> Optional[list[float]]:
+    """Each stream's share of a batched step whose trees differ in size (method auto's candidates in one
+    forward): with the engine's measured ``row_cost = (fixed, per_row)`` (``Engine.measure_row_cost``), stream
+    ``i`` is charged ``fixed / B + per_row x sizes[i]`` of the step's ``fixed + per_row x R``. So a stream's
+    charged time per step is what its method would cost per stream if every stream of the step used it, and
+    its tokens per charged second compare methods as whole batches of each would. None (an equal share) where
+    every tree has the same size or no cost was measured.
+
+    >>> [round(x, 3) for x in step_shares([5, 1, 1, 1], (6.0, 1.0))]  # (1.5 + 5) / 14, (1.5 + 1) / 14, ...
+    [0.464, 0.179, 0.179, 0.179]
+    """
+    if sizes is None or row_cost is None or len(sizes) < 2:
+        return None
+    sz = [int(x) for x in sizes]
+    if min(sz) == max(sz):
+        return None
+    fixed, per_row = row_cost
+    w = [fixed / len(sz) + per_row * x for x in sz]
+    total = sum(w)
+    return [x / total for x in w] if total > 0 else None
 
 
 def _on_cpu(runner: Any) -> bool:

@@ -144,9 +144,11 @@ class Engine:
         self.drafter_factory = drafter_factory or make_drafter
         t_setup = time.perf_counter()
         self.runner = make_runner(bundle, kind=self.config.runner, compile=self.config.compile)
-        self._global_state: DraftState | None = None
+        self._global_states: dict[str, DraftState] = {}  # scope global: method -> its process-wide state
+        self._configs: dict[str, DecodingConfig] = {}  # config_for's cache: method -> this config with it
         self._stream_cost: dict[int, float] | None = None  # choose_streams' cost curve (fixed capacity)
         self._in_flight = 0  # streams of this engine started and not ended (a StreamBatch runs several)
+        self.row_cost: tuple[float, float] | None = None  # measure_row_cost: (fixed ms, ms per tree row)
         self.tuner: CapacityTuner | None = None
         self.drafts = get_method(self.config.method).drafts
         sizes = self._tree_sizes()
@@ -205,20 +207,64 @@ class Engine:
             self._stream_cost = measure_cost_curve(self.runner, sorted({cap * b for b in choices}))
         return max(choices, key=lambda b: b / cost_at(self._stream_cost, b * cap))
 
+    def measure_row_cost(self) -> tuple[float, float]:
+        """``(fixed ms, ms per tree row)`` of one verify forward, a line through the measured cost curve's
+        smallest and largest sizes (``capacity: auto``'s curve, else measured here once: 1, 4 x capacity and
+        16 x capacity rows): ``t(R) ~ fixed + per_row x R``. A ``StreamBatch`` splits a step whose trees differ in
+        size by it (``batch.step_shares``); call it before rows are in flight (it verifies over a scratch slot).
+        """
+        if self.row_cost is None:
+            curve = getattr(self, "cost_curve_ms", None)
+            if not curve:
+                cap = max(1, self._capacity(1) if self.tuner is None else self.tuner.warmup_cap)
+                curve = measure_cost_curve(self.runner, sorted({4 * cap, 16 * cap}))
+            lo, hi = min(curve), max(curve)
+            per_row = max(0.0, (curve[hi] - curve[lo]) / (hi - lo)) if hi > lo else 0.0
+            self.row_cost = (max(0.0, curve[lo] - per_row * lo), per_row)
+            log.info("verify cost per forward: %.2f ms + %.3f ms per tree row", *self.row_cost)
+        return self.row_cost
+
     # ---- state lifecycle (docs/method.md section 7) ----
-    def new_state(self) -> DraftState:
-        """Draft state for one scope. With scope ``global`` every call returns the process-wide state."""
+    def new_state(self, method: str | None = None) -> DraftState:
+        """Draft state for one scope. With scope ``global`` every call returns the process-wide state.
+
+        Args:
+            method: another lossless method whose rows this engine also runs (``stream(method=...)``): a state
+                for that method's drafters (None: this engine's own method). Scope ``global`` keeps one per
+                method.
+
+        Raises:
+            ValueError: ``method`` is not registered or refuses this config's settings.
+        """
+        config = self.config_for(method)
         if self.config.scope == "global":
-            if self._global_state is None or self._global_state.freed:
-                self._global_state = make_state(
-                    self.config, vocab_size=self.bundle.vocab_size, tokenizer=self.bundle.tokenizer
-                )
-            return self._global_state
-        return make_state(self.config, vocab_size=self.bundle.vocab_size, tokenizer=self.bundle.tokenizer)
+            got = self._global_states.get(config.method)
+            if got is None or got.freed:
+                got = make_state(config, vocab_size=self.bundle.vocab_size, tokenizer=self.bundle.tokenizer)
+                self._global_states[config.method] = got
+            return got
+        return make_state(config, vocab_size=self.bundle.vocab_size, tokenizer=self.bundle.tokenizer)
+
+    def config_for(self, method: str | None) -> DecodingConfig:
+        """This engine's config, or with ``method`` set to another registered method (method auto's candidates
+        run their rows on one engine and share its forwards); cached per method.
+
+        Raises:
+            ValueError / pydantic.ValidationError: ``method`` is not registered or refuses these settings, or is
+                ``auto``.
+        """
+        if method is None or method == self.config.method:
+            return self.config
+        got = self._configs.get(method)
+        if got is None:
+            if method == AUTO_METHOD:
+                raise ValueError("a row runs one method: method auto picks it per row (DecodingConfig.for_method)")
+            got = self._configs[method] = self.config.for_method(method)
+        return got
 
     def free_state(self, state: DraftState) -> None:
-        """Free a job's draft state (a no-op for the global state, which lives as long as the engine)."""
-        if state is not self._global_state:
+        """Free a job's draft state (a no-op for a global state, which lives as long as the engine)."""
+        if not any(state is g for g in self._global_states.values()):
             state.free()
 
     def encode(self, prompt: Prompt, *, system_prompt: str | None = None) -> list[int]:
@@ -242,6 +288,7 @@ class Engine:
         system_prompt: str | None = None,
         should_cancel: Callable[[], bool] | None = None,
         keep_steps: bool = False,
+        method: str | None = None,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt`` (one stream alone, batch size 1).
 
@@ -252,12 +299,14 @@ class Engine:
                 Scope ``request`` always uses a fresh state; scope ``global`` the engine's own.
             should_cancel: polled at every step boundary; True ends generation with ``cancelled``.
             keep_steps: keep one StepRecord per step in ``result.stats.step_records``.
+            method: another lossless method for this row (``stream``); None: the engine's own.
 
         Raises:
-            ValueError: empty prompt, no chat template for chat input, or a prompt that fills the context.
+            ValueError: empty prompt, no chat template for chat input, a prompt that fills the context, or a
+                ``method`` that is not registered.
         """
         return drive(self.stream(prompt, params, state=state, system_prompt=system_prompt,
-                                 should_cancel=should_cancel, keep_steps=keep_steps))
+                                 should_cancel=should_cancel, keep_steps=keep_steps, method=method))
 
     def stream(
         self,
@@ -268,6 +317,7 @@ class Engine:
         system_prompt: str | None = None,
         should_cancel: Callable[[], bool] | None = None,
         keep_steps: bool = False,
+        method: str | None = None,
     ) -> Generator[Any, Any, GenerationResult]:
         """``generate`` as a stream for a ``StreamBatch`` (engine/batch.py): a generator that yields the forward
         it needs next (``Prefill`` once, then one ``Verify`` per step), is sent what the runner returned, and
@@ -275,9 +325,18 @@ class Engine:
         Closing it early releases its KV-cache slot and private draft state.
 
         Streams of one job may share its draft state (scope ``job``): each row keeps its own automaton
-        cursor, so rows in flight together only share what they have learned."""
+        cursor, so rows in flight together only share what they have learned.
+
+        ``method``: another lossless method for this row (``config_for``; None: the engine's own), with a
+        ``state`` made by ``new_state(method)``. Rows of different methods in one ``StreamBatch`` share every
+        forward (method auto's candidates: one engine, one forward per step). A row's capacity is the
+        engine's (the same config but for the method).
+
+        Raises (besides ``generate``'s):
+            ValueError: ``method`` is not registered or refuses the config's settings."""
         params = params or GenerationParams()
         bundle = self.bundle
+        cfg = self.config_for(method)
         prompt_ids = self.encode(prompt, system_prompt=system_prompt)
         if len(prompt_ids) >= bundle.context_length:
             raise ValueError(
@@ -286,13 +345,13 @@ class Engine:
             )
         private = False
         if self.config.scope == "request" or state is None:
-            state = make_state(self.config, vocab_size=bundle.vocab_size, scope="request", tokenizer=bundle.tokenizer)
+            state = make_state(cfg, vocab_size=bundle.vocab_size, scope="request", tokenizer=bundle.tokenizer)
             private = True
         if self.config.scope == "global":
-            state, private = self.new_state(), False
+            state, private = self.new_state(method), False
         try:
             return (yield from self._stream_ids(prompt_ids, params, state=state, should_cancel=should_cancel,
-                                                keep_steps=keep_steps))
+                                                keep_steps=keep_steps, cfg=cfg))
         finally:
             if private:
                 state.free()
@@ -305,8 +364,10 @@ class Engine:
         state: DraftState | None,
         should_cancel: Callable[[], bool] | None,
         keep_steps: bool,
+        cfg: DecodingConfig | None = None,
     ) -> Generator[Any, Any, GenerationResult]:
-        bundle, runner, cfg = self.bundle, self.runner, self.config
+        bundle, runner = self.bundle, self.runner
+        cfg = cfg or self.config
         drafter = self.drafter_factory(cfg, state)
         k = cfg.max_breadth if getattr(drafter, "needs_topk", False) else 0
         want_probs = bool(k) and getattr(drafter, "needs_topk_probs", False)

@@ -208,6 +208,7 @@ class Stepper:
         self._ops = getattr(self.runner, "_ops", None)
         self.committing = False  # the running step has begun committing tokens (no retry past this point)
         self.last_rows = 0  # tree rows of the last step's forward
+        self.last_sizes: Optional[np.ndarray] = None  # [B] tree rows of each row of the last step
         self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
 
     # ---- row lifecycle
@@ -233,6 +234,7 @@ class Stepper:
         flat, sources, order = self._propose(rows, cap, clock, kind, native)
         clock.lap("flatten")
         self.last_rows = flat.rows
+        self.last_sizes = flat.sizes()
         t0 = time.perf_counter()
         logits = self.runner.verify_flat(flat)  # [R, V]
         t1 = time.perf_counter()
@@ -279,14 +281,18 @@ class Stepper:
             flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
             clock.lap("propose")
             return flat, got.sources, got.order
-        drafts = [r.drafter.propose(int(roots[i]), capacity=cap, max_depth=int(depth[i])) for i, r in enumerate(rows)]
+        if kind == "mixed":  # rows of several methods in one forward: the native rows in one call, the rest each
+            drafts = _mixed_drafts(rows, native, roots, cap, depth)
+        else:
+            drafts = [r.drafter.propose(int(roots[i]), capacity=cap, max_depth=int(depth[i]))
+                      for i, r in enumerate(rows)]
         clock.lap("propose")
         return flat_of_drafts(drafts, starts, caches)
 
     def _scores(self, rows: list[DecodeRow], logits: torch.Tensor) -> tuple[np.ndarray, Optional[np.ndarray], Any]:
         """``(argmax [R], top-k ids [R, k] or None, top-k probabilities [R, k] or None)`` of every row."""
-        k = rows[0].k
-        want_probs = rows[0].want_probs
+        k = max(r.k for r in rows)  # rows of several methods (method auto): the widest; a row reads what it needs
+        want_probs = any(r.want_probs for r in rows)
         if not want_probs:
             fused = argmax_and_topk(logits, max(k, 1), self._ops)
             if fused is not None:
@@ -388,7 +394,13 @@ class Stepper:
         if kind == "native":
             _update_native(native, flat, topk, committed)
             return
+        if kind == "mixed":
+            nat = [i for i, n in enumerate(native) if n is not None]
+            sub = flat.subset(nat)
+            _update_native([native[i] for i in nat], sub, topk[_rows_of(flat, nat)], [committed[i] for i in nat])
         for i, r in enumerate(rows):
+            if kind == "mixed" and (native[i] is not None or getattr(r.drafter, "root_only", False)):
+                continue
             lo, hi = int(flat.cu[i]), int(flat.cu[i + 1])
             r.drafter.update(Verified(
                 flat.tokens[lo:hi], topk[lo:hi], committed[i],
@@ -419,8 +431,11 @@ class Stepper:
         tuner = self.engine.tuner
         if tuner is not None:
             glob = nodes + np.repeat(flat.cu[:-1], plen)
-            tuner.observe_batch(used_capacity=cap, accepted_creation_idx=order[glob[nodes > 0]], streams=b,
-                                overhead_ms=host / b)
+            # rows that draft (a mixed step's AR rows would count as trees that accepted nothing)
+            drafting = b - sum(1 for r in rows if getattr(r.drafter, "root_only", False))
+            if drafting:
+                tuner.observe_batch(used_capacity=cap, accepted_creation_idx=order[glob[nodes > 0]],
+                                    streams=drafting, overhead_ms=host / b)
 
 
 def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.ndarray:
@@ -440,12 +455,51 @@ def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.nd
 
 def _drafting(rows: list[DecodeRow]) -> tuple[str, list]:
     """How a step's rows draft, decided once per step: ``root`` (AR: the root alone, nothing to learn),
-    ``native`` (one call of the native draft core for all rows; with each row's (state, row handle)) or
-    ``python`` (each drafter's own ``propose`` / ``update``)."""
+    ``native`` (one call of the native draft core for all rows; with each row's (state, row handle)),
+    ``mixed`` (some rows native, the others AR or another drafter: method auto's candidates in one forward; the
+    native rows in one call, with each row's (state, row handle) or None) or ``python`` (each drafter's own
+    ``propose`` / ``update``)."""
     if all(getattr(r.drafter, "root_only", False) for r in rows):
         return "root", []
     native = [getattr(r.drafter, "native", None) for r in rows]
-    return ("native", native) if all(n is not None for n in native) else ("python", [])
+    n = sum(1 for x in native if x is not None)
+    if n == len(rows):
+        return "native", native
+    return ("mixed", native) if n else ("python", [])
+
+
+def _mixed_drafts(rows: list[DecodeRow], native: list, roots: np.ndarray, cap: int, depth: np.ndarray) -> list:
+    """Every row's Draft (creation order) where only some rows are native: those from one ``propose_batch``
+    call, the others from their drafters' ``propose``."""
+    from ..drafters.base import Draft
+    from ..drafters.native import propose_batch
+
+    nat = [i for i, n in enumerate(native) if n is not None]
+    got = propose_batch([native[i][0] for i in nat], np.fromiter((native[i][1] for i in nat), np.int64, len(nat)),
+                        roots[nat], np.full(len(nat), cap, dtype=np.int64), depth[nat])
+    drafts: list = [None] * len(rows)
+    for j, i in enumerate(nat):
+        lo, hi = int(got.cu[j]), int(got.cu[j + 1])
+        order = got.order[lo:hi]
+        tokens = np.empty(hi - lo, dtype=np.int64)
+        parents = np.empty(hi - lo, dtype=np.int64)
+        sources = np.empty(hi - lo, dtype=np.int64)
+        tokens[order] = got.tokens[lo:hi]
+        sources[order] = got.sources[lo:hi]
+        par = got.parents[lo:hi]
+        parents[order] = np.where(par >= 0, order[np.maximum(par, 0)], -1)
+        drafts[i] = Draft(tokens.tolist(), parents.tolist(), sources.tolist())
+    for i, r in enumerate(rows):
+        if drafts[i] is None:
+            drafts[i] = r.drafter.propose(int(roots[i]), capacity=cap, max_depth=int(depth[i]))
+    return drafts
+
+
+def _rows_of(flat: FlatTrees, streams: list[int]) -> np.ndarray:
+    """The global rows of the trees ``streams`` of a flat batch, in that order."""
+    if not streams:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(flat.cu[i], flat.cu[i + 1]) for i in streams])
 
 
 def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: list[list[int]]) -> None:

@@ -17,7 +17,7 @@ the accepted path is [0, 1, 3] (accepted length 2) and the bonus token is 4.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -111,6 +111,17 @@ class FlatTrees:
     def sizes(self) -> np.ndarray:
         """``[B]`` rows per stream."""
         return np.diff(self.cu)
+
+    def subset(self, streams: Sequence[int]) -> "FlatTrees":
+        """The trees of ``streams`` (indices into this batch, in that order) as a flat batch of their own."""
+        idx = [int(i) for i in streams]
+        sizes = self.sizes()[idx]
+        cu = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=cu[1:])
+        rows = (np.concatenate([np.arange(self.cu[i], self.cu[i + 1]) for i in idx]) if idx
+                else np.zeros(0, dtype=np.int64))
+        return FlatTrees(self.tokens[rows], self.parents[rows], self.depths[rows], cu, self.starts[idx],
+                         [self.caches[i] for i in idx])
 
     def positions(self) -> np.ndarray:
         """``[R]`` int64 position of every row: its stream's committed length + its depth."""

@@ -103,6 +103,72 @@ def test_batched_greedy_equals_alone_and_reference(method, capacity):
         assert engine.runner.slots >= width
 
 
+@pytest.mark.parametrize("methods", [("racer", "pld", "ar"), ("racer", "ar"), ("pld", "ar"), ("retrieval", "pld")])
+def test_rows_of_several_methods_share_one_forward_and_stay_lossless(methods):
+    """Method auto's candidates on one engine (``stream(method=...)``): rows of racer, pld and AR in one batched
+    forward give every row its HF greedy tokens, the steps hold rows of different methods together, and each
+    method's rows keep learning in their own draft state (a racer row still accepts drafted tokens)."""
+    bundle = tiny_bundle(seed=1, head_scale=60.0)
+    engine = Engine(bundle, DecodingConfig(method=methods[0], capacity=8), streams=4)
+    params = lambda i: GenerationParams(max_new_tokens=24 + 7 * (i % 3))  # noqa: E731
+    which = {i: methods[i % len(methods)] for i in range(len(PROMPTS))}
+    states = {m: engine.new_state(m) for m in methods}
+    batch, out, todo = StreamBatch(), {}, list(range(len(PROMPTS)))
+    while todo or len(batch):
+        while todo and len(batch) < 4:
+            i = todo.pop(0)
+            batch.add(i, engine.stream(PROMPTS[i], params(i), state=states[which[i]], method=which[i]))
+        for f in batch.step():
+            assert f.error is None, f.error
+            out[f.key] = f.result
+    for i, p in enumerate(PROMPTS):
+        assert out[i].token_ids == generate_reference(bundle, p, params(i)).token_ids, (which[i], i)
+    if cpu_ops() is not None:
+        assert max(batch.stats.sizes) == 4
+    st = [out[i].stats for i in out if which[i] == methods[0]]
+    assert sum(x.accepted_retrieval + x.accepted_logits + x.accepted_both + x.accepted_other for x in st) > 0
+    assert all(out[i].stats.tree_tokens == out[i].stats.steps for i in out if which[i] == "ar")
+
+
+def test_a_mixed_step_is_charged_by_the_measured_cost_of_each_tree():
+    """A step whose trees differ in size splits its time by ``fixed / B + per_row x size`` (the engine's
+    measured verify cost); equal trees, or no measured cost, split it evenly."""
+    from racer_batch.engine.batch import step_shares
+
+    shares = step_shares(np.array([9, 1, 1, 1]), (6.0, 0.5))
+    assert shares == pytest.approx([(1.5 + 4.5) / 12.0, 2.0 / 12.0, 2.0 / 12.0, 2.0 / 12.0])
+    assert step_shares(np.array([5, 5]), (6.0, 0.5)) is None
+    assert step_shares(np.array([5, 1]), None) is None
+    bundle = tiny_bundle(seed=1, head_scale=60.0)
+    engine = Engine(bundle, DecodingConfig(method="racer", capacity=8), streams=2)
+    fixed, per_row = engine.measure_row_cost()
+    assert fixed >= 0.0 and per_row >= 0.0 and engine.measure_row_cost() == (fixed, per_row)
+    batch = StreamBatch()
+    batch.add("racer", engine.stream("abcabd the cat and the hat abcabd the", GenerationParams(max_new_tokens=30),
+                                     state=engine.new_state("racer"), method="racer"))
+    batch.add("ar", engine.stream("abcabd the cat and the hat abcabd the", GenerationParams(max_new_tokens=30),
+                                  state=engine.new_state("ar"), method="ar"))
+    seen = 0
+    while len(batch) == 2:
+        before = {k: dict(v) for k, v in batch._share.items()}
+        batch.step()
+        sizes = engine.stepper.last_sizes
+        if len(batch) < 2 or sizes is None or len(sizes) < 2 or not before.get("racer") or sizes[0] == sizes[1]:
+            continue
+        got = {k: batch._share[k][id(engine.runner)] - before[k][id(engine.runner)] for k in ("racer", "ar")}
+        want = step_shares(sizes, (fixed, per_row))
+        assert got["racer"] / got["ar"] == pytest.approx(want[0] / want[1], rel=1e-9)
+        seen += 1
+    assert seen > 0  # some step held a racer tree beside an AR root
+
+
+def test_an_unknown_or_auto_row_method_is_refused():
+    engine = Engine(tiny_bundle(seed=1), DecodingConfig(method="racer", capacity=4))
+    for bad in ("auto", "no-such-method"):
+        with pytest.raises(ValueError):
+            engine.generate("abc", GenerationParams(max_new_tokens=4), method=bad)
+
+
 def test_seeded_sample_is_independent_of_batch_mates():
     """A sampled row with a given seed gives the same tokens alone and among any batch-mates (vLLM #9441)."""
     bundle = tiny_bundle(seed=2, head_scale=30.0)

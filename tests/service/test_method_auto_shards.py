@@ -43,6 +43,10 @@ def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, 
         res = runner.run_shard(_task(spec))
         assert res.committed and res.summary["ok"] == 16, res
         out[method] = read_output(spec.output.path).to_pylist()
+        # one engine (one runner, one KV pool, one copy of the weights) for every candidate: their rows share
+        # each batched forward; one draft state per candidate
+        assert len(runner._engines) == 1
+        assert len(runner._states) == (3 if method == "auto" else 1)
     same = ("id", "text", "output_tokens", "finish_reason", "status")
     assert [{k: r[k] for k in same} for r in out["auto"]] == [{k: r[k] for k in same} for r in out["racer"]]
     ev = res.summary["method_auto"]

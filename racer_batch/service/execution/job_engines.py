@@ -1,20 +1,32 @@
 """The engines and draft states one shard of a job answers its rows with.
 
 A job names one decoding method: every row goes to that method's engine and the job's draft state. With
-``decoding.method: auto`` the shard has one engine (and job draft state) per candidate of
-``decoding.auto_methods``, and each row goes to the candidate its route's ``MethodChooser`` picks
-(service/execution/auto.py). Either way the states are warmed and saved through ``WarmStates``.
+``decoding.method: auto`` the shard has one engine for all candidates of ``decoding.auto_methods``
+(``auto_engine_config``) and one job draft state per candidate; each row runs the candidate its route's
+``MethodChooser`` picks (service/execution/auto.py) on that engine (``Engine.stream(method=...)``), so rows of
+every candidate share each batched forward, and a step whose trees differ in size is charged to its rows by the
+engine's measured verify cost (``Engine.measure_row_cost``, ``engine.batch.step_shares``). Either way the states
+are warmed and saved through ``WarmStates``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from racer_batch.drafters.registry import get_method
 from racer_batch.service.execution.auto import MethodChooser
 from racer_batch.service.execution.warm import WarmStates
-from racer_batch.values import AUTO_METHOD
+from racer_batch.values import AUTO_METHOD, DecodingConfig
 
 AUTO_KEY_SEP = "#method="  # a job's draft state per candidate under method auto: "<job id>#method=<name>"
+
+
+def auto_engine_config(decoding: DecodingConfig) -> DecodingConfig:
+    """The config of method auto's one engine: its first candidate that drafts (its capacity sizes the trees
+    the runner verifies; AR rows verify their root alone), else its first candidate."""
+    names = decoding.auto_methods
+    drafting = [n for n in names if get_method(n).drafts]
+    return decoding.for_method((drafting or list(names))[0])
 
 
 def state_key(job_id: str, method: Optional[str]) -> str:
@@ -28,7 +40,8 @@ class ShardEngines:
     Args:
         spec: the job's JobSpec. job_id: its id. slots: rows each engine needs room for.
         engine_for: ``(decoding, streams=) -> engine`` (the runner's engine cache).
-        state_for: ``(key, engine) -> state``: the runner's draft state under ``key``, made on first use.
+        state_for: ``(key, engine, method) -> state``: the runner's draft state under ``key``, made on first use
+            (``method``: a candidate of method auto, else None).
         states: the runner's ``{key: (engine, state)}`` of job draft states (a warmed state replaces one here).
         warm: the runner's WarmStates. chooser: the job's MethodChooser (method auto), kept by the runner across
             shards; None otherwise.
@@ -40,16 +53,19 @@ class ShardEngines:
         self.spec, self.job_id, self.warm, self.chooser = spec, job_id, warm, chooser
         self.auto = spec.decoding.method == AUTO_METHOD
         names = spec.decoding.auto_methods if self.auto else (spec.decoding.method,)
+        engine = engine_for(auto_engine_config(spec.decoding) if self.auto else spec.decoding, streams=slots)
+        measure = getattr(engine, "measure_row_cost", None) if self.auto else None
+        if measure is not None:
+            measure()  # before any row is in flight: it verifies over a scratch slot
         self.engines: dict[str, Any] = {}
         self.states: dict[str, Any] = {}
         for name in names:
-            cfg = spec.decoding.for_method(name) if self.auto else spec.decoding
-            engine = engine_for(cfg, streams=slots)
             key = state_key(job_id, name if self.auto else None)
-            state = warm.before_shard(key, spec, engine, state_for(key, engine))
+            method = name if self.auto else None
+            state = warm.before_shard(key, spec, engine, state_for(key, engine, method), method)
             states[key] = (engine, state)
             self.engines[name], self.states[name] = engine, state
-        self.first = self.engines[names[0]]  # chooses B (streams_per_actor: auto) and names the device
+        self.first = engine  # the one engine: chooses B (streams_per_actor: auto) and names the device
         self._since = chooser.counters() if chooser is not None else None  # the shard's evidence starts here
 
     def pick(self, route: str, *, greedy: bool) -> tuple[str, Any, Any]:
@@ -78,5 +94,6 @@ class ShardEngines:
     def after_commit(self, label: str) -> None:
         """The shard is committed: save every state that learned."""
         for name, engine in self.engines.items():
-            key = state_key(self.job_id, name if self.auto else None)
-            self.warm.after_commit(key, self.spec, engine, self.states[name], label=label)
+            method = name if self.auto else None
+            self.warm.after_commit(state_key(self.job_id, method), self.spec, engine, self.states[name], label=label,
+                                   method=method)

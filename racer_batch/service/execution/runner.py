@@ -31,7 +31,7 @@ from racer_batch.benchdata import has_chat_template
 from racer_batch.engine.batch import BatchStats, StreamBatch, drive
 from racer_batch.service.execution.auto import MethodChooser
 from racer_batch.service.execution.engine_hook import hooked_bundle, hooked_engine
-from racer_batch.service.execution.job_engines import AUTO_KEY_SEP, ShardEngines
+from racer_batch.service.execution.job_engines import AUTO_KEY_SEP, ShardEngines, auto_engine_config
 from racer_batch.service.execution.warm import WarmStates
 from racer_batch.service.job.inputs import InputPlan, answer_columns, iter_raw_rows, row_fingerprint, shard_fingerprint
 from racer_batch.service.job.rows import RowTask, parse_row
@@ -161,6 +161,7 @@ class RowCall:
     job_id: str
     origin: RowOrigin
     should_cancel: Callable[[], bool]
+    method: Optional[str] = None  # method auto: the candidate the row runs on the shard's one engine
 
 
 class RowRunner:
@@ -199,10 +200,11 @@ class RowRunner:
 
     # ---- model, engines and per-job state
     def _engine_for(self, spec: JobSpec, *, streams: int = 1) -> Any:
-        """The job's engine (method auto: its first candidate's) on its model, loaded here on first use."""
+        """The job's engine (method auto: the one its candidates share, ``job_engines.auto_engine_config``) on its
+        model, loaded here on first use."""
         self._ensure_model(spec)
         decoding = spec.decoding
-        return self._engine_for_config(decoding.for_method(decoding.auto_methods[0]) if decoding.method == AUTO_METHOD
+        return self._engine_for_config(auto_engine_config(decoding) if decoding.method == AUTO_METHOD
                                        else decoding, streams=streams)
 
     def _ensure_model(self, spec: JobSpec) -> None:
@@ -255,9 +257,11 @@ class RowRunner:
         choices = [b for b in self._auto_streams() if b <= max(1, min(rows, int(engine.streams)))]
         return int(engine.choose_streams(choices))
 
-    def _state_for(self, job_id: str, engine: Any) -> Any:
+    def _state_for(self, job_id: str, engine: Any, method: Optional[str] = None) -> Any:
+        """The draft state kept under ``job_id`` (a key), made on first use: the engine's, or for ``method`` (one
+        of method auto's candidates on the engine) that method's."""
         if job_id not in self._states:
-            self._states[job_id] = (engine, engine.new_state())
+            self._states[job_id] = (engine, engine.new_state() if method is None else engine.new_state(method))
         return self._states[job_id][1]
 
     def end_job(self, job_id: str) -> bool:
@@ -354,7 +358,8 @@ class RowRunner:
                                              method=method)
             stopped = stopped or (None if verdict() == KEEP_GOING else verdict())
             if stopped is None:
-                call = RowCall(spec=spec, job_id=task.job_id, origin=row_origin, should_cancel=keep_going)
+                call = RowCall(spec=spec, job_id=task.job_id, origin=row_origin, should_cancel=keep_going,
+                               method=method if shard.auto else None)
                 engines[pos] = (row_engine, greedy)
                 return self._row_stream(row_engine, state, row, call)
             end(pos, RowRecord.without_answer(status="cancelled", origin=row_origin,
@@ -432,7 +437,7 @@ class RowRunner:
         answers: list[tuple[RowRecord, int]] = []  # (record, seed) per sample
         for k in range(spec.n_samples):
             params = row.params if k == 0 else row.params.model_copy(update={"seed": sample_seed(row.seed, k)})
-            rec = yield from self._answer(engine, state, row, params, origin, call.should_cancel)
+            rec = yield from self._answer(engine, state, row, params, origin, call.should_cancel, method=call.method)
             answers.append((rec, params.seed))
             if k == 0 and with_shadow:
                 method = dataclasses.replace(rec, finished_at=now_utc())
@@ -461,16 +466,18 @@ class RowRunner:
                             temperature=row.params.temperature, reference=row.reference)
 
     def _answer(self, engine: Any, state: Any, row: RowTask, params: Any, origin: RowOrigin,
-                should_cancel: Callable[[], bool]) -> Generator[Any, Any, RowRecord]:
+                should_cancel: Callable[[], bool], *, method: Optional[str] = None) -> Generator[Any, Any, RowRecord]:
         """One answer to the row (every turn) with these params, as a RowRecord (status ok, error or
-        cancelled; the turns answered before an error count)."""
+        cancelled; the turns answered before an error count). ``method``: the engine runs the row with that
+        method instead of its own (method auto)."""
         turns: list[Any] = []
+        extra = {} if method is None else {"method": method}
 
         def done(status: str, error: Optional[str]) -> RowRecord:
             return RowRecord.from_turns(turns, status=status, error=error, origin=origin)
 
         def generate(prompt: Any) -> Generator[Any, Any, GenerationResult]:
-            return (yield from engine.stream(prompt, params, state=state, should_cancel=should_cancel))
+            return (yield from engine.stream(prompt, params, state=state, should_cancel=should_cancel, **extra))
 
         try:
             if row.turns is not None:

@@ -42,6 +42,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _config(engine: Any, method: Optional[str]) -> Any:
+    """The engine's config, or its config for method auto's candidate ``method`` (``Engine.config_for``)."""
+    return engine.config if method is None else engine.config_for(method)
+
+
 @contextmanager
 def _locked(folder: Path) -> Iterator[None]:
     """An exclusive lock on ``<folder>/_draft_state.lock`` (one job's actors on one file system)."""
@@ -68,49 +73,52 @@ class WarmStates:
         methods at scope ``job``)."""
         return bool(spec.resources.warm_draft_state) and getattr(state, "history", None) is not None
 
-    def key(self, spec: Any, engine: Any) -> dict:
+    def key(self, spec: Any, engine: Any, method: Optional[str] = None) -> dict:
         """What a saved state must match to be loaded: model, tokenizer, vocabulary size and the output-relevant
-        config of the engine (with method auto, the candidate's)."""
+        config of the engine (with method auto, the candidate ``method``'s)."""
         tok = engine.bundle.tokenizer
         if id(tok) not in self._fingerprints:
             self._fingerprints[id(tok)] = tokenizer_fingerprint(tok)
         return {"model": spec.model.name, "tokenizer": self._fingerprints[id(tok)],
-                "vocab_size": int(engine.bundle.vocab_size), "config_hash": engine.config.config_hash()}
+                "vocab_size": int(engine.bundle.vocab_size), "config_hash": _config(engine, method).config_hash()}
 
     @staticmethod
-    def path(spec: Any, engine: Any) -> Path:
+    def path(spec: Any, engine: Any, method: Optional[str] = None) -> Path:
         """The job's saved state for this engine: ``<output>/_draft_state.npz``; with method auto, one file per
-        candidate method (``_draft_state-<method>.npz``)."""
-        method = engine.config.method
+        candidate ``method`` (``_draft_state-<method>.npz``)."""
+        method = _config(engine, method).method
         name = FILE_NAME if method == spec.decoding.method else FILE_NAME.replace(".npz", f"-{method}.npz")
         return Path(spec.output.path) / name
 
-    def before_shard(self, job_id: str, spec: Any, engine: Any, state: Any) -> Any:
+    def before_shard(self, job_id: str, spec: Any, engine: Any, state: Any, method: Optional[str] = None) -> Any:
         """The state the shard should use: ``state``, or a fresh one warmed from a saved snapshot holding commits
-        ``state`` does not (``state`` is then freed). ``job_id``: the key the runner keeps the state under."""
+        ``state`` does not (``state`` is then freed). ``job_id``: the key the runner keeps the state under;
+        ``method``: method auto's candidate the state drafts for on ``engine`` (None: the engine's method)."""
         self._started[job_id] = 0
         if not self.applies(spec, state):
             return state
-        path = self.path(spec, engine)
-        snap = load(path, self.key(spec, engine))
+        path = self.path(spec, engine, method)
+        snap = load(path, self.key(spec, engine, method))
         if snap is None or snap.commits == self._commits.get(job_id):
             self._started[job_id] = max(0, self._commits.get(job_id) or 0)
             return state
-        fresh = engine.new_state()
-        warm(fresh, snap, lambda st: make_drafter(engine.config, st))
+        fresh = engine.new_state() if method is None else engine.new_state(method)
+        warm(fresh, snap, lambda st: make_drafter(_config(engine, method), st))
         engine.free_state(state)
         self._commits[job_id] = self._started[job_id] = snap.commits
         log.info("job %s: draft state warmed from %s (%d commits, %d tokens of text, %d store rows)", job_id, path,
                  snap.commits, snap.tokens, len(snap.store_tokens))
         return fresh
 
-    def after_commit(self, job_id: str, spec: Any, engine: Any, state: Any, *, label: str) -> Optional[int]:
-        """Fold what ``state`` learned into the saved snapshot; returns its commits, None when nothing was saved."""
+    def after_commit(self, job_id: str, spec: Any, engine: Any, state: Any, *, label: str,
+                     method: Optional[str] = None) -> Optional[int]:
+        """Fold what ``state`` learned into the saved snapshot; returns its commits, None when nothing was saved.
+        ``method`` as in ``before_shard``."""
         if not self.applies(spec, state):
             return None
-        path = self.path(spec, engine)
+        path = self.path(spec, engine, method)
         folder = path.parent
-        key = self.key(spec, engine)
+        key = self.key(spec, engine, method)
         try:
             with _locked(folder):
                 base = load(path, key)
