@@ -89,7 +89,8 @@ def drive(stream: Stream) -> Any:
 class Finished:
     """A stream that ended during a step: its key, its result or the exception it raised, and its share of
     the actor's time per runner (``device_ms``: {id(runner): ms}; a batched step shared by n streams counts
-    1/n of its forward time for each, on a CPU runner 1/n of the whole step's wall time; a prefill all of its
+    1/n of its forward time for each, on a CPU runner 1/n of the whole step's wall time, or where its trees
+    differ in size and the engine measured its verify cost, each stream's ``step_shares``; a prefill all of its
     wall time for its stream)."""
 
     key: Hashable
