@@ -259,7 +259,7 @@ class StreamBatch:
             return
         wall = (time.perf_counter() - t0) * 1000.0
         self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if _on_cpu(stepper.runner) else ms,
-                    shares=step_shares(stepper.last_sizes, getattr(stepper.engine, "row_cost", None)))
+                    shares=step_shares(stepper.last_sizes, getattr(stepper.engine, "step_cost", None)))
         for key in keys:
             self._send(key, None)
 
@@ -293,24 +293,26 @@ class StreamBatch:
         return outs
 
 
-def step_shares(sizes: Any, row_cost: Optional[tuple[float, float]]) -> Optional[list[float]]:
+def step_shares(sizes: Any, step_cost: Optional[dict]) -> Optional[list[float]]:
     """Each stream's share of a batched step whose trees differ in size (method auto's candidates in one
-    forward): with the engine's measured ``row_cost = (fixed, per_row)`` (``Engine.measure_row_cost``), stream
-    ``i`` is charged ``fixed / B + per_row x sizes[i]`` of the step's ``fixed + per_row x R``. So a stream's
-    charged time per step is what its method would cost per stream if every stream of the step used it, and
-    its tokens per charged second compare methods as whole batches of each would. None (an equal share) where
-    every tree has the same size or no cost was measured.
+    forward): stream ``i`` weighs ``t(B x sizes[i]) / B``, what a stream costs per step where all B streams of the
+    step have trees of its size, ``t`` the engine's measured verify cost by tree rows (``step_cost``,
+    ``Engine.measure_step_cost``; ``capacity.cost_at`` between and past the measured sizes), and the step is split
+    in proportion. So a stream's tokens per charged second compare methods as whole batches of each would run at
+    the same B. None (an equal share) where every tree has the same size or no cost was measured.
 
-    >>> [round(x, 3) for x in step_shares([5, 1, 1, 1], (6.0, 1.0))]  # (1.5 + 5) / 14, (1.5 + 1) / 14, ...
-    [0.464, 0.179, 0.179, 0.179]
+    >>> [round(x, 3) for x in step_shares([4, 1], {1: 10.0, 2: 11.0, 8: 16.0})]  # t(8) / 2 : t(2) / 2
+    [0.593, 0.407]
     """
-    if sizes is None or row_cost is None or len(sizes) < 2:
+    if sizes is None or not step_cost or len(sizes) < 2:
         return None
     sz = [int(x) for x in sizes]
     if min(sz) == max(sz):
         return None
-    fixed, per_row = row_cost
-    w = [fixed / len(sz) + per_row * x for x in sz]
+    from racer_batch.engine.capacity import cost_at
+
+    b = len(sz)
+    w = [cost_at(step_cost, b * x) / b for x in sz]
     total = sum(w)
     return [x / total for x in w] if total > 0 else None
 

@@ -148,7 +148,7 @@ class Engine:
         self._configs: dict[str, DecodingConfig] = {}  # config_for's cache: method -> this config with it
         self._stream_cost: dict[int, float] | None = None  # choose_streams' cost curve (fixed capacity)
         self._in_flight = 0  # streams of this engine started and not ended (a StreamBatch runs several)
-        self.row_cost: tuple[float, float] | None = None  # measure_row_cost: (fixed ms, ms per tree row)
+        self.step_cost: dict[int, float] | None = None  # measure_step_cost: {tree rows: verify ms}
         self.tuner: CapacityTuner | None = None
         self.drafts = get_method(self.config.method).drafts
         sizes = self._tree_sizes()
@@ -207,22 +207,21 @@ class Engine:
             self._stream_cost = measure_cost_curve(self.runner, sorted({cap * b for b in choices}))
         return max(choices, key=lambda b: b / cost_at(self._stream_cost, b * cap))
 
-    def measure_row_cost(self) -> tuple[float, float]:
-        """``(fixed ms, ms per tree row)`` of one verify forward, a line through the measured cost curve's
-        smallest and largest sizes (``capacity: auto``'s curve, else measured here once: 1, 4 x capacity and
-        16 x capacity rows): ``t(R) ~ fixed + per_row x R``. A ``StreamBatch`` splits a step whose trees differ in
-        size by it (``batch.step_shares``); call it before rows are in flight (it verifies over a scratch slot).
-        """
-        if self.row_cost is None:
-            curve = getattr(self, "cost_curve_ms", None)
-            if not curve:
-                cap = max(1, self._capacity(1) if self.tuner is None else self.tuner.warmup_cap)
-                curve = measure_cost_curve(self.runner, sorted({4 * cap, 16 * cap}))
-            lo, hi = min(curve), max(curve)
-            per_row = max(0.0, (curve[hi] - curve[lo]) / (hi - lo)) if hi > lo else 0.0
-            self.row_cost = (max(0.0, curve[lo] - per_row * lo), per_row)
-            log.info("verify cost per forward: %.2f ms + %.3f ms per tree row", *self.row_cost)
-        return self.row_cost
+    def measure_step_cost(self) -> dict[int, float]:
+        """``{rows: ms}`` of one verify forward over that many tree rows, measured once (``measure_cost_curve``
+        at 1, 2, 4, ... up to twice ``streams`` x capacity, with ``capacity: auto``'s own curve merged in) and
+        kept in ``step_cost``. A ``StreamBatch`` splits a step whose trees differ in size by it
+        (``batch.step_shares``); call it before rows are in flight (it verifies over a scratch slot)."""
+        if self.step_cost is None:
+            cap = max(1, self._capacity(1) if self.tuner is None else max(self.tuner.candidates))
+            top = max(2, 2 * self.streams * cap)
+            sizes = sorted({1 << i for i in range(top.bit_length()) if (1 << i) <= top} | {top})
+            curve = dict(measure_cost_curve(self.runner, sizes))
+            for rows, ms in (getattr(self, "cost_curve_ms", None) or {}).items():
+                curve.setdefault(rows, ms)
+            self.step_cost = curve
+            log.info("verify cost per forward (ms by tree rows): %s", {r: round(ms, 2) for r, ms in sorted(curve.items())})
+        return self.step_cost
 
     # ---- state lifecycle (docs/method.md section 7) ----
     def new_state(self, method: str | None = None) -> DraftState:

@@ -131,18 +131,20 @@ def test_rows_of_several_methods_share_one_forward_and_stay_lossless(methods):
 
 
 def test_a_mixed_step_is_charged_by_the_measured_cost_of_each_tree():
-    """A step whose trees differ in size splits its time by ``fixed / B + per_row x size`` (the engine's
-    measured verify cost); equal trees, or no measured cost, split it evenly."""
+    """A step whose trees differ in size is split in proportion to ``t(B x size) / B`` (the engine's measured
+    verify cost by tree rows); equal trees, or no measured cost, split it evenly."""
     from racer_batch.engine.batch import step_shares
 
-    shares = step_shares(np.array([9, 1, 1, 1]), (6.0, 0.5))
-    assert shares == pytest.approx([(1.5 + 4.5) / 12.0, 2.0 / 12.0, 2.0 / 12.0, 2.0 / 12.0])
-    assert step_shares(np.array([5, 5]), (6.0, 0.5)) is None
+    curve = {1: 10.0, 4: 12.0, 16: 20.0, 64: 60.0}
+    shares = step_shares(np.array([4, 1, 1, 1]), curve)  # t(16) / 4 = 5.0 against t(4) / 4 = 3.0
+    assert shares == pytest.approx([5.0 / 14.0, 3.0 / 14.0, 3.0 / 14.0, 3.0 / 14.0])
+    assert step_shares(np.array([5, 5]), curve) is None
     assert step_shares(np.array([5, 1]), None) is None
     bundle = tiny_bundle(seed=1, head_scale=60.0)
     engine = Engine(bundle, DecodingConfig(method="racer", capacity=8), streams=2)
-    fixed, per_row = engine.measure_row_cost()
-    assert fixed >= 0.0 and per_row >= 0.0 and engine.measure_row_cost() == (fixed, per_row)
+    cost = engine.measure_step_cost()
+    assert {1, 2, 4, 8, 16, 32} <= set(cost) and all(ms > 0 for ms in cost.values())
+    assert engine.measure_step_cost() is cost  # measured once
     batch = StreamBatch()
     batch.add("racer", engine.stream("abcabd the cat and the hat abcabd the", GenerationParams(max_new_tokens=30),
                                      state=engine.new_state("racer"), method="racer"))
@@ -156,7 +158,7 @@ def test_a_mixed_step_is_charged_by_the_measured_cost_of_each_tree():
         if len(batch) < 2 or sizes is None or len(sizes) < 2 or not before.get("racer") or sizes[0] == sizes[1]:
             continue
         got = {k: batch._share[k][id(engine.runner)] - before[k][id(engine.runner)] for k in ("racer", "ar")}
-        want = step_shares(sizes, (fixed, per_row))
+        want = step_shares(sizes, cost)
         assert got["racer"] / got["ar"] == pytest.approx(want[0] / want[1], rel=1e-9)
         seen += 1
     assert seen > 0  # some step held a racer tree beside an AR root

@@ -53,7 +53,7 @@ def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, 
     assert sorted(ev) == ["a", "b"]
     for route in ("a", "b"):
         got = [r["method"] for r in out["auto"] if r["route"] == route]
-        assert all(got.count(m) >= 2 for m in ("racer", "pld", "ar")), got  # each candidate tried first
+        assert all(got.count(m) >= 1 for m in ("racer", "pld", "ar")), got  # each candidate tried first
         cands = ev[route]["candidates"]
         assert {m: c["rows"] for m, c in cands.items()} == {m: got.count(m) for m in ("racer", "pld", "ar")}
         assert ev[route]["choice"] == max(cands, key=lambda m: cands[m]["tokens_per_s"])

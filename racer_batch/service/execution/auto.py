@@ -27,8 +27,12 @@ from typing import Any, Optional, Sequence
 
 from racer_batch.service.results.method_auto import figures
 
-EXPLORE_ROWS = 2  # rows each candidate gets first, per route
-EXPLORE_EVERY = 10  # after that, one row in this many goes to the least-tried other candidate
+# Exploration is paid in rows answered by slower candidates: on 27-row routes split over two actors, 2 first rows
+# each and one in 10 after put 30-44% of a route's rows on the others (benchmarks/warm-auto-20261205-083829.md:
+# auto chose every route's best method, at 0.83-0.96x its tokens/s); one first row each and one in 16 after
+# keep it near 15%, and a wrong first pick is still corrected by the rows explored later.
+EXPLORE_ROWS = 1  # rows each candidate gets first, per route
+EXPLORE_EVERY = 16  # after that, one row in this many goes to the least-tried other candidate
 
 
 @dataclass

@@ -5,7 +5,7 @@ A job names one decoding method: every row goes to that method's engine and the 
 (``auto_engine_config``) and one job draft state per candidate; each row runs the candidate its route's
 ``MethodChooser`` picks (service/execution/auto.py) on that engine (``Engine.stream(method=...)``), so rows of
 every candidate share each batched forward, and a step whose trees differ in size is charged to its rows by the
-engine's measured verify cost (``Engine.measure_row_cost``, ``engine.batch.step_shares``). Either way the states
+engine's measured verify cost (``Engine.measure_step_cost``, ``engine.batch.step_shares``). Either way the states
 are warmed and saved through ``WarmStates``.
 """
 
@@ -54,7 +54,7 @@ class ShardEngines:
         self.auto = spec.decoding.method == AUTO_METHOD
         names = spec.decoding.auto_methods if self.auto else (spec.decoding.method,)
         engine = engine_for(auto_engine_config(spec.decoding) if self.auto else spec.decoding, streams=slots)
-        measure = getattr(engine, "measure_row_cost", None) if self.auto else None
+        measure = getattr(engine, "measure_step_cost", None) if self.auto else None
         if measure is not None:
             measure()  # before any row is in flight: it verifies over a scratch slot
         self.engines: dict[str, Any] = {}
