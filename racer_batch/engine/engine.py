@@ -220,7 +220,8 @@ class Engine:
             for rows, ms in (getattr(self, "cost_curve_ms", None) or {}).items():
                 curve.setdefault(rows, ms)
             self.step_cost = curve
-            log.info("verify cost per forward (ms by tree rows): %s", {r: round(ms, 2) for r, ms in sorted(curve.items())})
+            log.info("verify cost per forward (ms by tree rows): %s",
+                     {r: round(ms, 2) for r, ms in sorted(curve.items())})
         return self.step_cost
 
     # ---- state lifecycle (docs/method.md section 7) ----

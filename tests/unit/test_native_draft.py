@@ -419,7 +419,8 @@ def test_the_eviction_scan_stays_short_while_64_rows_decode_together():
     cu = np.arange(65, dtype=np.int64)
     topk = np.full((64, 1), -1, dtype=np.int64)
     for _ in range(60):
-        native.update_batch([st] * 64, rows, cu, rng.integers(0, 2000, size=64), topk, rng.integers(0, 2000, size=64), cu)
+        drafted, committed = rng.integers(0, 2000, size=64), rng.integers(0, 2000, size=64)
+        native.update_batch([st] * 64, rows, cu, drafted, topk, committed, cu)
     evicted = st.num_evicted - ev0
     assert evicted > 20_000
     assert (st.num_scanned - sc0) / evicted < 100.0  # 31.5 with the labels, 351 before
