@@ -164,14 +164,20 @@ def _native_draft(native: tuple, root: int, *, capacity: int, max_depth: int) ->
     from .native import propose_batch
 
     one = np.ones(1, dtype=np.int64)
-    got = propose_batch([native[0]], one * native[1], one * root, one * capacity, one * max_depth)
-    n = got.rows
-    tokens = np.empty(n, dtype=np.int64)
-    parents = np.empty(n, dtype=np.int64)
-    sources = np.empty(n, dtype=np.int64)
-    tokens[got.order] = got.tokens
-    sources[got.order] = got.sources
-    parents[got.order] = np.where(got.parents >= 0, got.order[np.maximum(got.parents, 0)], -1)
+    return native_tree(propose_batch([native[0]], one * native[1], one * root, one * capacity, one * max_depth), 0)
+
+
+def native_tree(flat, b: int) -> Draft:
+    """Stream ``b`` of a native ``FlatDraft`` (breadth-first) back in creation order, as the drafter made it."""
+    lo, hi = int(flat.cu[b]), int(flat.cu[b + 1])
+    order = flat.order[lo:hi]
+    tokens = np.empty(hi - lo, dtype=np.int64)
+    parents = np.empty(hi - lo, dtype=np.int64)
+    sources = np.empty(hi - lo, dtype=np.int64)
+    tokens[order] = flat.tokens[lo:hi]
+    sources[order] = flat.sources[lo:hi]
+    par = flat.parents[lo:hi]
+    parents[order] = np.where(par >= 0, order[np.maximum(par, 0)], -1)
     return Draft(tokens.tolist(), parents.tolist(), sources.tolist())
 
 

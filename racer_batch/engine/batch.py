@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Generator, Hashable, Optional
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -259,7 +261,7 @@ class StreamBatch:
             return
         wall = (time.perf_counter() - t0) * 1000.0
         self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if _on_cpu(stepper.runner) else ms,
-                    shares=step_shares(stepper.last_sizes, getattr(stepper.engine, "step_cost", None)))
+                    shares=_shares(stepper))
         for key in keys:
             self._send(key, None)
 
@@ -291,6 +293,14 @@ class StreamBatch:
             except Exception as exc:  # noqa: BLE001
                 outs.append(exc)
         return outs
+
+
+def _shares(stepper: Any) -> Optional[list[float]]:
+    """``step_shares`` of the stepper's last step, its tree sizes computed only where a step cost was measured
+    (method auto's engine): nothing is added to any other engine's step."""
+    cost = getattr(stepper.engine, "step_cost", None)
+    cu = getattr(stepper, "last_cu", None)
+    return step_shares(np.diff(cu), cost) if cost and cu is not None else None
 
 
 def step_shares(sizes: Any, step_cost: Optional[dict]) -> Optional[list[float]]:

@@ -208,7 +208,7 @@ class Stepper:
         self._ops = getattr(self.runner, "_ops", None)
         self.committing = False  # the running step has begun committing tokens (no retry past this point)
         self.last_rows = 0  # tree rows of the last step's forward
-        self.last_sizes: Optional[np.ndarray] = None  # [B] tree rows of each row of the last step
+        self.last_cu: Optional[np.ndarray] = None  # [B + 1] the last step's tree row offsets (its trees' sizes)
         self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
 
     # ---- row lifecycle
@@ -234,7 +234,7 @@ class Stepper:
         flat, sources, order = self._propose(rows, cap, clock, kind, native)
         clock.lap("flatten")
         self.last_rows = flat.rows
-        self.last_sizes = flat.sizes()
+        self.last_cu = flat.cu
         t0 = time.perf_counter()
         logits = self.runner.verify_flat(flat)  # [R, V]
         t1 = time.perf_counter()
@@ -396,8 +396,8 @@ class Stepper:
             return
         if kind == "mixed":
             nat = [i for i, n in enumerate(native) if n is not None]
-            sub = flat.subset(nat)
-            _update_native([native[i] for i in nat], sub, topk[_rows_of(flat, nat)], [committed[i] for i in nat])
+            _update_native([native[i] for i in nat], flat.subset(nat), topk[flat.rows_of(nat)],
+                           [committed[i] for i in nat])
         for i, r in enumerate(rows):
             if kind == "mixed" and (native[i] is not None or getattr(r.drafter, "root_only", False)):
                 continue
@@ -471,7 +471,7 @@ def _drafting(rows: list[DecodeRow]) -> tuple[str, list]:
 def _mixed_drafts(rows: list[DecodeRow], native: list, roots: np.ndarray, cap: int, depth: np.ndarray) -> list:
     """Every row's Draft (creation order) where only some rows are native: those from one ``propose_batch``
     call, the others from their drafters' ``propose``."""
-    from ..drafters.base import Draft
+    from ..drafters.methods import native_tree
     from ..drafters.native import propose_batch
 
     nat = [i for i, n in enumerate(native) if n is not None]
@@ -479,27 +479,11 @@ def _mixed_drafts(rows: list[DecodeRow], native: list, roots: np.ndarray, cap: i
                         roots[nat], np.full(len(nat), cap, dtype=np.int64), depth[nat])
     drafts: list = [None] * len(rows)
     for j, i in enumerate(nat):
-        lo, hi = int(got.cu[j]), int(got.cu[j + 1])
-        order = got.order[lo:hi]
-        tokens = np.empty(hi - lo, dtype=np.int64)
-        parents = np.empty(hi - lo, dtype=np.int64)
-        sources = np.empty(hi - lo, dtype=np.int64)
-        tokens[order] = got.tokens[lo:hi]
-        sources[order] = got.sources[lo:hi]
-        par = got.parents[lo:hi]
-        parents[order] = np.where(par >= 0, order[np.maximum(par, 0)], -1)
-        drafts[i] = Draft(tokens.tolist(), parents.tolist(), sources.tolist())
+        drafts[i] = native_tree(got, j)
     for i, r in enumerate(rows):
         if drafts[i] is None:
             drafts[i] = r.drafter.propose(int(roots[i]), capacity=cap, max_depth=int(depth[i]))
     return drafts
-
-
-def _rows_of(flat: FlatTrees, streams: list[int]) -> np.ndarray:
-    """The global rows of the trees ``streams`` of a flat batch, in that order."""
-    if not streams:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(flat.cu[i], flat.cu[i + 1]) for i in streams])
 
 
 def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: list[list[int]]) -> None:

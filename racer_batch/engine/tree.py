@@ -112,14 +112,18 @@ class FlatTrees:
         """``[B]`` rows per stream."""
         return np.diff(self.cu)
 
+    def rows_of(self, streams: Sequence[int]) -> np.ndarray:
+        """``[R']`` the global rows of the trees of ``streams``, in that order."""
+        if not len(streams):
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(self.cu[i], self.cu[i + 1]) for i in streams])
+
     def subset(self, streams: Sequence[int]) -> "FlatTrees":
         """The trees of ``streams`` (indices into this batch, in that order) as a flat batch of their own."""
         idx = [int(i) for i in streams]
-        sizes = self.sizes()[idx]
         cu = np.zeros(len(idx) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=cu[1:])
-        rows = (np.concatenate([np.arange(self.cu[i], self.cu[i + 1]) for i in idx]) if idx
-                else np.zeros(0, dtype=np.int64))
+        np.cumsum(self.sizes()[idx], out=cu[1:])
+        rows = self.rows_of(idx)
         return FlatTrees(self.tokens[rows], self.parents[rows], self.depths[rows], cu, self.starts[idx],
                          [self.caches[i] for i in idx])
 

@@ -371,13 +371,19 @@ def test_native_core_matches_python_tree_drafter(sc: Scenario):
         assert tally.logits_nodes > 0, "the logits tree never grew: the comparison would be vacuous"
 
 
-def test_small_pools_evict_and_match():
-    sim = Sim(Scenario("racer", "job", vocab=5, max_nodes=10, ngram=4, steps=0, seed=30))
+def _run_rows(sc: Scenario, rows: int, steps: int) -> Sim:
+    """``rows`` rows of one job state stepping together ``steps`` times on both sides."""
+    sim = Sim(sc)
     choose = random_choices(sim)
-    for _ in range(3):
+    for _ in range(rows):
         sim.open_row()
-    for _ in range(150):
+    for _ in range(steps):
         sim.step(list(sim.rows), choose)
+    return sim
+
+
+def test_small_pools_evict_and_match():
+    sim = _run_rows(Scenario("racer", "job", vocab=5, max_nodes=10, ngram=4, steps=0, seed=30), 3, 150)
     nat = sim.shared.nat
     assert nat.num_evicted > 50 and nat.num_nodes <= 10
     assert nat.num_evicted == sim.shared.py.automaton.num_evicted
@@ -431,13 +437,8 @@ def test_order_labels_relabel_and_the_victims_still_match_python():
     """A long run on a mid-sized pool with many rows: the front of the recency list takes most insertions, so
     its labels run out and are rewritten many times; the drafts (and so every eviction) still equal the Python
     automaton's, which scans from the tail."""
-    sim = Sim(Scenario("racer", "job", vocab=300, max_nodes=500, ngram=10, max_breadth=4, steps=0, seed=31,
-                       max_rows=12))
-    choose = random_choices(sim)
-    for _ in range(12):
-        sim.open_row()
-    for _ in range(250):
-        sim.step(list(sim.rows), choose)
+    sim = _run_rows(Scenario("racer", "job", vocab=300, max_nodes=500, ngram=10, max_breadth=4, steps=0, seed=31,
+                             max_rows=12), 12, 250)
     nat = sim.shared.nat
     assert nat.num_relabelled > 1000 and nat.num_evicted > 1000
     assert nat.num_evicted == sim.shared.py.automaton.num_evicted

@@ -57,21 +57,20 @@ class ShardEngines:
         measure = getattr(engine, "measure_step_cost", None) if self.auto else None
         if measure is not None:
             measure()  # before any row is in flight: it verifies over a scratch slot
-        self.engines: dict[str, Any] = {}
-        self.states: dict[str, Any] = {}
+        self.states: dict[str, Any] = {}  # method -> its job draft state
         for name in names:
-            key = state_key(job_id, name if self.auto else None)
-            method = name if self.auto else None
+            method = self._method(name)
+            key = state_key(job_id, method)
             state = warm.before_shard(key, spec, engine, state_for(key, engine, method), method)
             states[key] = (engine, state)
-            self.engines[name], self.states[name] = engine, state
+            self.states[name] = state
         self.first = engine  # the one engine: chooses B (streams_per_actor: auto) and names the device
         self._since = chooser.counters() if chooser is not None else None  # the shard's evidence starts here
 
     def pick(self, route: str, *, greedy: bool) -> tuple[str, Any, Any]:
         """``(method, engine, draft state)`` for the next row of ``route``."""
-        name = self.chooser.pick(route, greedy=greedy) if self.auto else next(iter(self.engines))
-        return name, self.engines[name], self.states[name]
+        name = self.chooser.pick(route, greedy=greedy) if self.auto else next(iter(self.states))
+        return name, self.first, self.states[name]
 
     def observe(self, route: str, method: str, record: Any, *, greedy: bool) -> None:
         """A row ended: method auto learns from a finished greedy row's tokens, steps and actor time."""
@@ -81,7 +80,7 @@ class ShardEngines:
 
     def warm_commits(self) -> int:
         """Commits in the states the shard started from (the most among the candidates; 0: all cold)."""
-        return max(self.warm.commits_at_start(state_key(self.job_id, n if self.auto else None)) for n in self.engines)
+        return max(self.warm.commits_at_start(state_key(self.job_id, self._method(n))) for n in self.states)
 
     def summary(self) -> dict:
         """What the shard summary adds: ``warm_commits`` and, with method auto, ``method_auto`` (each route's
@@ -93,7 +92,11 @@ class ShardEngines:
 
     def after_commit(self, label: str) -> None:
         """The shard is committed: save every state that learned."""
-        for name, engine in self.engines.items():
-            method = name if self.auto else None
-            self.warm.after_commit(state_key(self.job_id, method), self.spec, engine, self.states[name], label=label,
+        for name, state in self.states.items():
+            method = self._method(name)
+            self.warm.after_commit(state_key(self.job_id, method), self.spec, self.first, state, label=label,
                                    method=method)
+
+    def _method(self, name: str) -> Optional[str]:
+        """The method a state is kept and saved under: the candidate with method auto, else None (the job's)."""
+        return name if self.auto else None
