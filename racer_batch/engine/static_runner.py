@@ -39,7 +39,7 @@ from ..models import STATIC_ARCHITECTURES, ModelBundle
 from .decoder import DecoderWeights, KernelOps, Rows, TorchOps, decode, tree_mask_filler
 from .decoder_ops import MATMUL_PATHS, default_matmul_path
 from .graphs import CudaGraphs
-from .kernels import fused_argmax_topk
+from .kernels import calibrate_stored_rows, fused_argmax_topk
 from .kv_cache import MAX_SLOTS, KVCache, SlotCache, trim_heap
 from .tree import FlatTrees
 
@@ -213,6 +213,9 @@ class StaticRunner:
         # call each instead of 3-10 aten ops, which cost more than the arithmetic at a few rows
         self._ops = self.lm_head._ops if self.matmul in ("small_gemm", "stored") else None
         self.ops: Any = KernelOps(self._ops) if self._ops is not None else TorchOps()
+        if self.matmul == "stored":  # which of the stored GEMM's two paths runs at which row count, on this CPU
+            calibrate_stored_rows(self._ops, max((lin for lin in self.layers[0].linears() if lin.stored is not None),
+                                                 key=lambda lin: lin.n))
         if compile and self.device.type != "cuda":
             log.warning("compile on the CPU is not supported (the compiled step measured ~30x slower than the "
                         "uncompiled runner: benchmarks/verify-compile-20261201-105108.md); running uncompiled")

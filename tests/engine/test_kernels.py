@@ -77,6 +77,30 @@ def test_linear_rows_alone_and_in_a_batch_give_the_same_bits_on_every_isa(n, k, 
 
 
 @needs_ops
+def test_a_prompt_chunks_many_rows_go_in_row_ranges_with_the_same_bits(isa_restored):
+    """Past 512 KiB of x (a prompt chunk: 300 rows x 1536) the AVX-512 GEMM runs row ranges one after another
+    (``X_BLOCK_BYTES``); every row still gets its bits from a call of a few rows, on every ISA, into a strided
+    output and added in place."""
+    g = _gen(7)
+    n, k, m = 72, 1536, 300
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = OPS.pack(w)
+    x, res = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+    for isa in _isas():
+        OPS.set_isa(isa)
+        full = OPS.linear(x, packed, b, n)
+        added = OPS.linear_add_(res.clone(), x, packed, b)
+        for r0 in (0, 74, 75, 149, 225, 299):  # 300 x 1536 floats = 1.8 MB: four ranges of 75 rows
+            assert torch.equal(OPS.linear(x[r0 : r0 + 1], packed, b, n), full[r0 : r0 + 1]), (isa, r0)
+            assert torch.equal(OPS.linear_add_(res[r0 : r0 + 13].clone(), x[r0 : r0 + 13], packed, b),
+                               added[r0 : r0 + 13]), (isa, r0)
+        out = torch.full((m, n + 2), 3.0)
+        OPS.linear_into_(out[:, 1 : n + 1], x, packed, b)
+        assert torch.equal(out[:, 1 : n + 1], full) and (out[:, 0] == 3.0).all() and (out[:, -1] == 3.0).all()
+    torch.testing.assert_close(full, F.linear(x, w, b), atol=5e-4, rtol=1e-4)
+
+
+@needs_ops
 def test_isa_switch_row_steps_and_refusals(isa_restored):
     assert OPS.isa() in ("avx2", "avx512")
     OPS.set_isa("avx2")

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from racer_batch.engine.kernels import cpu_ops, unavailable_reason
+from racer_batch.engine.kernels import UNLIMITED_ROWS, cpu_ops, unavailable_reason
 from racer_batch.weights import stored
 
 OPS = cpu_ops()
@@ -64,11 +64,12 @@ def test_stored_blocks_expand_to_gguf_pys_numbers_and_the_gemm_is_bit_identical(
     f32 = OPS.pack(want_w)
     g = torch.Generator().manual_seed(n + k)
     bias = torch.randn(n, generator=g)
-    for isa in _isas():
+    for isa, rows_max in [(isa, lim) for isa in _isas() for lim in (UNLIMITED_ROWS, 0, 8)]:
         OPS.set_isa(isa)
-        for m in (1, 2, 3, 4, 5, 6, 7, 13, 16, 40):
+        OPS.set_stored_rows(rows_max)  # every row count in register blocks, all through the chunk buffer, a mix
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 40):
             x = torch.randn(m, k, generator=g)
-            assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, None, n), OPS.linear(x, f32, None, n)), (isa, m)
+            assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, None, n), OPS.linear(x, f32, None, n)), (isa, rows_max, m)
             assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, bias, n), OPS.linear(x, f32, bias, n)), (isa, m)
             res = torch.randn(m, n, generator=g)
             assert torch.equal(OPS.stored_linear_add_(res.clone(), x, w.packed, w.fmt, bias),
@@ -134,3 +135,38 @@ def test_bad_inputs_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="bytes per row"):
         stored.pack(raw[:, :-2], gtype, 16, 64)
     assert not stored.can_store(gtype, (16, 48)) and stored.can_store(gtype, (16, 64))
+
+
+def test_the_stored_rows_threshold_follows_the_faster_path_and_one_noisy_size_does_not_flip_it():
+    from racer_batch.engine.kernels import pick_stored_rows
+
+    # registers ahead up to 8 rows, the buffer from 12 (an Intel Xeon's shape)
+    xeon = {1: (0.06, 0.18), 4: (0.11, 0.25), 8: (0.15, 0.16), 12: (0.38, 0.32), 32: (0.94, 0.67), 64: (1.9, 1.3)}
+    assert pick_stored_rows(xeon) == 8
+    # registers ahead everywhere (a Zen 4's shape): every row count, past the grid too
+    assert pick_stored_rows({m: (m * 0.9, m * 1.0) for m in (1, 8, 64)}) == UNLIMITED_ROWS
+    # the buffer ahead everywhere: none in registers
+    assert pick_stored_rows({m: (m * 1.2, m * 1.0) for m in (1, 8, 64)}) == 0
+    # one size where the buffer is barely ahead amid register wins does not split the range
+    noisy = {1: (0.06, 0.18), 4: (0.10, 0.099), 8: (0.15, 0.25), 12: (0.4, 0.3), 64: (2.0, 1.3)}
+    assert pick_stored_rows(noisy) == 8
+    with pytest.raises(ValueError, match="no stored-GEMM timings"):
+        pick_stored_rows({})
+
+
+@needs_ops
+def test_calibration_sets_the_threshold_once_per_process_and_the_environment_wins(monkeypatch, isa_restored):
+    from racer_batch.engine import kernels
+    from racer_batch.engine.decoder_ops import FastLinear
+
+    lin = FastLinear.of_stored([stored.pack(*_tensor("Q8_0", 64, 96, seed=5), 64, 96)], None)
+    monkeypatch.setattr(kernels, "_state", dict(kernels._state))  # this test's own once-per-process record
+    kernels._state.pop("stored_rows", None)
+    monkeypatch.delenv("RACER_STORED_ROWS", raising=False)
+    chosen = kernels.calibrate_stored_rows(OPS, lin, rounds=1, reps=1)
+    assert chosen == 0 or chosen == UNLIMITED_ROWS or chosen in kernels.STORED_ROWS_GRID
+    assert OPS.set_stored_rows(chosen) == chosen  # it was set
+    assert kernels.calibrate_stored_rows(OPS, lin) == chosen  # cached: not timed again
+    kernels._state.pop("stored_rows")
+    monkeypatch.setenv("RACER_STORED_ROWS", "3")
+    assert kernels.calibrate_stored_rows(OPS, lin) == 3

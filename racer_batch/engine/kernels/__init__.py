@@ -110,3 +110,80 @@ def fused_argmax_topk(logits: torch.Tensor, k: int, ops) -> Optional[tuple[torch
     if k < 1 or k > min(64, logits.shape[1]):
         return None
     return ops.argmax_topk(logits, k)
+
+
+# Row counts at which calibrate_stored_rows times the stored GEMM's two paths. Past the last one the faster path
+# at it is kept (the register blocks led at every row count to 256 on a Zen 4; the chunk buffer led from 12 rows
+# on an Intel Xeon (family 6 model 207), 1.5x at 64 and more: benchmarks/README.md).
+STORED_ROWS_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+UNLIMITED_ROWS = 1 << 40  # set_stored_rows: every row count through the register blocks
+
+
+def pick_stored_rows(times: dict[int, tuple[float, float]]) -> int:
+    """The largest row count the stored GEMM should still run in register blocks, from ``{M: (registers ms,
+    buffer ms)}``: the threshold ``t`` (registers at M <= t, the chunk buffer above) that minimises the summed
+    ratio of the chosen path's time to the faster one's over the measured M, so one noisy size does not flip
+    the choice (on a tie the smaller threshold); :data:`UNLIMITED_ROWS` when the register blocks are chosen at
+    the largest measured M.
+
+    Raises:
+        ValueError: no times.
+    """
+    if not times:
+        raise ValueError("no stored-GEMM timings to choose from")
+    sizes = sorted(times)
+    ratio = {m: (r / min(r, b), b / min(r, b)) for m, (r, b) in times.items() if min(r, b) > 0}
+    best_t, best_cost = 0, float("inf")
+    for t in [0, *sizes]:
+        cost = sum(ratio[m][0] if m <= t else ratio[m][1] for m in sizes if m in ratio)
+        if cost < best_cost - 1e-9:
+            best_t, best_cost = t, cost
+    return UNLIMITED_ROWS if best_t == sizes[-1] else best_t
+
+
+def calibrate_stored_rows(ops, linear, *, rounds: int = 3, reps: int = 5) -> int:
+    """Time the stored GEMM's register blocks against its chunk buffer on ``linear`` (a ``FastLinear`` over
+    stored weights: the model's own format and shape) at every row count of :data:`STORED_ROWS_GRID`, both
+    paths alternately (``rounds`` rounds of ``reps`` calls, the median), set the threshold
+    (``ops.set_stored_rows``, :func:`pick_stored_rows`) and return it. Once per process: later calls return the
+    first result; ``RACER_STORED_ROWS`` set in the environment wins and nothing is timed. Both paths give the same
+    bits (tests/engine/test_stored_kernels.py), so only the speed depends on it; takes ~0.1-0.3 s.
+    """
+    import statistics
+    import time
+
+    with _lock:
+        if "stored_rows" in _state:
+            return int(_state["stored_rows"])  # type: ignore[arg-type]
+        env = os.environ.get("RACER_STORED_ROWS")
+        if env is not None:
+            _state["stored_rows"] = max(0, int(env))
+            ops.set_stored_rows(max(0, int(env)))
+            return max(0, int(env))
+        times: dict[int, tuple[float, float]] = {}
+        old = ops.set_stored_rows(-1)
+        try:
+            for m in STORED_ROWS_GRID:
+                x = torch.randn(m, linear.stored[0].k)
+                out = torch.empty(m, linear.n)
+                samples: dict[int, list[float]] = {UNLIMITED_ROWS: [], 0: []}
+                for _ in range(rounds):
+                    for lim in samples:
+                        ops.set_stored_rows(lim)
+                        linear.stored_into(out, x, add=False)  # warm
+                        per = []
+                        for _ in range(reps):
+                            t0 = time.perf_counter()
+                            linear.stored_into(out, x, add=False)
+                            per.append(time.perf_counter() - t0)
+                        samples[lim].append(statistics.median(per))
+                times[m] = (statistics.median(samples[UNLIMITED_ROWS]) * 1e3, statistics.median(samples[0]) * 1e3)
+        finally:
+            ops.set_stored_rows(old)
+        chosen = pick_stored_rows(times)
+        ops.set_stored_rows(chosen)
+        _state["stored_rows"] = chosen
+        log.info("stored GEMM: register blocks up to %s rows, the chunk buffer above (ms registers/buffer by rows: "
+                 "%s)", "every" if chosen == UNLIMITED_ROWS else chosen,
+                 {m: (round(r, 3), round(b, 3)) for m, (r, b) in times.items()})
+        return chosen
