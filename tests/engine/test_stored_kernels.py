@@ -69,8 +69,9 @@ def test_stored_blocks_expand_to_gguf_pys_numbers_and_the_gemm_is_bit_identical(
         OPS.set_stored_rows(rows_max)  # every row count in register blocks, all through the chunk buffer, a mix
         for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 40):
             x = torch.randn(m, k, generator=g)
-            assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, None, n), OPS.linear(x, f32, None, n)), (isa, rows_max, m)
-            assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, bias, n), OPS.linear(x, f32, bias, n)), (isa, m)
+            case = (isa, rows_max, m)
+            assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, None, n), OPS.linear(x, f32, None, n)), case
+            assert torch.equal(OPS.stored_linear(x, w.packed, w.fmt, bias, n), OPS.linear(x, f32, bias, n)), case
             res = torch.randn(m, n, generator=g)
             assert torch.equal(OPS.stored_linear_add_(res.clone(), x, w.packed, w.fmt, bias),
                                OPS.linear_add_(res.clone(), x, f32, bias)), (isa, m)
