@@ -797,6 +797,8 @@ RowsKernel rows_kernel(int64_t fmt, bool wide, int mr, int np) {
   }
 }
 
+// The defaults below hold until the runner measures this CPU (kernels.calibrate_stored_rows, once per process, sets
+// the override): an Intel Xeon (family 6 model 207) ran the chunk buffer faster from 12 rows, 1.5x at 64.
 // Up to how many rows a call takes stored_rows_gemm rather than the chunk buffer, measured on a Zen 4 with
 // benchmarks/stored_gemm.py (SmolLM2's weight shapes, both paths interleaved; benchmarks/stored-gemm-*.md): on
 // AVX-512 the register blocks of up to 8 rows ran ahead at every row count tried, 1 to 256 (2.3x at 1 row, 1.9x
