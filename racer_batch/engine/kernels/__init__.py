@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import threading
+import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -149,35 +152,27 @@ def calibrate_stored_rows(ops, linear, *, rounds: int = 3, reps: int = 5) -> int
     first result; ``RACER_STORED_ROWS`` set in the environment wins and nothing is timed. Both paths give the same
     bits (tests/engine/test_stored_kernels.py), so only the speed depends on it; takes ~0.1-0.3 s.
     """
-    import statistics
-    import time
-
     with _lock:
         if "stored_rows" in _state:
             return int(_state["stored_rows"])  # type: ignore[arg-type]
         env = os.environ.get("RACER_STORED_ROWS")
         if env is not None:
-            _state["stored_rows"] = max(0, int(env))
-            ops.set_stored_rows(max(0, int(env)))
-            return max(0, int(env))
+            chosen = max(0, int(env))
+            ops.set_stored_rows(chosen)
+            _state["stored_rows"] = chosen
+            return chosen
         times: dict[int, tuple[float, float]] = {}
         old = ops.set_stored_rows(-1)
         try:
             for m in STORED_ROWS_GRID:
-                x = torch.randn(m, linear.stored[0].k)
-                out = torch.empty(m, linear.n)
+                call = partial(linear.stored_into, torch.empty(m, linear.n), torch.randn(m, linear.stored[0].k),
+                               add=False)
                 samples: dict[int, list[float]] = {UNLIMITED_ROWS: [], 0: []}
                 for _ in range(rounds):
                     for lim in samples:
                         ops.set_stored_rows(lim)
-                        linear.stored_into(out, x, add=False)  # warm
-                        per = []
-                        for _ in range(reps):
-                            t0 = time.perf_counter()
-                            linear.stored_into(out, x, add=False)
-                            per.append(time.perf_counter() - t0)
-                        samples[lim].append(statistics.median(per))
-                times[m] = (statistics.median(samples[UNLIMITED_ROWS]) * 1e3, statistics.median(samples[0]) * 1e3)
+                        samples[lim].append(_median_ms(call, reps))
+                times[m] = (statistics.median(samples[UNLIMITED_ROWS]), statistics.median(samples[0]))
         finally:
             ops.set_stored_rows(old)
         chosen = pick_stored_rows(times)
@@ -187,3 +182,14 @@ def calibrate_stored_rows(ops, linear, *, rounds: int = 3, reps: int = 5) -> int
                  "%s)", "every" if chosen == UNLIMITED_ROWS else chosen,
                  {m: (round(r, 3), round(b, 3)) for m, (r, b) in times.items()})
         return chosen
+
+
+def _median_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` after one warm call."""
+    fn()
+    per = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        per.append(time.perf_counter() - t0)
+    return statistics.median(per) * 1e3

@@ -948,20 +948,26 @@ inline float hsum(__m256 v) {
 // e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by the degree-6 polynomial of Cephes' expf
 // (S. Moshier, Cephes Math Library; relative error ~1e-7, like libm's expf), 2^n put into the exponent bits.
 // Below -87.3 (e^x under the smallest normal float: masked scores, which are ~ -3.4e38) the result is exactly 0.
+// exp256's (and exp512's) constants: the clamp, log2(e), ln 2 in two parts (Cody-Waite) and Cephes' polynomial
+constexpr float EXP_HI = 88.3762626647949f, EXP_LO = -87.3365478515625f, EXP_LOG2E = 1.44269504088896341f;
+constexpr float EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline __m256 exp256(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 hi = _mm256_set1_ps(EXP_HI), lo = _mm256_set1_ps(EXP_LO);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+  __m256 p = _mm256_set1_ps(EXP_P[0]);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[1]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[2]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[3]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[4]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[5]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
@@ -1427,19 +1433,19 @@ RACER_AVX512 void pv_rows(const float* const* p, const float* vh, int64_t vs1, i
 // exp256's operations on 16 lanes: each lane's result is exp256's bits for that lane (the same roundings in the
 // same order; tests/engine/test_kernels.py holds the wide attention to the AVX2 kernel bit for bit).
 RACER_AVX512 inline __m512 exp512(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
+  const __m512 hi = _mm512_set1_ps(EXP_HI), lo = _mm512_set1_ps(EXP_LO);
   const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+  __m512 p = _mm512_set1_ps(EXP_P[0]);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[1]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[2]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[3]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[4]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[5]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
