@@ -12,6 +12,11 @@ folder:
 - ``pld`` and ``ar``: the other lossless methods, fixed;
 - ``auto``: ``decoding.method: auto`` over racer, pld and ar (with the saved state).
 
+With ``--rounds N`` every contender runs N times, the order reversed in every other round (round 1 in
+``--order``, round 2 the other way round, ...), so that a drift of the machine's speed during the run falls on
+every contender alike; the figures below then pool the rounds (sums of tokens and actor time) and each round's
+own ratio is shown beside them.
+
 Reported:
 
 - **warm state**: the mean over shards of each shard's MAT (output tokens / target forwards), over every shard
@@ -27,6 +32,7 @@ Writes ``<out>/warm-auto-<stamp>.json`` and ``.md``. Needs the Redis at ``--redi
 redis-server) and starts its own local Ray.
 
     python -m benchmarks.warm_auto --per-group 27 --max-new-tokens 128      # 162 questions, ~1 h on 2 cores
+    python -m benchmarks.warm_auto --per-group 27 --rounds 2                # each contender twice, interleaved
     python -m benchmarks.warm_auto --per-group 2 --max-new-tokens 16 --shard-rows 4 --out /tmp/wa   # a check
 """
 
@@ -48,7 +54,7 @@ from racer_batch.report.drafting import method_choice
 from racer_batch.service.execution.local import ensure_redis, init_local_ray, run_until_done, shutdown_local_ray
 from racer_batch.service.execution.queue import JobQueue, resolve_url
 from racer_batch.service.job.spec import load_spec
-from racer_batch.service.results.method_auto import figures
+from racer_batch.service.results.method_auto import figures, pool
 from racer_batch.service.results.output import read_manifest, read_output
 from racer_batch.service.submit import submit_job
 
@@ -130,6 +136,21 @@ def warm_against_cold(warm: dict, cold: dict) -> dict:
     return out
 
 
+def mean_of_rounds(per_round: list[dict]) -> dict:
+    """``warm_against_cold`` over several rounds: each figure the mean of the rounds', the ratios of those means
+    ({} without rounds)."""
+    if not per_round:
+        return {}
+    out = dict(per_round[0])
+    for key in ("warm_mean_mat", "cold_mean_mat", "warm_tokens_per_s", "cold_tokens_per_s"):
+        vals = [r[key] for r in per_round if r[key] is not None]
+        out[key] = sum(vals) / len(vals) if vals else None
+    out["mat_ratio"] = common.ratio(out["warm_mean_mat"], out["cold_mean_mat"])
+    out["tokens_per_s_ratio"] = common.ratio(out["warm_tokens_per_s"], out["cold_tokens_per_s"])
+    out["rounds"] = len(per_round)
+    return out
+
+
 def per_route(job: dict) -> dict[str, dict]:
     """``{route: figures}`` of a job's ok rows (rows, tokens, steps, actor ms, MAT, tokens per actor-second)."""
     acc: dict[str, list] = {}
@@ -157,6 +178,21 @@ def auto_against_fixed(jobs: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One contender's runs (rounds) as one job: every round's rows, the manifests' ``method_auto`` pooled
+    (``results.method_auto.pool``), the wall seconds summed."""
+    manifest = dict(runs[0]["manifest"])
+    if any(r["manifest"].get("method_auto") for r in runs):
+        manifest["method_auto"] = pool(r["manifest"].get("method_auto") for r in runs)
+    return {"job_id": ",".join(r["job_id"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
+            "rows": [row for r in runs for row in r["rows"]], "manifest": manifest}
+
+
+def round_order(order: list[str], rnd: int) -> list[str]:
+    """The contenders' order in round ``rnd`` (0-based): as given in even rounds, reversed in odd ones."""
+    return list(order) if rnd % 2 == 0 else list(reversed(order))
+
+
 def lossless(jobs: dict[str, dict], reference: str = "racer-cold") -> dict[str, int]:
     """Per contender, the rows whose text differs from ``reference``'s (0 everywhere: lossless)."""
     ref = {r["id"]: (r["text"], r["status"]) for r in jobs[reference]["rows"]}
@@ -173,23 +209,29 @@ def render_md(d: dict) -> str:
              f"Settings: {d['rows']} questions ({d['per_group']} per group, the first in question order; route = "
              f"group), {d['settings']['max_new_tokens']} new tokens, greedy, {d['settings']['num_actors']} actors, "
              f"{d['settings']['streams_per_actor']} rows per forward, {d['settings']['shard_rows']}-row shards; "
-             f"jobs run one after the other in this order: {', '.join(d['order'])}.", "",
+             f"jobs run one after the other in this order: {', '.join(d['order'])}"
+             + (f", {d.get('rounds', 1)} rounds, the order reversed in every other round; figures pool the rounds "
+                "(tokens and actor time summed; the warm/cold means averaged over the rounds)"
+                if d.get("rounds", 1) > 1 else "") + ".", "",
              "## Lossless", "", common.md_table(["contender", "rows differing from racer-cold"],
                                                 [[k, v] for k, v in d["lossless"].items()]), "",
              "## Saved draft state: shards after each actor's first, warm against cold", "",
-             common.md_table(["shards", "racer-cold mean MAT", "racer-warm mean MAT", "MAT warm / cold",
+             common.md_table(["round", "shards", "racer-cold mean MAT", "racer-warm mean MAT", "MAT warm / cold",
                               "cold tokens/s", "warm tokens/s", "tokens/s warm / cold"],
-                             [[len(w["shards"]), _r(w["cold_mean_mat"]), _r(w["warm_mean_mat"]), w["mat_ratio"],
-                               _r(w["cold_tokens_per_s"], 1), _r(w["warm_tokens_per_s"], 1),
-                               w["tokens_per_s_ratio"]]]), "",
+                             [[label, len(x["shards"]), _r(x["cold_mean_mat"]), _r(x["warm_mean_mat"]),
+                               x["mat_ratio"], _r(x["cold_tokens_per_s"], 1), _r(x["warm_tokens_per_s"], 1),
+                               x["tokens_per_s_ratio"]]
+                              for label, x in _with_rounds(w, d.get("warm_rounds") or [])]), "",
              f"Shards started cold in racer-warm (each actor's first): {w['first_shards']}; compared: {w['shards']}.",
              "", "## Method auto against the best fixed method, per route", ""]
+    per_round = d.get("auto_rounds") or []
     body = [[route, a["choice"], _r(a["auto_tokens_per_s"], 1), a["best_fixed"],
              _r(a["fixed_tokens_per_s"].get(a["best_fixed"]), 1), a["ratio_to_best"],
-             ", ".join(f"{m} {_r(t, 1)}" for m, t in a["fixed_tokens_per_s"].items())]
+             " / ".join(str((r.get(route) or {}).get("ratio_to_best")) for r in per_round) if len(per_round) > 1
+             else "", ", ".join(f"{m} {_r(t, 1)}" for m, t in a["fixed_tokens_per_s"].items())]
             for route, a in d["auto"].items()]
     lines += [common.md_table(["route", "auto's choice", "auto tokens/actor-s", "best fixed", "its tokens/actor-s",
-                               "auto / best", "fixed methods"], body), "",
+                               "auto / best", "auto / best per round", "fixed methods"], body), "",
               "Evidence of auto per route (its own rows: rows, MAT, tokens per actor-second per candidate):", "",
               common.md_table(["route", "method", "rows", "MAT", "tokens/actor-s"],
                               [[route, m, f["rows"], f["mat"], f["tokens_per_s"]]
@@ -198,6 +240,13 @@ def render_md(d: dict) -> str:
                                              [[n, j["job_id"], _r(j["wall_s"], 1), j["tokens"],
                                                _r(j["tokens"] / j["wall_s"], 1)] for n, j in d["jobs"].items()])]
     return "\n".join(lines) + "\n"
+
+
+def _with_rounds(pooled_fig: dict, per_round: list[dict]) -> list[tuple[str, dict]]:
+    """``[(label, figures)]``: each round's, then the pooled one (only the pooled one with a single round)."""
+    if len(per_round) <= 1:
+        return [("all", pooled_fig)]
+    return [(str(i + 1), x) for i, x in enumerate(per_round)] + [("mean", pooled_fig)]
 
 
 def _r(x: Optional[float], nd: int = 3) -> Optional[float]:
@@ -215,6 +264,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--capacity", default="4", help="decoding.capacity of every contender (an integer or auto; "
                     "auto's tuner makes a shard's MAT depend on timing, so the default is fixed)")
     ap.add_argument("--order", default=",".join(CONTENDERS), help="contenders, in the order their jobs run")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every contender, the order reversed in every "
+                    "other round; the figures pool the rounds")
     ap.add_argument("--questions", type=Path, default=QUESTIONS)
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--prefix", default="racer-batch-bench:")
@@ -224,6 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     order = [c.strip() for c in args.order.split(",") if c.strip()]
     if not order or any(c not in CONTENDERS for c in order) or "racer-cold" not in order:
         ap.error(f"--order: contenders from {list(CONTENDERS)}, racer-cold among them")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     stamp = common.stamp()
     rows = build_input(args.questions, args.work / f"input-{stamp}.parquet", args.per_group)
     base = {"input.path": str(args.work / f"input-{stamp}.parquet"), "model.name": args.model,
@@ -232,28 +285,37 @@ def main(argv: Optional[list[str]] = None) -> int:
             "resources.torch_threads": 1,
             "decoding.capacity": args.capacity if args.capacity == "auto" else int(args.capacity)}
     url, private = ensure_redis(resolve_url(args.redis_url, None))
-    jobs: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {name: [] for name in order}
     try:
         queue = JobQueue.from_url(url, prefix=args.prefix)
         init_local_ray()
-        for name in order:
-            out_dir = args.work / f"{stamp}-{name}"
-            jobs[name] = run_job(queue, url, args.prefix, {**base, **CONTENDERS[name], "output.path": str(out_dir)})
-            print(f"{name}: {jobs[name]['wall_s']:.0f} s", flush=True)
+        for rnd in range(args.rounds):
+            for name in round_order(order, rnd):
+                out_dir = args.work / f"{stamp}-{name}" / f"round{rnd + 1}"
+                job = run_job(queue, url, args.prefix, {**base, **CONTENDERS[name], "output.path": str(out_dir)})
+                runs[name].append(job)
+                print(f"round {rnd + 1} {name}: {job['wall_s']:.0f} s", flush=True)
     finally:
         shutdown_local_ray()
         if private is not None:
             private.stop()
+    jobs = {name: pooled(r) for name, r in runs.items() if r}
+    rounds = [{name: r[i] for name, r in runs.items() if len(r) > i} for i in range(args.rounds)]
     d = {"stamp": stamp, "command": common.command("warm_auto", argv), "machine": common.machine(),
-         "per_group": args.per_group, "rows": len(rows), "order": order,
+         "per_group": args.per_group, "rows": len(rows), "order": order, "rounds": args.rounds,
          "settings": {"max_new_tokens": args.max_new_tokens, "num_actors": args.num_actors,
                       "streams_per_actor": args.streams_per_actor, "shard_rows": args.shard_rows, "model": args.model,
                       "capacity": args.capacity},
-         "lossless": lossless(jobs),
-         "warm": warm_against_cold(jobs["racer-warm"], jobs["racer-cold"]) if "racer-warm" in jobs else {},
+         "lossless": {name: sum(lossless({**rnd, "racer-cold": rounds[0]["racer-cold"]}).get(name, 0) for rnd in rounds)
+                      for name in order},
+         "warm_rounds": [warm_against_cold(rnd["racer-warm"], rnd["racer-cold"]) for rnd in rounds
+                         if "racer-warm" in rnd and "racer-cold" in rnd],
          "auto": auto_against_fixed(jobs) if "auto" in jobs else {},
-         "jobs": {n: {"job_id": j["job_id"], "wall_s": j["wall_s"],
-                      "tokens": sum(r["output_tokens"] or 0 for r in j["rows"])} for n, j in jobs.items()}}
+         "auto_rounds": [auto_against_fixed(rnd) for rnd in rounds if "auto" in rnd],
+         "jobs": {f"{n} (round {i + 1})": {"job_id": j["job_id"], "wall_s": j["wall_s"],
+                                           "tokens": sum(r["output_tokens"] or 0 for r in j["rows"])}
+                  for n, r in runs.items() for i, j in enumerate(r)}}
+    d["warm"] = mean_of_rounds(d["warm_rounds"])
     md = render_md(d)
     common.write_results(args.out, f"warm-auto-{stamp}", d, md)
     print(md)

@@ -74,3 +74,64 @@ def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, 
     assert runner.active_jobs == ["j"]
     runner.end_job("j")
     assert runner._states == {} and runner._choosers == {}
+
+
+def test_a_later_actor_starts_from_the_evidence_the_others_shared_in_redis(tmp_path, queue):
+    """Two runners (two actors) of one job with Redis sinks: the second runs shard 1 after the first ran
+    shard 0 and explores nothing (every route's rows go to the choice the first actor's evidence makes); the
+    output equals a fixed racer run's; the shard summaries keep each actor's own rows."""
+    from racer_batch.service.execution.actors import RedisSink
+
+    bundle = tiny_bundle(seed=3, head_scale=60.0)
+    rows = [{"id": f"r{i:02d}", "prompt": PROMPTS[i % 4], "route": "ab"[i % 2]} for i in range(32)]
+    write_parquet(tmp_path / "in.parquet", rows)
+    outputs = {}
+    for method in ("racer", "auto"):
+        spec = _spec(tmp_path, method, method, 4)
+        summaries = []
+        for shard in (0, 1):
+            runner = RowRunner(worker_name=f"w{shard}", loader=lambda model, **kw: bundle,
+                               engine_factory=default_engine, sink=RedisSink(queue))
+            task = ShardTask(job_id="j", shard=shard, row_start=16 * shard, row_stop=16 * shard + 16,
+                             spec=spec.stored(), plan=plan_input(spec.input).to_dict(), spec_hash=spec.spec_hash(),
+                             owner="t").to_dict()
+            res = runner.run_shard(task)
+            assert res.committed, res
+            summaries.append(res.summary)
+        outputs[method] = sorted(read_output(spec.output.path).to_pylist(), key=lambda r: r["id"])
+    same = ("id", "text", "output_tokens", "finish_reason", "status")
+    assert [{k: r[k] for k in same} for r in outputs["auto"]] == [{k: r[k] for k in same} for r in outputs["racer"]]
+    first, second = (s["method_auto"] for s in summaries)
+    for route in ("a", "b"):
+        later = [r["method"] for r in outputs["auto"] if r["route"] == route and r["row_idx"] >= 16]
+        assert later == [first[route]["choice"]] * 8, (route, later, first[route])
+        assert {m for m, c in second[route]["candidates"].items() if c["rows"]} == {first[route]["choice"]}
+    assert sum(c["rows"] for s in (first, second) for e in s.values() for c in e["candidates"].values()) == 32
+    key = queue.k_evidence("j", _spec(tmp_path, "auto", "auto", 4).spec_hash())
+    assert queue.r.exists(key)
+    queue.delete_job("j")
+    assert not queue.r.exists(key)
+
+
+def test_redis_evidence_sums_the_others_skips_what_it_cannot_read_and_survives_a_lost_redis(
+        queue, redis_server_factory, caplog):
+    from racer_batch.service.execution.actors import RedisEvidence
+    from racer_batch.service.execution.queue import JobQueue
+
+    a, b, c = (RedisEvidence(queue, "j", "h") for _ in range(3))
+    a.publish("r", "pld", {"rows": 2, "tokens": 100, "busy_ms": 50.0})
+    b.publish("r", "pld", {"rows": 1, "tokens": 10, "busy_ms": 5.0})
+    b.publish("r", "pld", {"rows": 3, "tokens": 30, "busy_ms": 15.0})  # replaces b's earlier totals
+    queue.r.hset(a.key, "garbage", "x")
+    queue.r.hset(a.key, "z\tr\tar", "{not json")
+    assert c.others() == {"r": {"pld": {"rows": 5, "tokens": 130, "busy_ms": 65.0}}}
+    assert a.others() == {"r": {"pld": {"rows": 3, "tokens": 30, "busy_ms": 15.0}}}
+    assert RedisEvidence(queue, "j", "other-spec").others() == {}  # another spec hash reads another hash
+    srv = redis_server_factory()
+    lost = RedisEvidence(JobQueue.from_url(srv.url, prefix="p:"), "j", "h")
+    lost.publish("r", "ar", {"rows": 1})
+    srv.stop()
+    with caplog.at_level("WARNING"):
+        lost.publish("r", "ar", {"rows": 2})
+        assert lost.others() == {}
+    assert sum("not shared" in r.getMessage() for r in caplog.records) == 1  # logged once while it fails

@@ -62,3 +62,87 @@ def test_the_config_of_method_auto():
 
     with pytest.raises(ValueError, match="an Engine runs one method"):
         Engine(tiny_bundle(), cfg)
+
+
+class _MemoryShare:
+    """An in-memory ``auto.EvidenceShare`` of one job: each chooser's own totals under its own name."""
+
+    def __init__(self, board: dict, me: str) -> None:
+        self.board, self.me = board, me
+        self.reads = 0
+
+    def publish(self, route, method, counters):
+        self.board[(self.me, route, method)] = dict(counters)
+
+    def others(self):
+        self.reads += 1
+        out: dict = {}
+        for (who, route, method), c in self.board.items():
+            if who != self.me:
+                acc = out.setdefault(route, {}).setdefault(method, {})
+                for k, v in c.items():
+                    acc[k] = acc.get(k, 0) + v
+        return out
+
+
+def test_actors_sharing_evidence_explore_a_route_once_and_choose_from_the_sum():
+    board: dict = {}
+    now = [0.0]
+    a = MethodChooser(("racer", "pld", "ar"), share=_MemoryShare(board, "a"), clock=lambda: now[0])
+    b = MethodChooser(("racer", "pld", "ar"), share=_MemoryShare(board, "b"), clock=lambda: now[0])
+    speed = {"racer": 50.0, "pld": 90.0, "ar": 40.0}
+    assert _feed(a, "code", 3, speed) == ["racer", "pld", "ar"]
+    now[0] += 10.0  # past SHARE_REFRESH_S: b reads a's totals
+    # b's first rows of the route go to the best measured by a, with no exploring of its own
+    assert _feed(b, "code", EXPLORE_EVERY - 1, speed) == ["pld"] * (EXPLORE_EVERY - 1)
+    assert b.routes["code"].stats["racer"].assigned == 0
+    # a's evidence also makes b's choice on a route b never measured a candidate of
+    ev = b.evidence()["code"]
+    assert ev["choice"] == "pld" and set(c["rows"] for m, c in ev["candidates"].items() if m != "pld") == {0}
+    # the summaries keep each actor's own rows: pooled, every row counts once
+    total = sum(c["rows"] for ch in (a, b) for c in ch.evidence()["code"]["candidates"].values())
+    assert total == 3 + EXPLORE_EVERY - 1
+
+
+def test_the_other_actors_evidence_is_read_at_most_every_refresh_interval():
+    from racer_batch.service.execution.auto import SHARE_REFRESH_S
+
+    board: dict = {}
+    now = [0.0]
+    share = _MemoryShare(board, "a")
+    a = MethodChooser(("racer", "ar"), share=share, clock=lambda: now[0])
+    assert _feed(a, "r", 4, {"racer": 50.0, "ar": 40.0}) == ["racer", "ar", "racer", "racer"]
+    assert share.reads == 1
+    # another actor publishes ar at 100 tokens/s over 10 rows
+    board[("c", "r", "ar")] = {"assigned": 10, "rows": 10, "tokens": 1000, "steps": 500, "busy_ms": 10_000.0}
+    assert a.pick("r", greedy=True) == "racer"  # not read yet
+    now[0] += SHARE_REFRESH_S
+    assert a.pick("r", greedy=True) == "ar" and share.reads == 2
+    assert board[("a", "r", "ar")]["assigned"] == 2  # a published its own totals only
+    # sampled rows neither read nor publish
+    a.pick("r", greedy=False)
+    assert share.reads == 2
+
+
+def test_a_failing_share_leaves_the_chooser_on_its_own_evidence():
+    class Broken:
+        def publish(self, *a):
+            return None
+
+        def others(self):
+            return {}
+
+    ch = MethodChooser(("racer", "pld"), share=Broken())
+    assert _feed(ch, "r", 2, {"racer": 10.0, "pld": 20.0}) == ["racer", "pld"]
+    assert ch.pick("r", greedy=True) == "pld"
+
+
+def test_a_new_route_with_nothing_measured_yet_leans_on_the_other_routes():
+    ch = MethodChooser(("racer", "pld", "ar"))
+    _feed(ch, "a", 6, {"racer": 20.0, "pld": 30.0, "ar": 90.0})
+    # route b: its first rows try each candidate; while none has finished, the next goes to route a's fastest
+    assert [ch.pick("b", greedy=True) for _ in range(4)] == ["racer", "pld", "ar", "ar"]
+    # once route b measures, its own figures decide
+    for m, speed in (("racer", 100.0), ("pld", 10.0), ("ar", 10.0)):
+        ch.observe("b", m, tokens=100, steps=40, busy_ms=100_000.0 / speed)
+    assert ch.pick("b", greedy=True) == "racer"

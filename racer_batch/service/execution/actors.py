@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import json
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -52,6 +54,54 @@ class RedisSink:
         if cur is not None and cur != owner:
             return LEASE_LOST
         return KEEP_GOING
+
+    def evidence_share(self, job_id: str, spec_hash: str) -> "RedisEvidence":
+        """Where this actor publishes and reads method auto's evidence for the job (``RedisEvidence``)."""
+        return RedisEvidence(self.queue, job_id, spec_hash)
+
+
+class RedisEvidence:
+    """``auto.EvidenceShare`` over Redis: one hash per job and spec hash (``JobQueue.k_evidence``), a field per
+    chooser, route and candidate (``<chooser id>\t<route>\t<method>``) holding that chooser's totals as JSON.
+    The chooser id is new for every chooser, so a restarted actor never overwrites what its earlier self
+    published; a changed spec (another model or config) reads another hash. Best effort: a Redis error is
+    logged (once per chooser until it works again) and reads as no evidence from the others."""
+
+    def __init__(self, queue: JobQueue, job_id: str, spec_hash: str) -> None:
+        self.queue, self.key = queue, queue.k_evidence(job_id, spec_hash)
+        self.me = uuid.uuid4().hex[:12]
+        self._failing = False
+
+    def publish(self, route: str, method: str, counters: Any) -> None:
+        self._guard(lambda: self.queue.r.hset(self.key, f"{self.me}\t{route}\t{method}", json.dumps(dict(counters))))
+
+    def others(self) -> dict[str, dict[str, dict[str, float]]]:
+        got = self._guard(lambda: self.queue.r.hgetall(self.key)) or {}
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for field_, value in got.items():
+            parts = field_.split("\t")
+            if len(parts) != 3 or parts[0] == self.me:
+                continue
+            try:
+                counters = json.loads(value)
+            except ValueError:
+                continue
+            acc = out.setdefault(parts[1], {}).setdefault(parts[2], {})
+            for name, v in counters.items():
+                if isinstance(v, (int, float)):
+                    acc[name] = acc.get(name, 0) + v
+        return out
+
+    def _guard(self, call: Any) -> Any:
+        try:
+            got = call()
+        except Exception as exc:  # noqa: BLE001 - redis errors of any kind: the evidence is an optimisation
+            if not self._failing:
+                log.warning("method auto evidence of %s not shared: %s", self.key, exc)
+            self._failing = True
+            return None
+        self._failing = False
+        return got
 
 
 @dataclass(frozen=True)

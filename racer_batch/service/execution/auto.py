@@ -9,9 +9,20 @@ The rule, per route and per actor (deterministic for a given order of rows and m
    has had the fewest rows (ties: the earlier in ``auto_methods``) other than the current best; every other
    row to the best, the candidate with the most output tokens per second of actor time measured so far (its
    rows' ``busy_ms``: a row's share of the forwards it was in, so rows decoded several per forward are not
-   counted whole; ties: the earlier candidate).
+   counted whole). Ties, and a route where no row has finished yet (its first rows are all out), go by the
+   job's other routes: the candidate with the most tokens per second over every route, then the earlier one.
 3. **Sampled rows** (temperature > 0) always go to the first candidate: two lossless methods give the same
    greedy output, but a sampled row's draws depend on the method, so its text must not depend on measurements.
+
+**Evidence shared between actors** (``EvidenceShare``, the service's is ``actors.RedisEvidence``): every actor
+publishes its own totals per route and candidate (rows given, rows finished, tokens, steps, busy ms) as it picks
+and observes, and reads the other actors' totals at most every ``SHARE_REFRESH_S``. Rules 1 and 2 then count
+rows given and measure tokens per second over the sum of its own totals and the others' (an actor killed
+mid-job leaves its totals behind, so a resumed run starts from them). A route whose rows are split between two
+actors is explored once instead of once per actor. The sum depends on when the others published, so with
+sharing the choice is deterministic only for a given order of rows, measurements and publications; the output
+never depends on it (every candidate is lossless). The shard summaries keep each actor's own rows only, so
+pooling them over the shards still counts every row once.
 
 Every candidate is lossless, so which one answers a greedy row never changes its text. The evidence (rows,
 tokens, steps, MAT, tokens/s per candidate; each shard's own rows) and the choice of every route go into the
@@ -22,8 +33,9 @@ and the report.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from racer_batch.service.results.method_auto import figures
 
@@ -33,6 +45,21 @@ from racer_batch.service.results.method_auto import figures
 # keep it near 15%, and a wrong first pick is still corrected by the rows explored later.
 EXPLORE_ROWS = 1  # rows each candidate gets first, per route
 EXPLORE_EVERY = 16  # after that, one row in this many goes to the least-tried other candidate
+SHARE_REFRESH_S = 1.0  # the other actors' evidence is read at most this often (seconds)
+SHARED_COUNTERS = ("assigned", "rows", "tokens", "steps", "busy_ms")  # what an actor publishes per candidate
+
+
+class EvidenceShare(Protocol):
+    """Where the actors of one job publish and read method auto's evidence (module docstring).
+
+    ``publish(route, method, counters)`` stores this actor's totals (``SHARED_COUNTERS`` -> number) for one
+    route and candidate, replacing what it published before; ``others()`` is every other actor's totals summed,
+    ``{route: {method: counters}}``. Both are best effort: a failure is logged by the implementation and the
+    chooser goes on with what it has."""
+
+    def publish(self, route: str, method: str, counters: Mapping[str, float]) -> None: ...
+
+    def others(self) -> dict[str, dict[str, dict[str, float]]]: ...
 
 
 @dataclass
@@ -58,30 +85,56 @@ class CandidateStats:
     def copy(self) -> "CandidateStats":
         return dataclasses.replace(self)
 
+    def counters(self) -> dict[str, float]:
+        """Its ``SHARED_COUNTERS`` (what ``EvidenceShare.publish`` takes)."""
+        return {name: getattr(self, name) for name in SHARED_COUNTERS}
+
+    @classmethod
+    def of(cls, counters: Mapping[str, float]) -> "CandidateStats":
+        """From ``SHARED_COUNTERS`` (missing ones 0)."""
+        return cls(assigned=int(counters.get("assigned", 0)), rows=int(counters.get("rows", 0)),
+                   tokens=int(counters.get("tokens", 0)), steps=int(counters.get("steps", 0)),
+                   busy_ms=float(counters.get("busy_ms", 0.0)))
+
+    def __add__(self, other: "CandidateStats") -> "CandidateStats":
+        return CandidateStats(self.assigned + other.assigned, self.rows + other.rows, self.tokens + other.tokens,
+                              self.steps + other.steps, self.busy_ms + other.busy_ms)
+
 
 @dataclass
 class RouteChoice:
+    """One route's rule (module docstring). ``stats``: this actor's own totals per candidate; ``others``: the
+    other actors' (``EvidenceShare.others``, empty without sharing); the rule reads their sum (``seen``)."""
+
     candidates: Sequence[str]
     stats: dict[str, CandidateStats] = field(default_factory=dict)
+    others: dict[str, CandidateStats] = field(default_factory=dict)
     given: int = 0  # greedy rows given out after every candidate had its first rows
 
     def __post_init__(self) -> None:
         for name in self.candidates:
             self.stats.setdefault(name, CandidateStats())
 
-    def best(self) -> str:
-        """The candidate with the most tokens per second so far (ties, or nothing measured: the earlier)."""
-        return max(self.candidates, key=lambda m: (self.stats[m].tokens_per_s, -self.candidates.index(m)))
+    def seen(self, name: str) -> CandidateStats:
+        """This actor's totals of ``name`` plus the other actors'."""
+        other = self.others.get(name)
+        return self.stats[name] if other is None else self.stats[name] + other
 
-    def pick(self) -> str:
+    def best(self, prior: Optional[Sequence[str]] = None) -> str:
+        """The candidate with the most tokens per second so far; ties (nothing measured) go to the earlier in
+        ``prior`` (default: the candidates' order)."""
+        order = list(prior) if prior is not None else list(self.candidates)
+        return max(self.candidates, key=lambda m: (self.seen(m).tokens_per_s, -order.index(m)))
+
+    def pick(self, prior: Optional[Sequence[str]] = None) -> str:
         for name in self.candidates:
-            if self.stats[name].assigned < EXPLORE_ROWS:
+            if self.seen(name).assigned < EXPLORE_ROWS:
                 return self._give(name)
         self.given += 1
-        best = self.best()
+        best = self.best(prior)
         if self.given % EXPLORE_EVERY == 0 and len(self.candidates) > 1:
             others = [m for m in self.candidates if m != best]
-            return self._give(min(others, key=lambda m: (self.stats[m].assigned, self.candidates.index(m))))
+            return self._give(min(others, key=lambda m: (self.seen(m).assigned, self.candidates.index(m))))
         return self._give(best)
 
     def _give(self, name: str) -> str:
@@ -90,19 +143,42 @@ class RouteChoice:
 
 
 class MethodChooser:
-    """The per-route choice of one job on one actor (module docstring)."""
+    """The per-route choice of one job on one actor (module docstring). ``share``: where the job's actors
+    publish and read their evidence (None: this actor's own only); ``clock``: seconds, for the refresh."""
 
-    def __init__(self, candidates: Sequence[str]) -> None:
+    def __init__(self, candidates: Sequence[str], *, share: Optional[EvidenceShare] = None,
+                 clock: Any = time.monotonic) -> None:
         if not candidates:
             raise ValueError("method auto needs at least one candidate")
         self.candidates = tuple(candidates)
         self.routes: dict[str, RouteChoice] = {}
+        self.share = share
+        self._clock = clock
+        self._read_at: Optional[float] = None
+        self._others: dict[str, dict[str, dict[str, float]]] = {}
 
     def pick(self, route: str, *, greedy: bool) -> str:
         """The method for the next row of ``route``."""
         if not greedy:
             return self.candidates[0]
-        return self._route(route).pick()
+        rc = self._route(route)
+        if self.share is not None:
+            self._refresh()
+            rc.others = {m: CandidateStats.of(c) for m, c in self._others.get(route, {}).items()
+                         if m in rc.stats}
+        name = rc.pick(self._prior())
+        self._publish(route, name)
+        return name
+
+    def _prior(self) -> list[str]:
+        """The candidates by tokens per second over every route (own and shared evidence), fastest first; ties
+        in the candidates' order: how a route with nothing measured breaks its tie."""
+        total = {m: CandidateStats() for m in self.candidates}
+        for route, rc in self.routes.items():
+            shared = self._others.get(route, {})
+            for m in self.candidates:
+                total[m] = total[m] + rc.stats[m] + CandidateStats.of(shared.get(m, {}))
+        return sorted(self.candidates, key=lambda m: (-total[m].tokens_per_s, self.candidates.index(m)))
 
     def observe(self, route: str, method: str, *, tokens: int, steps: int, busy_ms: float) -> None:
         """A row of ``route`` answered by ``method`` ended: ``tokens`` output tokens in ``steps`` target forwards
@@ -112,6 +188,7 @@ class MethodChooser:
         st.tokens += int(tokens)
         st.steps += int(steps)
         st.busy_ms += float(busy_ms)
+        self._publish(route, method)
 
     def evidence(self, since: Optional[dict] = None) -> dict[str, Any]:
         """``{route: {"choice": method, "candidates": {method: figures}}}``: the choice now and what each
@@ -129,6 +206,17 @@ class MethodChooser:
     def counters(self) -> dict:
         """A copy of every route's counters, for a later :meth:`evidence` ``since``."""
         return {route: {m: st.copy() for m, st in rc.stats.items()} for route, rc in self.routes.items()}
+
+    def _refresh(self) -> None:
+        """Read the other actors' evidence unless it was read less than ``SHARE_REFRESH_S`` ago."""
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= SHARE_REFRESH_S:
+            self._read_at = now
+            self._others = self.share.others() if self.share is not None else {}
+
+    def _publish(self, route: str, method: str) -> None:
+        if self.share is not None:
+            self.share.publish(route, method, self._route(route).stats[method].counters())
 
     def _route(self, route: str) -> RouteChoice:
         if route not in self.routes:

@@ -276,6 +276,10 @@ class JobQueue:
     def k_job(self, job_id: str, sub: str = "") -> str:
         return f"{self.prefix}job:{job_id}" + (f":{sub}" if sub else "")
 
+    def k_evidence(self, job_id: str, spec_hash: str) -> str:
+        """Method auto's shared evidence of a job under one spec hash (``actors.RedisEvidence``)."""
+        return self.k_job(job_id, f"auto:{spec_hash}")
+
     def k_index(self) -> str:
         return f"{self.prefix}jobs"
 
@@ -583,5 +587,6 @@ class JobQueue:
 
     def delete_job(self, job_id: str) -> None:
         keys = [self.k_job(job_id, s) for s in ("", "shards", "inflight", "rows", "errors", "leases", "retried")]
+        keys += list(self.r.scan_iter(match=self.k_evidence(job_id, "*")))
         self.r.delete(*keys)
         self.r.zrem(self.k_index(), job_id)

@@ -325,7 +325,11 @@ class RowRunner:
         self._ensure_model(spec)
         chooser = None
         if spec.decoding.method == AUTO_METHOD:
-            chooser = self._choosers.setdefault(task.job_id, MethodChooser(spec.decoding.auto_methods))
+            chooser = self._choosers.get(task.job_id)
+            if chooser is None:  # the job's actors share their evidence where the sink can (auto.EvidenceShare)
+                share = getattr(self.sink, "evidence_share", None)
+                chooser = self._choosers[task.job_id] = MethodChooser(
+                    spec.decoding.auto_methods, share=share(task.job_id, task.spec_hash) if share else None)
         shard = ShardEngines(spec, task.job_id, slots=self._slots_for(spec), engine_for=self._engine_for_config,
                              state_for=self._state_for, states=self._states, warm=self._warm, chooser=chooser)
         engine = shard.first
