@@ -10,7 +10,10 @@ folder:
   shards, as before the saved state existed);
 - ``racer-warm``: RACER with the saved draft state (the default);
 - ``pld`` and ``ar``: the other lossless methods, fixed;
-- ``auto``: ``decoding.method: auto`` over racer, pld and ar (with the saved state).
+- ``auto``: ``decoding.method: auto`` over racer, pld and ar (with the saved state);
+- ``racer-row`` (only when ``--order`` names it): RACER with a draft state per row (``decoding.scope:
+  request``), so nothing is learned across rows: racer-cold's MAT over it is what the job's other rows add to
+  a row's drafts at all, the room a saved state has to raise MAT.
 
 With ``--rounds N`` every contender runs N times, the order reversed in every other round (round 1 in
 ``--order``, round 2 the other way round, ...), so that a drift of the machine's speed during the run falls on
@@ -64,7 +67,11 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "pld": {"decoding.method": "pld"},
     "ar": {"decoding.method": "ar"},
     "auto": {"decoding.method": "auto"},
+    # not in the default order: RACER with a draft state per row (decoding.scope request, nothing learned from the
+    # job's other rows), the ceiling check of the warm state (what learning across rows adds at all)
+    "racer-row": {"decoding.method": "racer", "decoding.scope": "request", "resources.warm_draft_state": False},
 }
+DEFAULT_ORDER = ("racer-cold", "racer-warm", "pld", "ar", "auto")
 FIXED = ("racer-warm", "pld", "ar")  # auto is compared with the best of these per route
 
 
@@ -133,6 +140,22 @@ def warm_against_cold(warm: dict, cold: dict) -> dict:
            "warm_tokens_per_s": rate(w), "cold_tokens_per_s": rate(c)}
     out["mat_ratio"] = common.ratio(out["warm_mean_mat"], out["cold_mean_mat"])
     out["tokens_per_s_ratio"] = common.ratio(out["warm_tokens_per_s"], out["cold_tokens_per_s"])
+    return out
+
+
+def cross_row(job_scope: dict, row_scope: dict) -> dict:
+    """MAT (output tokens / target forwards over all rows) of RACER with the job's state against a state per
+    row, and the same over the shards after the first two (where a job state has learned from earlier shards)."""
+    def mat(job: dict, shards: Optional[set] = None) -> Optional[float]:
+        rows = [r for r in job["rows"] if r["status"] == "ok" and (shards is None or r["shard"] in shards)]
+        steps = sum(r["steps"] or 0 for r in rows)
+        return sum(r["output_tokens"] or 0 for r in rows) / steps if steps else None
+
+    later = {r["shard"] for r in job_scope["rows"] if r["shard"] >= 2}
+    out = {"job_mat": mat(job_scope), "row_mat": mat(row_scope), "job_mat_later": mat(job_scope, later),
+           "row_mat_later": mat(row_scope, later)}
+    out["ratio"] = common.ratio(out["job_mat"], out["row_mat"])
+    out["ratio_later"] = common.ratio(out["job_mat_later"], out["row_mat_later"])
     return out
 
 
@@ -215,15 +238,27 @@ def render_md(d: dict) -> str:
                 if d.get("rounds", 1) > 1 else "") + ".", "",
              "## Lossless", "", common.md_table(["contender", "rows differing from racer-cold"],
                                                 [[k, v] for k, v in d["lossless"].items()]), "",
-             "## Saved draft state: shards after each actor's first, warm against cold", "",
-             common.md_table(["round", "shards", "racer-cold mean MAT", "racer-warm mean MAT", "MAT warm / cold",
-                              "cold tokens/s", "warm tokens/s", "tokens/s warm / cold"],
-                             [[label, len(x["shards"]), _r(x["cold_mean_mat"]), _r(x["warm_mean_mat"]),
-                               x["mat_ratio"], _r(x["cold_tokens_per_s"], 1), _r(x["warm_tokens_per_s"], 1),
-                               x["tokens_per_s_ratio"]]
-                              for label, x in _with_rounds(w, d.get("warm_rounds") or [])]), "",
-             f"Shards started cold in racer-warm (each actor's first): {w['first_shards']}; compared: {w['shards']}.",
-             "", "## Method auto against the best fixed method, per route", ""]
+             "## Saved draft state: shards after each actor's first, warm against cold", ""]
+    if w:
+        lines += [common.md_table(["round", "shards", "racer-cold mean MAT", "racer-warm mean MAT", "MAT warm / cold",
+                                   "cold tokens/s", "warm tokens/s", "tokens/s warm / cold"],
+                                  [[label, len(x["shards"]), _r(x["cold_mean_mat"]), _r(x["warm_mean_mat"]),
+                                    x["mat_ratio"], _r(x["cold_tokens_per_s"], 1), _r(x["warm_tokens_per_s"], 1),
+                                    x["tokens_per_s_ratio"]]
+                                   for label, x in _with_rounds(w, d.get("warm_rounds") or [])]), "",
+                  f"Shards started cold in racer-warm (each actor's first): {w['first_shards']}; compared: "
+                  f"{w['shards']}.", ""]
+    else:
+        lines += ["(racer-warm did not run.)", ""]
+    if d.get("cross_row"):
+        c = d["cross_row"]
+        lines += ["What learning across rows adds at all: RACER's MAT with the job's draft state (racer-cold) over "
+                  "RACER with a state per row (racer-row, `decoding.scope: request`):", "",
+                  common.md_table(["rows", "job-state MAT", "per-row MAT", "job / per-row"],
+                                  [["all", _r(c["job_mat"]), _r(c["row_mat"]), c["ratio"]],
+                                   ["shards 2 and later", _r(c["job_mat_later"]), _r(c["row_mat_later"]),
+                                    c["ratio_later"]]]), ""]
+    lines += ["## Method auto against the best fixed method, per route", ""]
     per_round = d.get("auto_rounds") or []
     body = [[route, a["choice"], _r(a["auto_tokens_per_s"], 1), a["best_fixed"],
              _r(a["fixed_tokens_per_s"].get(a["best_fixed"]), 1), a["ratio_to_best"],
@@ -263,7 +298,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--capacity", default="4", help="decoding.capacity of every contender (an integer or auto; "
                     "auto's tuner makes a shard's MAT depend on timing, so the default is fixed)")
-    ap.add_argument("--order", default=",".join(CONTENDERS), help="contenders, in the order their jobs run")
+    ap.add_argument("--order", default=",".join(DEFAULT_ORDER), help="contenders, in the order their jobs run")
     ap.add_argument("--rounds", type=int, default=1, help="runs of every contender, the order reversed in every "
                     "other round; the figures pool the rounds")
     ap.add_argument("--questions", type=Path, default=QUESTIONS)
@@ -311,6 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
          "warm_rounds": [warm_against_cold(rnd["racer-warm"], rnd["racer-cold"]) for rnd in rounds
                          if "racer-warm" in rnd and "racer-cold" in rnd],
          "auto": auto_against_fixed(jobs) if "auto" in jobs else {},
+         "cross_row": cross_row(jobs["racer-cold"], jobs["racer-row"]) if "racer-row" in jobs else {},
          "auto_rounds": [auto_against_fixed(rnd) for rnd in rounds if "auto" in rnd],
          "jobs": {f"{n} (round {i + 1})": {"job_id": j["job_id"], "wall_s": j["wall_s"],
                                            "tokens": sum(r["output_tokens"] or 0 for r in j["rows"])}
