@@ -12,7 +12,7 @@ from ..values import SOURCE_LOGITS, SOURCE_PLD, SOURCE_RETRIEVAL, DecodingConfig
 from .automaton import Automaton, prefill_automaton
 from .base import Draft, TrieBuilder, Verified
 from .copy_logits import CopyLogitStore, grow_logits_tree
-from .pld import prompt_lookup
+from .pld import PromptLookupIndex
 from .registry import DecodingMethod
 from .snapshot import TextHistory
 from .state import DraftState
@@ -44,19 +44,24 @@ class PldDrafter:
     def __init__(self, *, max_ngram: int, num_tokens: int) -> None:
         self.max_ngram = max_ngram
         self.num_tokens = num_tokens
-        self.context: list[int] = []
+        self.index = PromptLookupIndex(max_ngram)  # the context and its n-grams (prompt_lookup without a scan)
+
+    @property
+    def context(self) -> list[int]:
+        return self.index.context
 
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
-        self.context = list(prompt_ids)
+        self.index = PromptLookupIndex(self.max_ngram)
+        self.index.extend(prompt_ids)
 
     def propose(self, root: int, *, capacity: int, max_depth: int) -> Draft:
         n = min(self.num_tokens, capacity - 1, max_depth)
-        chain = prompt_lookup(self.context, max_ngram=self.max_ngram, num_tokens=n) if n > 0 else []
+        chain = self.index.lookup(num_tokens=n) if n > 0 else []
         tokens = [root, *chain]
         return Draft(tokens, list(range(-1, len(chain))), [0] + [SOURCE_PLD] * len(chain))
 
     def update(self, verified: Verified) -> None:
-        self.context.extend(verified.committed)
+        self.index.extend(verified.committed)
 
 
 class TreeDrafter:
