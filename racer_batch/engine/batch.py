@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Generator, Hashable, Optional
+from typing import Any, Generator, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -260,8 +260,11 @@ class StreamBatch:
                     self._send(key, None)
             return
         wall = (time.perf_counter() - t0) * 1000.0
-        self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if _on_cpu(stepper.runner) else ms,
-                    shares=_shares(stepper))
+        cpu = _on_cpu(stepper.runner)
+        shares = _shares(stepper)
+        if cpu:  # the host work is charged too: each row's own part (a mixed step's drafting) first
+            shares = row_charges(wall, getattr(stepper, "last_own_ms", None), shares)
+        self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if cpu else ms, shares=shares)
         for key in keys:
             self._send(key, None)
 
@@ -325,6 +328,26 @@ def step_shares(sizes: Any, step_cost: Optional[dict]) -> Optional[list[float]]:
     w = [cost_at(step_cost, b * x) / b for x in sz]
     total = sum(w)
     return [x / total for x in w] if total > 0 else None
+
+
+def row_charges(wall_ms: float, own_ms: Optional[Sequence[float]], shares: Optional[list[float]]
+                ) -> Optional[list[float]]:
+    """Each row's share of a CPU step's wall time where some of it belongs to one row alone (``own_ms [B]``: a
+    mixed step's per-row drafting, ``Stepper.last_own_ms``): row ``i`` is charged ``own_ms[i]`` plus its
+    ``shares[i]`` (equal where None) of the rest, so a drafter that is slow on the host is not paid for by its
+    batch-mates. ``shares`` unchanged where there is no ``own_ms``.
+
+    >>> [round(x, 3) for x in row_charges(10.0, [4.0, 0.0], [0.5, 0.5])]  # 4 + 3 : 0 + 3
+    [0.7, 0.3]
+    """
+    if not own_ms or wall_ms <= 0:
+        return shares
+    n = len(own_ms)
+    base = shares if shares is not None else [1.0 / n] * n
+    rest = max(wall_ms - sum(own_ms), 0.0)
+    w = [o + rest * s for o, s in zip(own_ms, base)]
+    total = sum(w)
+    return [x / total for x in w] if total > 0 else shares
 
 
 def _on_cpu(runner: Any) -> bool:

@@ -210,6 +210,11 @@ class Stepper:
         self.last_rows = 0  # tree rows of the last step's forward
         self.last_cu: Optional[np.ndarray] = None  # [B + 1] the last step's tree row offsets (its trees' sizes)
         self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
+        # host ms of the last step that belong to one row alone ([B]: its drafter's own propose and update; a
+        # native call over several rows split evenly among them), where some row drafts in Python (kinds mixed
+        # and python); None after a step of native or root-only rows (every row's host work alike). StreamBatch
+        # charges each row its own part before splitting the rest of the step (batch.row_charges)
+        self.last_own_ms: Optional[list[float]] = None
 
     # ---- row lifecycle
     def open(self, row: DecodeRow) -> None:
@@ -231,7 +236,9 @@ class Stepper:
         self.committing = False
         cap = self.engine._capacity(self.engine._in_flight)
         kind, native = _drafting(rows)
-        flat, sources, order = self._propose(rows, cap, clock, kind, native)
+        own = [0.0] * len(rows) if kind in ("mixed", "python") else None
+        self.last_own_ms = own
+        flat, sources, order = self._propose(rows, cap, clock, kind, native, own)
         clock.lap("flatten")
         self.last_rows = flat.rows
         self.last_cu = flat.cu
@@ -252,15 +259,15 @@ class Stepper:
         clock.lap("stops")
         self._keep(rows, flat, nodes, cu_paths)
         clock.lap("keep_rows")
-        self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native)
+        self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native, own)
         clock.lap("update")
         self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock)
         clock.lap("telemetry")
         return forward_ms
 
     @staticmethod
-    def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str,
-                 native: list) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+    def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str, native: list,
+                 own: Optional[list[float]] = None) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
         """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
         own trees are flattened here), with each row's ``sources`` and creation ``order``."""
         b = len(rows)
@@ -282,10 +289,13 @@ class Stepper:
             clock.lap("propose")
             return flat, got.sources, got.order
         if kind == "mixed":  # rows of several methods in one forward: the native rows in one call, the rest each
-            drafts = _mixed_drafts(rows, native, roots, cap, depth)
+            drafts = _mixed_drafts(rows, native, roots, cap, depth, own)
         else:
-            drafts = [r.drafter.propose(int(roots[i]), capacity=cap, max_depth=int(depth[i]))
-                      for i, r in enumerate(rows)]
+            drafts = []
+            for i, r in enumerate(rows):
+                t0 = time.perf_counter()
+                drafts.append(r.drafter.propose(int(roots[i]), capacity=cap, max_depth=int(depth[i])))
+                _split_own(own, [i], t0)
         clock.lap("propose")
         return flat_of_drafts(drafts, starts, caches)
 
@@ -382,7 +392,8 @@ class Stepper:
             rows[i].committed_len += int(lengths[i])
 
     @staticmethod
-    def _update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind: str, native: list) -> None:
+    def _update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind: str, native: list,
+                own: Optional[list[float]] = None) -> None:
         """The drafters learn from the step: every verified node's top-k and the committed tokens."""
         for i, r in enumerate(rows):
             r.root = blocks[i][-1]
@@ -396,17 +407,21 @@ class Stepper:
             return
         if kind == "mixed":
             nat = [i for i, n in enumerate(native) if n is not None]
+            t0 = time.perf_counter()
             _update_native([native[i] for i in nat], flat.subset(nat), topk[flat.rows_of(nat)],
                            [committed[i] for i in nat])
+            _split_own(own, nat, t0)
         for i, r in enumerate(rows):
             if kind == "mixed" and (native[i] is not None or getattr(r.drafter, "root_only", False)):
                 continue
+            t0 = time.perf_counter()
             lo, hi = int(flat.cu[i]), int(flat.cu[i + 1])
             r.drafter.update(Verified(
                 flat.tokens[lo:hi], topk[lo:hi], committed[i],
                 node_topk_probs=None if probs is None else probs[lo:hi],
                 last_node=int(nodes[cu_paths[i + 1] - 1]),
             ))
+            _split_own(own, [i], t0)
 
     def _observe(self, rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock) -> None:
         """Telemetry of the step for every row (one table update) and one capacity-tuner observation."""
@@ -468,21 +483,34 @@ def _drafting(rows: list[DecodeRow]) -> tuple[str, list]:
     return ("mixed", native) if n else ("python", [])
 
 
-def _mixed_drafts(rows: list[DecodeRow], native: list, roots: np.ndarray, cap: int, depth: np.ndarray) -> list:
+def _split_own(own: Optional[list[float]], rows: list[int], t0: float) -> None:
+    """Add the ms since ``t0`` to ``own`` (a mixed step's per-row host ms), split evenly among ``rows``."""
+    if own is not None and rows:
+        ms = (time.perf_counter() - t0) * 1000.0 / len(rows)
+        for i in rows:
+            own[i] += ms
+
+
+def _mixed_drafts(rows: list[DecodeRow], native: list, roots: np.ndarray, cap: int, depth: np.ndarray,
+                  own: Optional[list[float]] = None) -> list:
     """Every row's Draft (creation order) where only some rows are native: those from one ``propose_batch``
-    call, the others from their drafters' ``propose``."""
+    call, the others from their drafters' ``propose`` (each call's ms added to ``own``, where given)."""
     from ..drafters.methods import native_tree
     from ..drafters.native import propose_batch
 
     nat = [i for i, n in enumerate(native) if n is not None]
+    t0 = time.perf_counter()
     got = propose_batch([native[i][0] for i in nat], np.fromiter((native[i][1] for i in nat), np.int64, len(nat)),
                         roots[nat], np.full(len(nat), cap, dtype=np.int64), depth[nat])
     drafts: list = [None] * len(rows)
     for j, i in enumerate(nat):
         drafts[i] = native_tree(got, j)
+    _split_own(own, nat, t0)
     for i, r in enumerate(rows):
         if drafts[i] is None:
+            t0 = time.perf_counter()
             drafts[i] = r.drafter.propose(int(roots[i]), capacity=cap, max_depth=int(depth[i]))
+            _split_own(own, [i], t0)
     return drafts
 
 

@@ -133,7 +133,7 @@ def test_rows_of_several_methods_share_one_forward_and_stay_lossless(methods):
 def test_a_mixed_step_is_charged_by_the_measured_cost_of_each_tree():
     """A step whose trees differ in size is split in proportion to ``t(B x size) / B`` (the engine's measured
     verify cost by tree rows); equal trees, or no measured cost, split it evenly."""
-    from racer_batch.engine.batch import step_shares
+    from racer_batch.engine.batch import row_charges, step_shares
 
     curve = {1: 10.0, 4: 12.0, 16: 20.0, 64: 60.0}
     shares = step_shares(np.array([4, 1, 1, 1]), curve)  # t(16) / 4 = 5.0 against t(4) / 4 = 3.0
@@ -158,10 +158,47 @@ def test_a_mixed_step_is_charged_by_the_measured_cost_of_each_tree():
         if len(batch) < 2 or sizes is None or len(sizes) < 2 or not before.get("racer") or sizes[0] == sizes[1]:
             continue
         got = {k: batch._share[k][id(engine.runner)] - before[k][id(engine.runner)] for k in ("racer", "ar")}
-        want = step_shares(sizes, cost)
-        assert got["racer"] / got["ar"] == pytest.approx(want[0] / want[1], rel=1e-9)
+        # the racer row's own drafting host ms first (row_charges), the rest of the step by the measured cost
+        want = row_charges(got["racer"] + got["ar"], engine.stepper.last_own_ms, step_shares(sizes, cost))
+        assert engine.stepper.last_own_ms[1] < engine.stepper.last_own_ms[0]  # AR's root-only draft costs less
+        assert got["racer"] / got["ar"] == pytest.approx(want[0] / want[1], rel=1e-6)
         seen += 1
     assert seen > 0  # some step held a racer tree beside an AR root
+
+
+def test_a_row_whose_drafter_is_slow_on_the_host_pays_for_it_alone(monkeypatch):
+    """A mixed CPU step charges each row its own drafting host time before splitting the rest: a pld row whose
+    propose takes 30 ms is charged those 30 ms, its AR batch-mate none of them."""
+    import time as _time
+
+    from racer_batch.drafters.methods import PldDrafter
+    from racer_batch.engine.batch import row_charges
+
+    assert row_charges(10.0, None, [0.6, 0.4]) == [0.6, 0.4]
+    assert row_charges(10.0, [4.0, 0.0], None) == pytest.approx([0.7, 0.3])
+    assert row_charges(10.0, [12.0, 0.0], None) == pytest.approx([1.0, 0.0])  # own above the wall: own alone
+    slow = PldDrafter.propose
+
+    def propose(self, *a, **kw):
+        _time.sleep(0.03)
+        return slow(self, *a, **kw)
+
+    monkeypatch.setattr(PldDrafter, "propose", propose)
+    engine = Engine(tiny_bundle(seed=1, head_scale=60.0), DecodingConfig(method="pld", capacity=4), streams=2)
+    batch = StreamBatch()
+    for m in ("pld", "ar"):
+        batch.add(m, engine.stream("abcabd the cat and the hat", GenerationParams(max_new_tokens=6),
+                                   state=engine.new_state(m), method=m))
+    before = None
+    while len(batch) == 2:
+        before = {k: dict(v) for k, v in batch._share.items()}
+        batch.step()
+        if len(batch) == 2 and all(before.get(k) for k in ("pld", "ar")):
+            got = {k: batch._share[k][id(engine.runner)] - before[k][id(engine.runner)] for k in ("pld", "ar")}
+            assert engine.stepper.last_own_ms[0] >= 30.0 > 1.0 > engine.stepper.last_own_ms[1]
+            assert got["pld"] - got["ar"] >= 29.0, got
+            return
+    pytest.fail("no step held both rows")
 
 
 def test_an_unknown_or_auto_row_method_is_refused():
