@@ -46,10 +46,6 @@ class PldDrafter:
         self.num_tokens = num_tokens
         self.index = PromptLookupIndex(max_ngram)  # the context and its n-grams (prompt_lookup without a scan)
 
-    @property
-    def context(self) -> list[int]:
-        return self.index.context
-
     def start(self, prompt_ids: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         self.index = PromptLookupIndex(self.max_ngram)
         self.index.extend(prompt_ids)

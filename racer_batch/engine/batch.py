@@ -263,7 +263,7 @@ class StreamBatch:
         cpu = _on_cpu(stepper.runner)
         shares = _shares(stepper)
         if cpu:  # the host work is charged too: each row's own part (a mixed step's drafting) first
-            shares = row_charges(wall, getattr(stepper, "last_own_ms", None), shares)
+            shares = row_charges(wall, stepper.last_own_ms, shares)
         self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if cpu else ms, shares=shares)
         for key in keys:
             self._send(key, None)

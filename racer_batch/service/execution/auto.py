@@ -155,7 +155,7 @@ class MethodChooser:
         self.share = share
         self._clock = clock
         self._read_at: Optional[float] = None
-        self._others: dict[str, dict[str, dict[str, float]]] = {}
+        self._others: dict[str, dict[str, CandidateStats]] = {}  # route -> method -> the other actors' totals
 
     def pick(self, route: str, *, greedy: bool) -> str:
         """The method for the next row of ``route``."""
@@ -164,8 +164,7 @@ class MethodChooser:
         rc = self._route(route)
         if self.share is not None:
             self._refresh()
-            rc.others = {m: CandidateStats.of(c) for m, c in self._others.get(route, {}).items()
-                         if m in rc.stats}
+            rc.others = self._others.get(route, {})
         name = rc.pick(self._prior())
         self._publish(route, name)
         return name
@@ -177,7 +176,7 @@ class MethodChooser:
         for route, rc in self.routes.items():
             shared = self._others.get(route, {})
             for m in self.candidates:
-                total[m] = total[m] + rc.stats[m] + CandidateStats.of(shared.get(m, {}))
+                total[m] = total[m] + rc.stats[m] + shared.get(m, CandidateStats())
         return sorted(self.candidates, key=lambda m: (-total[m].tokens_per_s, self.candidates.index(m)))
 
     def observe(self, route: str, method: str, *, tokens: int, steps: int, busy_ms: float) -> None:
@@ -212,7 +211,9 @@ class MethodChooser:
         now = self._clock()
         if self._read_at is None or now - self._read_at >= SHARE_REFRESH_S:
             self._read_at = now
-            self._others = self.share.others() if self.share is not None else {}
+            shared = self.share.others() if self.share is not None else {}
+            self._others = {route: {m: CandidateStats.of(c) for m, c in per.items() if m in self.candidates}
+                            for route, per in shared.items()}
 
     def _publish(self, route: str, method: str) -> None:
         if self.share is not None:
