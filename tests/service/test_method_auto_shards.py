@@ -127,6 +127,9 @@ def test_redis_evidence_sums_the_others_skips_what_it_cannot_read_and_survives_a
     assert c.others() == {"r": {"pld": {"rows": 5, "tokens": 130, "busy_ms": 65.0}}}
     assert a.others() == {"r": {"pld": {"rows": 3, "tokens": 30, "busy_ms": 15.0}}}
     assert RedisEvidence(queue, "j", "other-spec").others() == {}  # another spec hash reads another hash
+    # first rows are claimed atomically, job-wide, per route and candidate; claims are not evidence
+    assert [a.claim("r", "pld"), b.claim("r", "pld"), c.claim("r", "ar"), c.claim("q", "pld")] == [1, 2, 1, 1]
+    assert c.others() == {"r": {"pld": {"rows": 5, "tokens": 130, "busy_ms": 65.0}}}
     srv = redis_server_factory()
     lost = RedisEvidence(JobQueue.from_url(srv.url, prefix="p:"), "j", "h")
     lost.publish("r", "ar", {"rows": 1})
@@ -134,4 +137,5 @@ def test_redis_evidence_sums_the_others_skips_what_it_cannot_read_and_survives_a
     with caplog.at_level("WARNING"):
         lost.publish("r", "ar", {"rows": 2})
         assert lost.others() == {}
+        assert lost.claim("r", "ar") is None  # cannot tell: the chooser goes by what it has read
     assert sum("not shared" in r.getMessage() for r in caplog.records) == 1  # logged once while it fails

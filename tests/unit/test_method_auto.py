@@ -20,7 +20,7 @@ def _feed(ch: MethodChooser, route: str, n: int, speed: dict[str, float]) -> lis
 
 def test_each_candidate_first_then_the_fastest_with_a_little_exploration():
     ch = MethodChooser(("racer", "pld", "ar"))
-    speed = {"racer": 80.0, "pld": 60.0, "ar": 40.0}
+    speed = {"racer": 80.0, "pld": 75.0, "ar": 78.0}
     first = 3 * EXPLORE_ROWS
     got = _feed(ch, "code", first + 3 * EXPLORE_EVERY, speed)
     assert got[:first] == ["racer"] * EXPLORE_ROWS + ["pld"] * EXPLORE_ROWS + ["ar"] * EXPLORE_ROWS
@@ -32,6 +32,44 @@ def test_each_candidate_first_then_the_fastest_with_a_little_exploration():
     assert ev["choice"] == "racer" and ev["candidates"]["racer"]["tokens_per_s"] == pytest.approx(80.0)
     assert ev["candidates"]["ar"]["mat"] == 2.5
     assert sum(c["rows"] for c in ev["candidates"].values()) == first + 3 * EXPLORE_EVERY
+
+
+def test_a_candidate_measured_far_slower_stops_being_explored():
+    from racer_batch.service.execution.auto import EXPLORE_SPREAD
+
+    # pld within the spread of one row of racer, ar far below it
+    speed = {"racer": 80.0, "pld": 80.0 / (1 + 0.9 * EXPLORE_SPREAD), "ar": 40.0}
+    ch = MethodChooser(("racer", "pld", "ar"))
+    later = _feed(ch, "code", 3 + 8 * EXPLORE_EVERY, speed)[3:]
+    explored = [m for i, m in enumerate(later, start=1) if i % EXPLORE_EVERY == 0]
+    # pld is tried again while its widened rate reaches racer's (the spread narrows as its rows grow), ar never
+    assert explored == ["pld", "racer", "racer", "racer", "racer", "racer", "racer", "racer"]
+    assert ch.routes["code"].stats["ar"].assigned == 1
+    rc = ch.routes["code"]
+    assert rc.may_be_best("pld", "racer") is False and rc.may_be_best("ar", "racer") is False
+    # a candidate with nothing finished (its first row lost with a killed actor) may still be the best
+    rc.stats["ar"] = type(rc.stats["ar"])(assigned=1)
+    assert rc.may_be_best("ar", "racer") is True
+
+
+def test_actors_starting_a_route_at_once_claim_each_first_row_once():
+    claims: dict = {}
+
+    class Claiming(_MemoryShare):
+        def claim(self, route, method):
+            claims[(route, method)] = claims.get((route, method), 0) + 1
+            return claims[(route, method)]
+
+    board: dict = {}
+    a = MethodChooser(("racer", "pld", "ar"), share=Claiming(board, "a"), clock=lambda: 0.0)
+    b = MethodChooser(("racer", "pld", "ar"), share=Claiming(board, "b"), clock=lambda: 0.0)
+    # neither re-reads the board (the clock stands still), so only the claims tell them what the other took
+    picks = [a.pick("r", greedy=True), b.pick("r", greedy=True), a.pick("r", greedy=True),
+             b.pick("r", greedy=True), b.pick("r", greedy=True)]
+    assert picks == ["racer", "pld", "ar", "racer", "racer"]  # b's rows after the first ones go to the prior
+    got = {m: a.routes["r"].stats[m].assigned + b.routes["r"].stats[m].assigned for m in a.candidates}
+    assert got == {"racer": 3, "pld": 1, "ar": 1}  # one first row per candidate, job-wide
+    assert (a.routes["r"].claimed_elsewhere, b.routes["r"].claimed_elsewhere) == ({"pld"}, {"ar"})
 
 
 def test_routes_choose_apart_and_the_choice_follows_the_measurements():

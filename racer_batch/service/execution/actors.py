@@ -60,9 +60,13 @@ class RedisSink:
         return RedisEvidence(self.queue, job_id, spec_hash)
 
 
+CLAIMS = "claims"  # RedisEvidence's field prefix of the first-row counters (never a chooser id: those are hex)
+
+
 class RedisEvidence:
-    """``auto.EvidenceShare`` over Redis: one hash per job and spec hash (``JobQueue.k_evidence``), a field per
-    chooser, route and candidate (``<chooser id>\t<route>\t<method>``) holding that chooser's totals as JSON.
+    """``auto.ClaimingShare`` over Redis: one hash per job and spec hash (``JobQueue.k_evidence``), a field per
+    chooser, route and candidate (``<chooser id>\t<route>\t<method>``) holding that chooser's totals as JSON,
+    and a counter per route and candidate of the first rows given (``claims\t<route>\t<method>``).
     The chooser id is new for every chooser, so a restarted actor never overwrites what its earlier self
     published; a changed spec (another model or config) reads another hash. Best effort: a Redis error is
     logged (once per chooser until it works again) and reads as no evidence from the others."""
@@ -80,7 +84,7 @@ class RedisEvidence:
         out: dict[str, dict[str, dict[str, float]]] = {}
         for field_, value in got.items():
             parts = field_.split("\t")
-            if len(parts) != 3 or parts[0] == self.me:
+            if len(parts) != 3 or parts[0] in (self.me, CLAIMS):
                 continue
             try:
                 counters = json.loads(value)
@@ -91,6 +95,12 @@ class RedisEvidence:
                 if isinstance(v, (int, float)):
                     acc[name] = acc.get(name, 0) + v
         return out
+
+    def claim(self, route: str, method: str) -> Optional[int]:
+        """``auto.ClaimingShare.claim``: HINCRBY of the field ``claims\t<route>\t<method>`` of the same hash (one
+        atomic counter for every actor of the job, deleted with it); None when Redis fails."""
+        got = self._guard(lambda: self.queue.r.hincrby(self.key, f"{CLAIMS}\t{route}\t{method}", 1))
+        return None if got is None else int(got)
 
     def _guard(self, call: Any) -> Any:
         try:

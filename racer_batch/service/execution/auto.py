@@ -6,8 +6,10 @@ The rule, per route and per actor (deterministic for a given order of rows and m
 1. **Try each candidate first**: while a candidate has been given fewer than ``EXPLORE_ROWS`` of the route's
    rows, the next row goes to the first such candidate (in ``auto_methods`` order).
 2. **Then exploit, exploring a little**: every ``EXPLORE_EVERY``-th row of the route goes to the candidate that
-   has had the fewest rows (ties: the earlier in ``auto_methods``) other than the current best; every other
-   row to the best, the candidate with the most output tokens per second of actor time measured so far (its
+   has had the fewest rows (ties: the earlier in ``auto_methods``) among the others that could still be the
+   best: those with no finished row yet, or whose tokens per second times ``1 + EXPLORE_SPREAD / sqrt(rows)``
+   (the spread of an estimate over that many rows) reaches the best's. With none such, that row goes to the
+   best too, so a candidate measured far slower stops costing rows. Every other row goes to the best, the candidate with the most output tokens per second of actor time measured so far (its
    rows' ``busy_ms``: a row's share of the forwards it was in, so rows decoded several per forward are not
    counted whole). Ties, and a route where no row has finished yet (its first rows are all out), go by the
    job's other routes: the candidate with the most tokens per second over every route, then the earlier one.
@@ -16,7 +18,9 @@ The rule, per route and per actor (deterministic for a given order of rows and m
 
 **Evidence shared between actors** (``EvidenceShare``, the service's is ``actors.RedisEvidence``): every actor
 publishes its own totals per route and candidate (rows given, rows finished, tokens, steps, busy ms) as it picks
-and observes, and reads the other actors' totals at most every ``SHARE_REFRESH_S``. Rules 1 and 2 then count
+and observes, and reads the other actors' totals at most every ``SHARE_REFRESH_S``. A share that can also
+``claim`` (Redis: one atomic counter per route and candidate) hands each candidate's first rows of a route to
+one actor only, even when two actors start the route at the same moment. Rules 1 and 2 then count
 rows given and measure tokens per second over the sum of its own totals and the others' (an actor killed
 mid-job leaves its totals behind, so a resumed run starts from them). A route whose rows are split between two
 actors is explored once instead of once per actor. The sum depends on when the others published, so with
@@ -33,9 +37,10 @@ and the report.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from racer_batch.service.results.method_auto import figures
 
@@ -45,6 +50,10 @@ from racer_batch.service.results.method_auto import figures
 # keep it near 15%, and a wrong first pick is still corrected by the rows explored later.
 EXPLORE_ROWS = 1  # rows each candidate gets first, per route
 EXPLORE_EVERY = 16  # after that, one row in this many goes to the least-tried other candidate
+# How far a candidate's tokens/s over one row may sit from its true rate (one-row estimates of the same method on
+# one route vary ~20% on a shared 2-core machine, benchmarks/warm-auto-20261206-000240.md): a candidate whose
+# rate x (1 + EXPLORE_SPREAD / sqrt(rows)) is below the best's is not explored again.
+EXPLORE_SPREAD = 0.3
 SHARE_REFRESH_S = 1.0  # the other actors' evidence is read at most this often (seconds)
 SHARED_COUNTERS = ("assigned", "rows", "tokens", "steps", "busy_ms")  # what an actor publishes per candidate
 
@@ -60,6 +69,14 @@ class EvidenceShare(Protocol):
     def publish(self, route: str, method: str, counters: Mapping[str, float]) -> None: ...
 
     def others(self) -> dict[str, dict[str, dict[str, float]]]: ...
+
+
+class ClaimingShare(EvidenceShare, Protocol):
+    """An ``EvidenceShare`` that also hands out first rows: ``claim(route, method)`` atomically adds one to the
+    job's count of first rows of ``route`` given to ``method`` by any actor and returns the new count (None:
+    could not tell, the chooser then goes by what it has read)."""
+
+    def claim(self, route: str, method: str) -> Optional[int]: ...
 
 
 @dataclass
@@ -110,6 +127,7 @@ class RouteChoice:
     stats: dict[str, CandidateStats] = field(default_factory=dict)
     others: dict[str, CandidateStats] = field(default_factory=dict)
     given: int = 0  # greedy rows given out after every candidate had its first rows
+    claimed_elsewhere: set = field(default_factory=set)  # candidates whose first rows another actor claimed
 
     def __post_init__(self) -> None:
         for name in self.candidates:
@@ -126,16 +144,29 @@ class RouteChoice:
         order = list(prior) if prior is not None else list(self.candidates)
         return max(self.candidates, key=lambda m: (self.seen(m).tokens_per_s, -order.index(m)))
 
-    def pick(self, prior: Optional[Sequence[str]] = None) -> str:
+    def pick(self, prior: Optional[Sequence[str]] = None, claim: Optional[Callable[[str], bool]] = None) -> str:
+        """The next row's candidate. ``prior``: as in :meth:`best`; ``claim(method)``: whether this actor may
+        give ``method`` a first row (False: another actor already did; None: always)."""
         for name in self.candidates:
-            if self.seen(name).assigned < EXPLORE_ROWS:
-                return self._give(name)
+            if name not in self.claimed_elsewhere and self.seen(name).assigned < EXPLORE_ROWS:
+                if claim is None or claim(name):
+                    return self._give(name)
+                self.claimed_elsewhere.add(name)
         self.given += 1
         best = self.best(prior)
-        if self.given % EXPLORE_EVERY == 0 and len(self.candidates) > 1:
-            others = [m for m in self.candidates if m != best]
-            return self._give(min(others, key=lambda m: (self.seen(m).assigned, self.candidates.index(m))))
+        if self.given % EXPLORE_EVERY == 0:
+            others = [m for m in self.candidates if m != best and self.may_be_best(m, best)]
+            if others:
+                return self._give(min(others, key=lambda m: (self.seen(m).assigned, self.candidates.index(m))))
         return self._give(best)
+
+    def may_be_best(self, name: str, best: str) -> bool:
+        """Whether ``name`` could still beat ``best`` (rule 2): no finished row yet, or its tokens per second
+        widened by ``EXPLORE_SPREAD / sqrt(rows)`` reaches ``best``'s."""
+        st = self.seen(name)
+        if st.rows == 0:
+            return True
+        return st.tokens_per_s * (1.0 + EXPLORE_SPREAD / math.sqrt(st.rows)) >= self.seen(best).tokens_per_s
 
     def _give(self, name: str) -> str:
         self.stats[name].assigned += 1
@@ -165,9 +196,17 @@ class MethodChooser:
         if self.share is not None:
             self._refresh()
             rc.others = self._others.get(route, {})
-        name = rc.pick(self._prior())
+        claim = getattr(self.share, "claim", None)
+        name = rc.pick(self._prior(), None if claim is None else lambda m: self._claim(claim, route, m))
         self._publish(route, name)
         return name
+
+    @staticmethod
+    def _claim(claim: Callable[[str, str], Optional[int]], route: str, method: str) -> bool:
+        """Whether this actor gets ``method``'s first row of ``route`` (``ClaimingShare.claim``); yes when the
+        share cannot tell."""
+        got = claim(route, method)
+        return got is None or got <= EXPLORE_ROWS
 
     def _prior(self) -> list[str]:
         """The candidates by tokens per second over every route (own and shared evidence), fastest first; ties
