@@ -9,10 +9,11 @@ The rule, per route and per actor (deterministic for a given order of rows and m
    has had the fewest rows (ties: the earlier in ``auto_methods``) among the others that could still be the
    best: those with no finished row yet, or whose tokens per second times ``1 + EXPLORE_SPREAD / sqrt(rows)``
    (the spread of an estimate over that many rows) reaches the best's. With none such, that row goes to the
-   best too, so a candidate measured far slower stops costing rows. Every other row goes to the best, the candidate with the most output tokens per second of actor time measured so far (its
-   rows' ``busy_ms``: a row's share of the forwards it was in, so rows decoded several per forward are not
-   counted whole). Ties, and a route where no row has finished yet (its first rows are all out), go by the
-   job's other routes: the candidate with the most tokens per second over every route, then the earlier one.
+   best too, so a candidate measured far slower stops costing rows. Every other row goes to the best, the
+   candidate with the most output tokens per second of actor time measured so far (its rows' ``busy_ms``: a
+   row's share of the forwards it was in, so rows decoded several per forward are not counted whole). Ties,
+   and a route where no row has finished yet (its first rows are all out), go by the job's other
+   routes: the candidate with the most tokens per second over every route, then the earlier one.
 3. **Sampled rows** (temperature > 0) always go to the first candidate: two lossless methods give the same
    greedy output, but a sampled row's draws depend on the method, so its text must not depend on measurements.
 
