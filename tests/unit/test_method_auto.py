@@ -184,3 +184,15 @@ def test_a_new_route_with_nothing_measured_yet_leans_on_the_other_routes():
     for m, speed in (("racer", 100.0), ("pld", 10.0), ("ar", 10.0)):
         ch.observe("b", m, tokens=100, steps=40, busy_ms=100_000.0 / speed)
     assert ch.pick("b", greedy=True) == "racer"
+
+
+def test_while_a_first_row_is_out_the_route_goes_by_the_job_ranking_not_by_the_first_to_finish():
+    ch = MethodChooser(("racer", "pld", "ar"))
+    _feed(ch, "a", 3, {"racer": 20.0, "pld": 30.0, "ar": 90.0})  # the job so far: ar fastest
+    assert [ch.pick("b", greedy=True) for _ in range(3)] == ["racer", "pld", "ar"]
+    ch.observe("b", "racer", tokens=100, steps=40, busy_ms=1000.0)  # racer's first row ends first, fast
+    # pld's and ar's first rows are still out: the route's own figures would say racer (the others read 0)
+    assert [ch.pick("b", greedy=True) for _ in range(3)] == ["ar", "ar", "ar"]
+    for m in ("pld", "ar"):
+        ch.observe("b", m, tokens=100, steps=40, busy_ms=10_000.0)
+    assert ch.pick("b", greedy=True) == "racer"  # every candidate measured here: the route's own figures decide

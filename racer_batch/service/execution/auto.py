@@ -12,8 +12,10 @@ The rule, per route and per actor (deterministic for a given order of rows and m
    best too, so a candidate measured far slower stops costing rows. Every other row goes to the best, the
    candidate with the most output tokens per second of actor time measured so far (its rows' ``busy_ms``: a
    row's share of the forwards it was in, so rows decoded several per forward are not counted whole). Ties,
-   and a route where no row has finished yet (its first rows are all out), go by the job's other
-   routes: the candidate with the most tokens per second over every route, then the earlier one.
+   and a route where some candidate has no finished row yet (its first row is still out), go by the job's
+   ranking: the candidate with the most tokens per second over every route, then the earlier one. (Going by
+   the route's own figures then sent the next rows to whichever first row ended first: 10 of a 60-row route's
+   rows to the slower candidates, benchmarks/warm-auto-20261206-031131.md.)
 3. **Sampled rows** (temperature > 0) always go to the first candidate: two lossless methods give the same
    greedy output, but a sampled row's draws depend on the method, so its text must not depend on measurements.
 
@@ -154,7 +156,10 @@ class RouteChoice:
                     return self._give(name)
                 self.claimed_elsewhere.add(name)
         self.given += 1
-        best = self.best(prior)
+        # until every candidate has a finished row here, the route's own figures favour whichever first row ended
+        # first (the others read 0): go by the job's ranking instead
+        measured = all(self.seen(m).rows > 0 for m in self.candidates)
+        best = self.best(prior) if measured else (list(prior) if prior is not None else self.candidates)[0]
         if self.given % EXPLORE_EVERY == 0:
             others = [m for m in self.candidates if m != best and self.may_be_best(m, best)]
             if others:
