@@ -303,29 +303,43 @@ def _shares(stepper: Any) -> Optional[list[float]]:
     (method auto's engine): nothing is added to any other engine's step."""
     cost = getattr(stepper.engine, "step_cost", None)
     cu = getattr(stepper, "last_cu", None)
-    return step_shares(np.diff(cu), cost) if cost and cu is not None else None
+    if not cost or cu is None:
+        return None
+    return step_shares(np.diff(cu), cost, contexts=getattr(stepper, "last_starts", None),
+                       long=getattr(stepper.engine, "step_cost_long", None))
 
 
-def step_shares(sizes: Any, step_cost: Optional[dict]) -> Optional[list[float]]:
+def step_shares(sizes: Any, step_cost: Optional[dict], *, contexts: Any = None,
+                long: Optional[tuple[int, dict]] = None) -> Optional[list[float]]:
     """Each stream's share of a batched step whose trees differ in size (method auto's candidates in one
-    forward): stream ``i`` weighs ``t(B x sizes[i]) / B``, what a stream costs per step where all B streams of the
-    step have trees of its size, ``t`` the engine's measured verify cost by tree rows (``step_cost``,
-    ``Engine.measure_step_cost``; ``capacity.cost_at`` between and past the measured sizes), and the step is split
-    in proportion. So a stream's tokens per charged second compare methods as whole batches of each would run at
-    the same B. None (an equal share) where every tree has the same size or no cost was measured.
+    forward): stream ``i`` weighs ``t(B x sizes[i], contexts[i]) / B``, what a stream costs per step where all B
+    streams of the step have trees of its size after as many cached tokens as it has, ``t`` the engine's measured
+    verify cost by tree rows (``step_cost``, ``Engine.measure_step_cost``; ``capacity.cost_at`` between and past
+    the measured sizes), moved toward its curve at a long context (``long``: ``(tokens, {rows: ms})``,
+    ``capacity.cost_at_context``) by each stream's committed length ``contexts [B]``; and the step is split in
+    proportion. So a stream's tokens per charged second compare methods as whole batches of each would run at
+    the same B. None (an equal share) where every tree has the same size or no cost was measured. (Without the
+    context, a tree row's attention over a long prompt was charged at a 256-token price: on RAG rows method
+    auto measured its AR rows at 0.74x of fixed AR and its tree rows above their fixed figures,
+    benchmarks/warm-auto-20261206-040531.md.)
 
     >>> [round(x, 3) for x in step_shares([4, 1], {1: 10.0, 2: 11.0, 8: 16.0})]  # t(8) / 2 : t(2) / 2
     [0.593, 0.407]
+    >>> [round(x, 3) for x in step_shares([4, 1], {1: 10.0, 2: 11.0, 8: 16.0}, contexts=[1024, 1024],
+    ...                                   long=(1024, {1: 10.5, 2: 11.5, 8: 24.0}))]  # t(8, 1024) / 2 : ...
+    [0.676, 0.324]
     """
     if sizes is None or not step_cost or len(sizes) < 2:
         return None
     sz = [int(x) for x in sizes]
     if min(sz) == max(sz):
         return None
-    from racer_batch.engine.capacity import cost_at
+    from racer_batch.engine.capacity import cost_at_context
 
     b = len(sz)
-    w = [cost_at(step_cost, b * x) / b for x in sz]
+    ctx = [0.0] * b if contexts is None else [float(c) for c in contexts]
+    use = long if contexts is not None else None
+    w = [cost_at_context(step_cost, b * x, c, use) / b for x, c in zip(sz, ctx)]
     total = sum(w)
     return [x / total for x in w] if total > 0 else None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -27,8 +27,32 @@ from .tree import flatten_tree
 log = logging.getLogger(__name__)
 
 
+COST_CONTEXT = 256  # cached tokens before the measured verify forwards (measure_cost_curve's default)
+# a second context for method auto's step split (Engine.measure_step_cost): near the long prompts of RAG and
+# summarization rows, without growing the KV buffer of a short-prompt job far past what its rows need
+LONG_COST_CONTEXT = 1024
+
+
+def cost_at_context(cost_ms: dict[int, float], rows: int, context: float,
+                    long: Optional[tuple[int, dict[int, float]]] = None) -> float:
+    """Verify ms of a forward over ``rows`` tree rows after ``context`` cached tokens: ``cost_at`` of the curve
+    measured after ``COST_CONTEXT`` tokens, moved along the straight line to the curve measured after ``long[0]``
+    tokens (``long[1]``; the attention's cost grows linearly with the context), never below half the short
+    curve's figure. Without ``long``: ``cost_at(cost_ms, rows)``.
+
+    >>> cost_at_context({4: 10.0}, 4, 640, (1024, {4: 14.0}))  # half-way from 256 to 1024 tokens
+    12.0
+    """
+    short = cost_at(cost_ms, rows)
+    if long is None:
+        return short
+    c2, curve2 = long
+    slope = (cost_at(curve2, rows) - short) / max(c2 - COST_CONTEXT, 1)
+    return max(short + slope * (float(context) - COST_CONTEXT), 0.5 * short)
+
+
 @torch.inference_mode()
-def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: int = 256,
+def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: int = COST_CONTEXT,
                        repeats: int = 5) -> dict[int, float]:
     """Median milliseconds of one verify forward over T tree tokens after ``context_tokens`` cached ones, on
     the runner the engine actually uses (eager or static, padding and compiled steps included), up to and

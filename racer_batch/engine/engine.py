@@ -27,7 +27,7 @@ from ..values import (
     StepRecord,
 )
 from .batch import Decode, Prefill, drive
-from .capacity import CapacityTuner, cost_at, measure_cost_curve
+from .capacity import COST_CONTEXT, LONG_COST_CONTEXT, CapacityTuner, cost_at, measure_cost_curve
 from .kv_cache import trim_heap
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
@@ -149,6 +149,8 @@ class Engine:
         self._stream_cost: dict[int, float] | None = None  # choose_streams' cost curve (fixed capacity)
         self._in_flight = 0  # streams of this engine started and not ended (a StreamBatch runs several)
         self.step_cost: dict[int, float] | None = None  # measure_step_cost: {tree rows: verify ms}
+        # measure_step_cost at a long context: (context tokens, {tree rows: verify ms}); None where not measured
+        self.step_cost_long: tuple[int, dict[int, float]] | None = None
         self.tuner: CapacityTuner | None = None
         self.drafts = get_method(self.config.method).drafts
         sizes = self._tree_sizes()
@@ -208,20 +210,28 @@ class Engine:
         return max(choices, key=lambda b: b / cost_at(self._stream_cost, b * cap))
 
     def measure_step_cost(self) -> dict[int, float]:
-        """``{rows: ms}`` of one verify forward over that many tree rows, measured once (``measure_cost_curve``
-        at 1, 2, 4, ... up to twice ``streams`` x capacity, with ``capacity: auto``'s own curve merged in) and
-        kept in ``step_cost``. A ``StreamBatch`` splits a step whose trees differ in size by it
-        (``batch.step_shares``); call it before rows are in flight (it verifies over a scratch slot)."""
+        """``{rows: ms}`` of one verify forward over that many tree rows after ``COST_CONTEXT`` cached tokens,
+        measured once (``measure_cost_curve`` at 1, 2, 4, ... up to twice ``streams`` x capacity, with ``capacity:
+        auto``'s own curve merged in) and kept in ``step_cost``; the same sizes after ``LONG_COST_CONTEXT`` tokens
+        (less where the model's context is shorter; skipped below twice ``COST_CONTEXT``) in ``step_cost_long``.
+        A ``StreamBatch`` splits a step whose trees differ in size by them (``batch.step_shares``: a tree row's
+        attention over a long context costs more than the short curve says); call it before rows are in flight
+        (it verifies over a scratch slot)."""
         if self.step_cost is None:
             cap = max(1, self._capacity(1) if self.tuner is None else max(self.tuner.candidates))
             top = max(2, 2 * self.streams * cap)
             sizes = sorted({1 << i for i in range(top.bit_length()) if (1 << i) <= top} | {top})
-            curve = dict(measure_cost_curve(self.runner, sizes))
+            curve = dict(measure_cost_curve(self.runner, sizes, context_tokens=COST_CONTEXT))
             for rows, ms in (getattr(self, "cost_curve_ms", None) or {}).items():
                 curve.setdefault(rows, ms)
             self.step_cost = curve
-            log.info("verify cost per forward (ms by tree rows): %s",
-                     {r: round(ms, 2) for r, ms in sorted(curve.items())})
+            long = min(LONG_COST_CONTEXT, int(self.bundle.context_length) - top - 1)
+            if long >= 2 * COST_CONTEXT:
+                self.step_cost_long = (long, dict(measure_cost_curve(self.runner, sizes, context_tokens=long)))
+            log.info("verify cost per forward (ms by tree rows): %s; after %s tokens: %s",
+                     {r: round(ms, 2) for r, ms in sorted(curve.items())},
+                     self.step_cost_long and self.step_cost_long[0],
+                     self.step_cost_long and {r: round(ms, 2) for r, ms in sorted(self.step_cost_long[1].items())})
         return self.step_cost
 
     # ---- state lifecycle (docs/method.md section 7) ----

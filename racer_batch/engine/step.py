@@ -209,6 +209,7 @@ class Stepper:
         self.committing = False  # the running step has begun committing tokens (no retry past this point)
         self.last_rows = 0  # tree rows of the last step's forward
         self.last_cu: Optional[np.ndarray] = None  # [B + 1] the last step's tree row offsets (its trees' sizes)
+        self.last_starts: Optional[np.ndarray] = None  # [B] the last step's committed lengths (its contexts)
         self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
         # host ms of the last step that belong to one row alone ([B]: its drafter's own propose and update; a
         # native call over several rows split evenly among them), where some row drafts in Python (kinds mixed
@@ -242,6 +243,7 @@ class Stepper:
         clock.lap("flatten")
         self.last_rows = flat.rows
         self.last_cu = flat.cu
+        self.last_starts = flat.starts
         t0 = time.perf_counter()
         logits = self.runner.verify_flat(flat)  # [R, V]
         t1 = time.perf_counter()

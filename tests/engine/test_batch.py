@@ -133,7 +133,7 @@ def test_rows_of_several_methods_share_one_forward_and_stay_lossless(methods):
 def test_a_mixed_step_is_charged_by_the_measured_cost_of_each_tree():
     """A step whose trees differ in size is split in proportion to ``t(B x size) / B`` (the engine's measured
     verify cost by tree rows); equal trees, or no measured cost, split it evenly."""
-    from racer_batch.engine.batch import row_charges, step_shares
+    from racer_batch.engine.batch import step_shares
 
     curve = {1: 10.0, 4: 12.0, 16: 20.0, 64: 60.0}
     shares = step_shares(np.array([4, 1, 1, 1]), curve)  # t(16) / 4 = 5.0 against t(4) / 4 = 3.0
@@ -145,6 +145,38 @@ def test_a_mixed_step_is_charged_by_the_measured_cost_of_each_tree():
     cost = engine.measure_step_cost()
     assert {1, 2, 4, 8, 16, 32} <= set(cost) and all(ms > 0 for ms in cost.values())
     assert engine.measure_step_cost() is cost  # measured once
+    assert engine.step_cost_long is None  # a 512-token model: no room for a long context past 2 x 256
+    _run_mixed_and_check_charges(engine)
+
+
+def test_a_mixed_step_charges_a_tree_for_its_attention_over_a_long_context(monkeypatch):
+    """With a curve measured at a second, longer context, each stream's weight moves along the line between
+    the two curves by its own committed length (``capacity.cost_at_context``)."""
+    import racer_batch.engine.capacity as capacity
+    import racer_batch.engine.engine as engine_mod
+    from racer_batch.engine.batch import step_shares
+
+    for mod in (capacity, engine_mod):
+        monkeypatch.setattr(mod, "COST_CONTEXT", 64)
+    monkeypatch.setattr(engine_mod, "LONG_COST_CONTEXT", 256)
+    engine = Engine(tiny_bundle(seed=1, head_scale=60.0), DecodingConfig(method="racer", capacity=8), streams=2)
+    cost = engine.measure_step_cost()
+    long, curve = engine.step_cost_long
+    assert long == 256 and set(curve) == set(cost) and all(ms > 0 for ms in curve.values())
+    # a made-up pair of curves: the long context doubles a 16-row forward, so the longer stream weighs more
+    fake = (256, {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0, 16: 4.0})
+    short = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 2.0}
+    near, far = (step_shares([8, 1], short, contexts=[c, c], long=fake)[0] for c in (64, 256))
+    assert step_shares([8, 1], short)[0] == pytest.approx(near) and far > near
+    _run_mixed_and_check_charges(engine)
+
+
+def _run_mixed_and_check_charges(engine) -> None:
+    """A racer row beside an AR row on ``engine``: every step where their trees differ splits as ``row_charges``
+    over ``step_shares`` of the engine's measured cost (at each row's own context where a long curve exists)."""
+    from racer_batch.engine.batch import row_charges, step_shares
+
+    cost = engine.step_cost
     batch = StreamBatch()
     batch.add("racer", engine.stream("abcabd the cat and the hat abcabd the", GenerationParams(max_new_tokens=30),
                                      state=engine.new_state("racer"), method="racer"))
@@ -159,7 +191,8 @@ def test_a_mixed_step_is_charged_by_the_measured_cost_of_each_tree():
             continue
         got = {k: batch._share[k][id(engine.runner)] - before[k][id(engine.runner)] for k in ("racer", "ar")}
         # the racer row's own drafting host ms first (row_charges), the rest of the step by the measured cost
-        want = row_charges(got["racer"] + got["ar"], engine.stepper.last_own_ms, step_shares(sizes, cost))
+        want = row_charges(got["racer"] + got["ar"], engine.stepper.last_own_ms,
+                           step_shares(sizes, cost, contexts=engine.stepper.last_starts, long=engine.step_cost_long))
         assert engine.stepper.last_own_ms[1] < engine.stepper.last_own_ms[0]  # AR's root-only draft costs less
         assert got["racer"] / got["ar"] == pytest.approx(want[0] / want[1], rel=1e-6)
         seen += 1
