@@ -287,6 +287,10 @@ class KVCache:
         after its ``starts[b]`` committed rows. Every moved row of every stream (node ``!= i``) goes in one gather
         and one scatter over all layers, keys and values; the gather reads every source before any row is
         written, as ascending copies one by one would (a source ``node >= i`` is never an earlier destination)."""
+        if len(paths) == len(caches):  # every stream kept its root alone (AR, or no draft node accepted)
+            for cache, start in zip(caches, np.asarray(starts).tolist()):
+                cache.length = start + 1
+            return
         starts = np.asarray(starts, dtype=np.int64)
         paths = np.asarray(paths, dtype=np.int64)
         cu = np.asarray(cu_paths, dtype=np.int64)

@@ -361,15 +361,15 @@ class Stepper:
     def _stops(rows, flat, nodes, cu_paths, bonus) -> tuple[list[list[int]], np.ndarray]:
         """Each row's block (accepted draft tokens, then the bonus) through its stop rules; returns the blocks
         and how many of each were emitted."""
-        base = np.repeat(flat.cu[:-1], np.diff(cu_paths))
-        drafted = flat.tokens[nodes + base].tolist()
         bonus_l = bonus.tolist()
-        cu = cu_paths.tolist()
+        roots_only = len(nodes) == len(rows)  # no draft node accepted anywhere: each block is the bonus alone
+        if not roots_only:
+            drafted = flat.tokens[nodes + np.repeat(flat.cu[:-1], np.diff(cu_paths))].tolist()
+            cu = cu_paths.tolist()
         blocks: list[list[int]] = []
         emitted = np.zeros(len(rows), dtype=np.int64)
         for i, r in enumerate(rows):
-            block = drafted[cu[i] + 1: cu[i + 1]]
-            block.append(bonus_l[i])
+            block = [bonus_l[i]] if roots_only else drafted[cu[i] + 1: cu[i + 1]] + [bonus_l[i]]
             n = r.stops.push_many(block)
             if r.stops.finish is not None:
                 r.done, r.finish = True, r.stops.finish

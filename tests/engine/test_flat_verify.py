@@ -301,6 +301,10 @@ def test_keep_rows_kernel_moves_the_rows_torch_indexing_moves(dtype):
     assert torch.equal(pk.kv[:, :, s0, :, 6], before[:, :, s0, :, 7]) and not torch.equal(pk.kv, before)
     assert torch.equal(pk.kv, pt.kv)
     assert [c.length for c in ck] == [c.length for c in ct] == [9, 3, 19, 35]
+    # every stream keeping its root alone (AR's steps) moves nothing and adds one committed row each
+    after = pk.kv.clone()
+    pk.keep_rows_batch(ck, np.array([9, 3, 19, 35]), np.zeros(4, dtype=np.int64), np.arange(5))
+    assert torch.equal(pk.kv, after) and [c.length for c in ck] == [10, 4, 20, 36]
     with pytest.raises(RuntimeError, match="out of range"), torch.inference_mode():
         ops.keep_rows_(pk.kv, torch.tensor([0]), torch.tensor([pk.max_len]), torch.tensor([0]))
 
