@@ -196,3 +196,25 @@ def test_while_a_first_row_is_out_the_route_goes_by_the_job_ranking_not_by_the_f
     for m in ("pld", "ar"):
         ch.observe("b", m, tokens=100, steps=40, busy_ms=10_000.0)
     assert ch.pick("b", greedy=True) == "racer"  # every candidate measured here: the route's own figures decide
+
+
+def test_rows_are_compared_as_if_at_one_context_and_reported_as_measured():
+    ch = MethodChooser(("ar", "pld"))
+    assert [ch.pick("r", greedy=True) for _ in range(2)] == ["ar", "pld"]
+    # ar's row had a long prompt (a forward there costs 1.25x one at the reference context), pld's a short one
+    ch.observe("r", "ar", tokens=100, steps=100, busy_ms=1000.0, scale=0.8)
+    ch.observe("r", "pld", tokens=100, steps=60, busy_ms=900.0)
+    assert ch.pick("r", greedy=True) == "ar"  # 125 tokens/s at one context against pld's 111; raw 100 vs 111
+    ev = ch.evidence()["r"]
+    assert ev["candidates"]["ar"]["tokens_per_s"] == pytest.approx(100.0)  # the report keeps the measured figure
+    assert ch.routes["r"].stats["ar"].counters()["adj_ms"] == pytest.approx(800.0)
+
+
+def test_the_context_scale_follows_the_two_measured_curves():
+    from racer_batch.service.execution.auto import context_scale
+
+    short, long = {4: 10.0, 8: 12.0}, (1024, {4: 14.0, 8: 20.0})
+    assert context_scale(short, None, 4, 2000) == 1.0  # no long curve: nothing scaled
+    assert context_scale(short, long, 4, 256) == pytest.approx(1.0)
+    assert context_scale(short, long, 4, 1024) == pytest.approx(10.0 / 14.0)
+    assert context_scale(short, long, 4, 2048) < context_scale(short, long, 4, 1024) < 1.0

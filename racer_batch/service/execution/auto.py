@@ -58,7 +58,7 @@ EXPLORE_EVERY = 16  # after that, one row in this many goes to the least-tried o
 # rate x (1 + EXPLORE_SPREAD / sqrt(rows)) is below the best's is not explored again.
 EXPLORE_SPREAD = 0.3
 SHARE_REFRESH_S = 1.0  # the other actors' evidence is read at most this often (seconds)
-SHARED_COUNTERS = ("assigned", "rows", "tokens", "steps", "busy_ms")  # what an actor publishes per candidate
+SHARED_COUNTERS = ("assigned", "rows", "tokens", "steps", "busy_ms", "adj_ms")  # what an actor publishes per candidate
 
 
 class EvidenceShare(Protocol):
@@ -92,10 +92,18 @@ class CandidateStats:
     tokens: int = 0
     steps: int = 0
     busy_ms: float = 0.0
+    adj_ms: float = 0.0  # busy_ms, each row's scaled to the reference context (context_scale)
 
     @property
     def tokens_per_s(self) -> float:
         return 1000.0 * self.tokens / self.busy_ms if self.busy_ms > 0 else 0.0
+
+    @property
+    def rate(self) -> float:
+        """What the rule compares: tokens per second of ``adj_ms`` (as if every row had the same context), or
+        of ``busy_ms`` where nothing was scaled."""
+        ms = self.adj_ms if self.adj_ms > 0 else self.busy_ms
+        return 1000.0 * self.tokens / ms if ms > 0 else 0.0
 
     def to_dict(self, since: Optional["CandidateStats"] = None) -> dict:
         """Its figures (``results.method_auto.figures``), or those of what it measured after ``since``."""
@@ -114,11 +122,12 @@ class CandidateStats:
         """From ``SHARED_COUNTERS`` (missing ones 0)."""
         return cls(assigned=int(counters.get("assigned", 0)), rows=int(counters.get("rows", 0)),
                    tokens=int(counters.get("tokens", 0)), steps=int(counters.get("steps", 0)),
-                   busy_ms=float(counters.get("busy_ms", 0.0)))
+                   busy_ms=float(counters.get("busy_ms", 0.0)),
+                   adj_ms=float(counters.get("adj_ms", counters.get("busy_ms", 0.0))))
 
     def __add__(self, other: "CandidateStats") -> "CandidateStats":
         return CandidateStats(self.assigned + other.assigned, self.rows + other.rows, self.tokens + other.tokens,
-                              self.steps + other.steps, self.busy_ms + other.busy_ms)
+                              self.steps + other.steps, self.busy_ms + other.busy_ms, self.adj_ms + other.adj_ms)
 
 
 @dataclass
@@ -145,7 +154,7 @@ class RouteChoice:
         """The candidate with the most tokens per second so far; ties (nothing measured) go to the earlier in
         ``prior`` (default: the candidates' order)."""
         order = list(prior) if prior is not None else list(self.candidates)
-        return max(self.candidates, key=lambda m: (self.seen(m).tokens_per_s, -order.index(m)))
+        return max(self.candidates, key=lambda m: (self.seen(m).rate, -order.index(m)))
 
     def pick(self, prior: Optional[Sequence[str]] = None, claim: Optional[Callable[[str], bool]] = None) -> str:
         """The next row's candidate. ``prior``: as in :meth:`best`; ``claim(method)``: whether this actor may
@@ -172,7 +181,7 @@ class RouteChoice:
         st = self.seen(name)
         if st.rows == 0:
             return True
-        return st.tokens_per_s * (1.0 + EXPLORE_SPREAD / math.sqrt(st.rows)) >= self.seen(best).tokens_per_s
+        return st.rate * (1.0 + EXPLORE_SPREAD / math.sqrt(st.rows)) >= self.seen(best).rate
 
     def _give(self, name: str) -> str:
         self.stats[name].assigned += 1
@@ -222,16 +231,19 @@ class MethodChooser:
             shared = self._others.get(route, {})
             for m in self.candidates:
                 total[m] = total[m] + rc.stats[m] + shared.get(m, CandidateStats())
-        return sorted(self.candidates, key=lambda m: (-total[m].tokens_per_s, self.candidates.index(m)))
+        return sorted(self.candidates, key=lambda m: (-total[m].rate, self.candidates.index(m)))
 
-    def observe(self, route: str, method: str, *, tokens: int, steps: int, busy_ms: float) -> None:
+    def observe(self, route: str, method: str, *, tokens: int, steps: int, busy_ms: float,
+                scale: float = 1.0) -> None:
         """A row of ``route`` answered by ``method`` ended: ``tokens`` output tokens in ``steps`` target forwards
-        and ``busy_ms`` of actor time."""
+        and ``busy_ms`` of actor time; ``scale``: what a forward at the reference context costs over one at the
+        row's (``context_scale``; 1: not scaled), applied to ``busy_ms`` for the rule's comparisons."""
         st = self._route(route).stats[method]
         st.rows += 1
         st.tokens += int(tokens)
         st.steps += int(steps)
         st.busy_ms += float(busy_ms)
+        st.adj_ms += float(busy_ms) * float(scale)
         self._publish(route, method)
 
     def evidence(self, since: Optional[dict] = None) -> dict[str, Any]:
@@ -268,3 +280,24 @@ class MethodChooser:
         if route not in self.routes:
             self.routes[route] = RouteChoice(self.candidates)
         return self.routes[route]
+
+
+def context_scale(step_cost: Optional[dict], long: Optional[tuple], streams: int, context: float) -> float:
+    """What a step of ``streams`` one-token rows costs after ``COST_CONTEXT`` cached tokens over one after
+    ``context`` (the engine's measured curves, ``capacity.cost_at_context``); 1.0 without a long curve.
+
+    A route's rows differ in prompt length (summarization: 190-1,300 tokens), so one row's tokens per second
+    differs from another's by up to ~1.3x whatever the method; a candidate whose first rows had short prompts
+    looked fast (benchmarks/warm-auto-20261206-043624.md). Scaling each row's actor time to one context compares
+    candidates as if on the same rows; the reported figures stay unscaled.
+
+    >>> round(context_scale({4: 10.0}, (1024, {4: 14.0}), 4, 640), 3)  # 10 ms at 256 tokens, 12 at 640
+    0.833
+    """
+    if not step_cost or long is None:
+        return 1.0
+    from racer_batch.engine.capacity import COST_CONTEXT, cost_at_context
+
+    b = max(1, int(streams))
+    here = cost_at_context(step_cost, b, float(context), long)
+    return cost_at_context(step_cost, b, COST_CONTEXT, long) / here if here > 0 else 1.0

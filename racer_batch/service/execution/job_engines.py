@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from racer_batch.drafters.registry import get_method
-from racer_batch.service.execution.auto import MethodChooser
+from racer_batch.service.execution.auto import MethodChooser, context_scale
 from racer_batch.service.execution.warm import WarmStates
 from racer_batch.values import AUTO_METHOD, DecodingConfig
 
@@ -75,8 +75,11 @@ class ShardEngines:
     def observe(self, route: str, method: str, record: Any, *, greedy: bool) -> None:
         """A row ended: method auto learns from a finished greedy row's tokens, steps and actor time."""
         if self.auto and greedy and record.status == "ok":
-            self.chooser.observe(route, method, tokens=record.output_tokens or 0, steps=record.steps or 0,
-                                 busy_ms=record.busy_ms)
+            tokens = record.output_tokens or 0
+            scale = context_scale(getattr(self.first, "step_cost", None), getattr(self.first, "step_cost_long", None),
+                                  getattr(self.first, "streams", 1), (record.prompt_tokens or 0) + tokens / 2)
+            self.chooser.observe(route, method, tokens=tokens, steps=record.steps or 0, busy_ms=record.busy_ms,
+                                 scale=scale)
 
     def warm_commits(self) -> int:
         """Commits in the states the shard started from (the most among the candidates; 0: all cold)."""
