@@ -51,6 +51,27 @@ def cost_at_context(cost_ms: dict[int, float], rows: int, context: float,
     return max(short + slope * (float(context) - COST_CONTEXT), 0.5 * short)
 
 
+def context_scale(step_cost: Optional[dict[int, float]], long: Optional[tuple[int, dict[int, float]]], streams: int,
+                  context: float) -> float:
+    """What a step of ``streams`` one-token rows costs after ``COST_CONTEXT`` cached tokens over one after
+    ``context`` (the engine's measured curves, ``cost_at_context``;
+    ``Engine.context_scale`` reads its own); 1.0 without a long curve.
+
+    A route's rows differ in prompt length (summarization: 190-1,300 tokens), so one row's tokens per second
+    differs from another's by up to ~1.3x whatever the method; a candidate whose first rows had short prompts
+    looked fast (benchmarks/warm-auto-20261206-043624.md). Scaling each row's actor time to one context compares
+    candidates as if on the same rows; the reported figures stay unscaled.
+
+    >>> round(context_scale({4: 10.0}, (1024, {4: 14.0}), 4, 640), 3)  # 10 ms at 256 tokens, 12 at 640
+    0.833
+    """
+    if not step_cost or long is None:
+        return 1.0
+    b = max(1, int(streams))
+    here = cost_at_context(step_cost, b, float(context), long)
+    return cost_at_context(step_cost, b, COST_CONTEXT, long) / here if here > 0 else 1.0
+
+
 @torch.inference_mode()
 def measure_cost_curve(runner: Any, capacities: list[int], *, context_tokens: int = COST_CONTEXT,
                        repeats: int = 5) -> dict[int, float]:

@@ -27,7 +27,7 @@ from ..values import (
     StepRecord,
 )
 from .batch import Decode, Prefill, drive
-from .capacity import COST_CONTEXT, LONG_COST_CONTEXT, CapacityTuner, cost_at, measure_cost_curve
+from .capacity import COST_CONTEXT, LONG_COST_CONTEXT, CapacityTuner, context_scale, cost_at, measure_cost_curve
 from .kv_cache import trim_heap
 from .runner import make_runner
 from .sampling import draw, make_generator, processed_probs
@@ -233,6 +233,11 @@ class Engine:
                      self.step_cost_long and self.step_cost_long[0],
                      self.step_cost_long and {r: round(ms, 2) for r, ms in sorted(self.step_cost_long[1].items())})
         return self.step_cost
+
+    def context_scale(self, context: float) -> float:
+        """``capacity.context_scale`` over this engine's measured step costs and streams: what a step costs after
+        ``COST_CONTEXT`` tokens over one after ``context`` (1.0 until ``measure_step_cost`` measured both curves)."""
+        return context_scale(self.step_cost, self.step_cost_long, self.streams, context)
 
     # ---- state lifecycle (docs/method.md section 7) ----
     def new_state(self, method: str | None = None) -> DraftState:

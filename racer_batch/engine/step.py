@@ -369,7 +369,8 @@ class Stepper:
         blocks: list[list[int]] = []
         emitted = np.zeros(len(rows), dtype=np.int64)
         for i, r in enumerate(rows):
-            block = [bonus_l[i]] if roots_only else drafted[cu[i] + 1: cu[i + 1]] + [bonus_l[i]]
+            block = [] if roots_only else drafted[cu[i] + 1: cu[i + 1]]
+            block.append(bonus_l[i])
             n = r.stops.push_many(block)
             if r.stops.finish is not None:
                 r.done, r.finish = True, r.stops.finish

@@ -211,7 +211,7 @@ def test_rows_are_compared_as_if_at_one_context_and_reported_as_measured():
 
 
 def test_the_context_scale_follows_the_two_measured_curves():
-    from racer_batch.service.execution.auto import context_scale
+    from racer_batch.engine.capacity import context_scale
 
     short, long = {4: 10.0, 8: 12.0}, (1024, {4: 14.0, 8: 20.0})
     assert context_scale(short, None, 4, 2000) == 1.0  # no long curve: nothing scaled

@@ -92,7 +92,7 @@ class CandidateStats:
     tokens: int = 0
     steps: int = 0
     busy_ms: float = 0.0
-    adj_ms: float = 0.0  # busy_ms, each row's scaled to the reference context (context_scale)
+    adj_ms: float = 0.0  # busy_ms, each row's scaled to the reference context (capacity.context_scale)
 
     @property
     def tokens_per_s(self) -> float:
@@ -237,7 +237,7 @@ class MethodChooser:
                 scale: float = 1.0) -> None:
         """A row of ``route`` answered by ``method`` ended: ``tokens`` output tokens in ``steps`` target forwards
         and ``busy_ms`` of actor time; ``scale``: what a forward at the reference context costs over one at the
-        row's (``context_scale``; 1: not scaled), applied to ``busy_ms`` for the rule's comparisons."""
+        row's (``capacity.context_scale``; 1: not scaled), applied to ``busy_ms`` for the rule's comparisons."""
         st = self._route(route).stats[method]
         st.rows += 1
         st.tokens += int(tokens)
@@ -281,23 +281,3 @@ class MethodChooser:
             self.routes[route] = RouteChoice(self.candidates)
         return self.routes[route]
 
-
-def context_scale(step_cost: Optional[dict], long: Optional[tuple], streams: int, context: float) -> float:
-    """What a step of ``streams`` one-token rows costs after ``COST_CONTEXT`` cached tokens over one after
-    ``context`` (the engine's measured curves, ``capacity.cost_at_context``); 1.0 without a long curve.
-
-    A route's rows differ in prompt length (summarization: 190-1,300 tokens), so one row's tokens per second
-    differs from another's by up to ~1.3x whatever the method; a candidate whose first rows had short prompts
-    looked fast (benchmarks/warm-auto-20261206-043624.md). Scaling each row's actor time to one context compares
-    candidates as if on the same rows; the reported figures stay unscaled.
-
-    >>> round(context_scale({4: 10.0}, (1024, {4: 14.0}), 4, 640), 3)  # 10 ms at 256 tokens, 12 at 640
-    0.833
-    """
-    if not step_cost or long is None:
-        return 1.0
-    from racer_batch.engine.capacity import COST_CONTEXT, cost_at_context
-
-    b = max(1, int(streams))
-    here = cost_at_context(step_cost, b, float(context), long)
-    return cost_at_context(step_cost, b, COST_CONTEXT, long) / here if here > 0 else 1.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from racer_batch.drafters.registry import get_method
-from racer_batch.service.execution.auto import MethodChooser, context_scale
+from racer_batch.service.execution.auto import MethodChooser
 from racer_batch.service.execution.warm import WarmStates
 from racer_batch.values import AUTO_METHOD, DecodingConfig
 
@@ -76,8 +76,8 @@ class ShardEngines:
         """A row ended: method auto learns from a finished greedy row's tokens, steps and actor time."""
         if self.auto and greedy and record.status == "ok":
             tokens = record.output_tokens or 0
-            scale = context_scale(getattr(self.first, "step_cost", None), getattr(self.first, "step_cost_long", None),
-                                  getattr(self.first, "streams", 1), (record.prompt_tokens or 0) + tokens / 2)
+            of = getattr(self.first, "context_scale", None)  # an engine hook's stand-in may have none: 1.0
+            scale = of((record.prompt_tokens or 0) + tokens / 2) if of is not None else 1.0
             self.chooser.observe(route, method, tokens=tokens, steps=record.steps or 0, busy_ms=record.busy_ms,
                                  scale=scale)
 
