@@ -93,12 +93,14 @@ class Finished:
     the actor's time per runner (``device_ms``: {id(runner): ms}; a batched step shared by n streams counts
     1/n of its forward time for each, on a CPU runner 1/n of the whole step's wall time, or where its trees
     differ in size and the engine measured its verify cost, each stream's ``step_shares``; a prefill all of its
-    wall time for its stream)."""
+    wall time for its stream); ``prefill_ms``: the part of ``device_ms`` that was its prompt forward(s), per
+    runner, so that a row's decode time alone is ``device_ms - prefill_ms``."""
 
     key: Hashable
     result: Any = None
     error: Optional[BaseException] = None
     device_ms: dict = field(default_factory=dict)
+    prefill_ms: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -134,6 +136,7 @@ class StreamBatch:
         self._live: dict[Hashable, _Live] = {}
         self._done: list[Finished] = []
         self._share: dict[Hashable, dict[int, float]] = {}  # key -> {id(runner): ms of forwards it had}
+        self._prefill: dict[Hashable, dict[int, float]] = {}  # key -> {id(runner): ms of its prefills} (in _share)
         self.stats = BatchStats()
 
     def __len__(self) -> int:
@@ -167,6 +170,7 @@ class StreamBatch:
         """Drop a stream now (closing its generator releases its slot); nothing is reported for it."""
         live = self._live.pop(key, None)
         self._share.pop(key, None)
+        self._prefill.pop(key, None)
         if live is not None:
             live.stream.close()
 
@@ -181,10 +185,12 @@ class StreamBatch:
             live.request = live.stream.throw(error) if error is not None else live.stream.send(value)
         except StopIteration as stop:
             del self._live[key]
-            self._done.append(Finished(key, result=stop.value, device_ms=self._share.pop(key, {})))
+            self._done.append(Finished(key, result=stop.value, device_ms=self._share.pop(key, {}),
+                                       prefill_ms=self._prefill.pop(key, {})))
         except Exception as exc:  # noqa: BLE001 - the stream's own failure ends that stream only
             del self._live[key]
-            self._done.append(Finished(key, error=exc, device_ms=self._share.pop(key, {})))
+            self._done.append(Finished(key, error=exc, device_ms=self._share.pop(key, {}),
+                                       prefill_ms=self._prefill.pop(key, {})))
 
     def _charge(self, key: Hashable, runner: Any, ms: float) -> None:
         share = self._share.setdefault(key, {})
@@ -204,6 +210,8 @@ class StreamBatch:
                 err = None
             ms = (time.perf_counter() - t0) * 1000.0
             self._charge(key, req.runner, ms)
+            pre = self._prefill.setdefault(key, {})
+            pre[id(req.runner)] = pre.get(id(req.runner), 0.0) + ms
             self._send(key, out, error=err)
             st.prefills += 1
             st.prefill_ms += ms

@@ -56,8 +56,16 @@ def method_choice(rows: Iterable[Mapping[str, Any]], manifest: Mapping[str, Any]
         if r.get("status") == "ok":
             _add(acc[str(r.get(by) or "")][str(r.get("method"))], r)
     chosen = manifest.get("method_auto") or {}
-    return {g: {"choice": (chosen.get(g) or {}).get("choice"),
-                "candidates": {m: figures(*a) for m, a in sorted(per.items())}} for g, per in sorted(acc.items())}
+    out = {}
+    for g, per in sorted(acc.items()):
+        pooled = (chosen.get(g) or {}).get("candidates") or {}
+        cands = {}
+        for m, a in sorted(per.items()):
+            f = figures(*a)  # from the rows: no decode-time split, so its compared figure is the manifest's
+            f["compared_tokens_per_s"] = (pooled.get(m) or {}).get("compared_tokens_per_s")
+            cands[m] = f
+        out[g] = {"choice": (chosen.get(g) or {}).get("choice"), "candidates": cands}
+    return out
 
 
 def _cell(v: Optional[float], nd: int = 2) -> str:
@@ -90,11 +98,12 @@ def cold_warm_table(life: dict, by: str) -> tuple[list[str], list[list[str]]]:
 
 
 def choice_table(choice: dict, by: str) -> tuple[list[str], list[list[str]]]:
-    """Per group and candidate: rows, MAT, tokens per device-second; the chosen one marked."""
-    head = [by, "method", "chosen", "rows", "MAT", "tokens/device-s"]
+    """Per group and candidate: rows, MAT, tokens per device-second, and the figure the choice compares (tokens
+    per second of decode time at one context, from the manifest); the chosen one marked."""
+    head = [by, "method", "chosen", "rows", "MAT", "tokens/device-s", "compared tokens/s"]
     body = []
     for g, d in choice.items():
         for m, f in d["candidates"].items():
             body.append([g, m, "yes" if m == d["choice"] else "", str(f["rows"]), _cell(f["mat"]),
-                         _cell(f["tokens_per_s"], 1)])
+                         _cell(f["tokens_per_s"], 1), _cell(f.get("compared_tokens_per_s"), 1)])
     return head, body

@@ -56,8 +56,8 @@ def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, 
         assert all(got.count(m) >= 1 for m in ("racer", "pld", "ar")), got  # each candidate tried first
         cands = ev[route]["candidates"]
         assert {m: c["rows"] for m, c in cands.items()} == {m: got.count(m) for m in ("racer", "pld", "ar")}
-        assert ev[route]["choice"] == max(cands, key=lambda m: cands[m]["tokens_per_s"])
-        assert all(c["tokens_per_s"] > 0 and c["mat"] >= 1.0 for c in cands.values())
+        assert ev[route]["choice"] == max(cands, key=lambda m: cands[m]["compared_tokens_per_s"])
+        assert all(c["tokens_per_s"] > 0 and c["compared_tokens_per_s"] > 0 and c["mat"] >= 1.0 for c in cands.values())
     assert {r["config_hash"] for r in out["auto"]} == {_spec(tmp_path, "x", "auto", streams).decoding.config_hash()}
     # the manifest pools the shard's evidence; the report marks each route's choice
     manifest = job_manifest("j", spec, plan_input(spec.input), state="done", done={0: res.summary})

@@ -379,6 +379,9 @@ def test_rows_sharing_forwards_count_their_share_of_device_time():
         done += batch.step()
     wall_ms = (time.perf_counter() - t0) * 1000.0
     shares = [sum(f.device_ms.values()) for f in done]
+    for f in done:  # the prompt forward's part of each row's share, per runner (method auto leaves it out)
+        assert f.prefill_ms.keys() == f.device_ms.keys()
+        assert all(0.0 < f.prefill_ms[k] < f.device_ms[k] for k in f.device_ms)
     latencies = [f.result.prefill_ms + f.result.decode_ms for f in done]
     assert sum(shares) <= wall_ms * 1.05
     assert sum(latencies) > 2.0 * sum(shares)  # each row's latency holds its batch-mates' shares too

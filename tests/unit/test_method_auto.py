@@ -66,9 +66,11 @@ def test_actors_starting_a_route_at_once_claim_each_first_row_once():
     # neither re-reads the board (the clock stands still), so only the claims tell them what the other took
     picks = [a.pick("r", greedy=True), b.pick("r", greedy=True), a.pick("r", greedy=True),
              b.pick("r", greedy=True), b.pick("r", greedy=True)]
-    assert picks == ["racer", "pld", "ar", "racer", "racer"]  # b's rows after the first ones go to the prior
+    # b's rows after the first ones: nothing is measured anywhere yet (no job ranking), so the least-given
+    # candidate, counting a first row claimed elsewhere as given
+    assert picks == ["racer", "pld", "ar", "racer", "pld"]
     got = {m: a.routes["r"].stats[m].assigned + b.routes["r"].stats[m].assigned for m in a.candidates}
-    assert got == {"racer": 3, "pld": 1, "ar": 1}  # one first row per candidate, job-wide
+    assert got == {"racer": 2, "pld": 2, "ar": 1}  # one first row per candidate, job-wide
     assert (a.routes["r"].claimed_elsewhere, b.routes["r"].claimed_elsewhere) == ({"pld"}, {"ar"})
 
 
@@ -208,6 +210,40 @@ def test_rows_are_compared_as_if_at_one_context_and_reported_as_measured():
     ev = ch.evidence()["r"]
     assert ev["candidates"]["ar"]["tokens_per_s"] == pytest.approx(100.0)  # the report keeps the measured figure
     assert ch.routes["r"].stats["ar"].counters()["adj_ms"] == pytest.approx(800.0)
+
+
+def test_the_job_ranking_compares_candidates_within_each_route_not_pooled():
+    ch = MethodChooser(("racer", "ar"))
+    # a slow route (long prompts) where ar had most rows, a fast one where racer had most: ar is faster on both,
+    # yet pooled over the two routes racer's tokens per second would be the higher (its rows fell on the fast one)
+    for route, n_ar, n_racer, ar_speed, racer_speed in (("slow", 9, 1, 40.0, 30.0), ("fast", 1, 9, 150.0, 100.0)):
+        for m, n, v in (("ar", n_ar, ar_speed), ("racer", n_racer, racer_speed)):
+            for _ in range(n):
+                ch.observe(route, m, tokens=100, steps=50, busy_ms=100_000.0 / v)
+    pooled = {m: sum(ch.routes[r].stats[m].tokens for r in ch.routes)
+              / sum(ch.routes[r].stats[m].busy_ms for r in ch.routes) for m in ch.candidates}
+    assert pooled["racer"] > pooled["ar"]
+    assert ch._prior() == ["ar", "racer"]
+    # a new route: after the first rows (still out), the rows go to the job ranking's first
+    assert [ch.pick("new", greedy=True) for _ in range(4)] == ["racer", "ar", "ar", "ar"]
+
+
+def test_the_first_route_spreads_its_rows_while_nothing_is_measured():
+    ch = MethodChooser(("racer", "pld", "ar"))
+    assert ch._prior() is None
+    # 2 actors x 4 rows start before any row ends: no ranking yet, so no candidate takes them all
+    assert [ch.pick("first", greedy=True) for _ in range(8)] == ["racer", "pld", "ar"] * 2 + ["racer", "pld"]
+
+
+def test_candidates_are_compared_on_decode_time_without_the_prompt_forward():
+    ch = MethodChooser(("ar", "pld"))
+    assert [ch.pick("r", greedy=True) for _ in range(2)] == ["ar", "pld"]
+    # ar's row had a long prompt: 600 of its 1000 ms were the prompt forward, which pld pays alike
+    ch.observe("r", "ar", tokens=100, steps=100, busy_ms=1000.0, decode_ms=400.0)
+    ch.observe("r", "pld", tokens=100, steps=60, busy_ms=600.0, decode_ms=500.0)
+    assert ch.pick("r", greedy=True) == "ar"  # 250 decode tokens/s against 200; whole rows 100 vs 167
+    ev = ch.evidence()["r"]["candidates"]
+    assert ev["ar"]["tokens_per_s"] == pytest.approx(100.0) and ev["pld"]["tokens_per_s"] == pytest.approx(166.7, 0.01)
 
 
 def test_the_context_scale_follows_the_two_measured_curves():

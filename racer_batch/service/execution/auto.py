@@ -10,12 +10,15 @@ The rule, per route and per actor (deterministic for a given order of rows and m
    best: those with no finished row yet, or whose tokens per second times ``1 + EXPLORE_SPREAD / sqrt(rows)``
    (the spread of an estimate over that many rows) reaches the best's. With none such, that row goes to the
    best too, so a candidate measured far slower stops costing rows. Every other row goes to the best, the
-   candidate with the most output tokens per second of actor time measured so far (its rows' ``busy_ms``: a
-   row's share of the forwards it was in, so rows decoded several per forward are not counted whole). Ties,
-   and a route where some candidate has no finished row yet (its first row is still out), go by the job's
-   ranking: the candidate with the most tokens per second over every route, then the earlier one. (Going by
-   the route's own figures then sent the next rows to whichever first row ended first: 10 of a 60-row route's
-   rows to the slower candidates, benchmarks/warm-auto-20261206-031131.md.)
+   candidate with the most output tokens per second of decode time measured so far (its rows' share of the
+   forwards they were in, so rows decoded several per forward are not counted whole, less their prompt
+   forwards, which cost every candidate alike, and scaled to one context). Ties, and a route where some
+   candidate has no finished row yet (its first row is still out), go by the job's ranking (``_prior``: each
+   candidate's tokens/s against the fastest on every route where two were measured, averaged over routes); on
+   the job's first routes, before any route has two candidates measured, such rows go to the least-given
+   candidate instead. (Going by the route's own figures then sent the next rows to whichever first row ended
+   first: 10 of a 60-row route's rows to the slower candidates, benchmarks/warm-auto-20261206-031131.md;
+   going by the first candidate sent the first route 12 racer rows, benchmarks/warm-auto-20261206-063459.md.)
 3. **Sampled rows** (temperature > 0) always go to the first candidate: two lossless methods give the same
    greedy output, but a sampled row's draws depend on the method, so its text must not depend on measurements.
 
@@ -92,7 +95,9 @@ class CandidateStats:
     tokens: int = 0
     steps: int = 0
     busy_ms: float = 0.0
-    adj_ms: float = 0.0  # busy_ms, each row's scaled to the reference context (capacity.context_scale)
+    # the rows' decode time (busy_ms less their prompt forwards, which every candidate pays alike), each row's
+    # scaled to the reference context (capacity.context_scale): what the rule compares
+    adj_ms: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,15 +105,16 @@ class CandidateStats:
 
     @property
     def rate(self) -> float:
-        """What the rule compares: tokens per second of ``adj_ms`` (as if every row had the same context), or
-        of ``busy_ms`` where nothing was scaled."""
+        """What the rule compares: tokens per second of decode time (``adj_ms``: as if every row had the same
+        context), or of ``busy_ms`` where no decode time was recorded."""
         ms = self.adj_ms if self.adj_ms > 0 else self.busy_ms
         return 1000.0 * self.tokens / ms if ms > 0 else 0.0
 
     def to_dict(self, since: Optional["CandidateStats"] = None) -> dict:
         """Its figures (``results.method_auto.figures``), or those of what it measured after ``since``."""
         b = since or CandidateStats()
-        return figures(self.rows - b.rows, self.tokens - b.tokens, self.steps - b.steps, self.busy_ms - b.busy_ms)
+        return figures(self.rows - b.rows, self.tokens - b.tokens, self.steps - b.steps, self.busy_ms - b.busy_ms,
+                       self.adj_ms - b.adj_ms)
 
     def copy(self) -> "CandidateStats":
         return dataclasses.replace(self)
@@ -168,7 +174,12 @@ class RouteChoice:
         # until every candidate has a finished row here, the route's own figures favour whichever first row ended
         # first (the others read 0): go by the job's ranking instead
         measured = all(self.seen(m).rows > 0 for m in self.candidates)
-        best = self.best(prior) if measured else (list(prior) if prior is not None else self.candidates)[0]
+        if measured:
+            best = self.best(prior)
+        elif prior is not None:
+            best = list(prior)[0]
+        else:  # nothing measured anywhere yet (the job's first route): spread the rows, the least-given first
+            best = min(self.candidates, key=lambda m: (self._given_to(m), self.candidates.index(m)))
         if self.given % EXPLORE_EVERY == 0:
             others = [m for m in self.candidates if m != best and self.may_be_best(m, best)]
             if others:
@@ -182,6 +193,12 @@ class RouteChoice:
         if st.rows == 0:
             return True
         return st.rate * (1.0 + EXPLORE_SPREAD / math.sqrt(st.rows)) >= self.seen(best).rate
+
+    def _given_to(self, name: str) -> int:
+        """Rows ``name`` was given as far as this actor knows: its own and the others' published, and at least
+        the first rows where another actor claimed them (its totals may not be read yet)."""
+        n = self.seen(name).assigned
+        return max(n, EXPLORE_ROWS) if name in self.claimed_elsewhere else n
 
     def _give(self, name: str) -> str:
         self.stats[name].assigned += 1
@@ -223,27 +240,48 @@ class MethodChooser:
         got = claim(route, method)
         return got is None or got <= EXPLORE_ROWS
 
-    def _prior(self) -> list[str]:
-        """The candidates by tokens per second over every route (own and shared evidence), fastest first; ties
-        in the candidates' order: how a route with nothing measured breaks its tie."""
-        total = {m: CandidateStats() for m in self.candidates}
-        for route, rc in self.routes.items():
+    def _prior(self) -> Optional[list[str]]:
+        """The job's ranking of the candidates (own and shared evidence), fastest first, or None while no route
+        has two candidates measured: how a route whose candidates are not all measured yet picks.
+
+        Each candidate is scored by the mean over routes of log(its tokens/s / the route's fastest measured
+        candidate's), over the routes where it and at least one other have a finished row; unscored candidates
+        come last; ties in the candidates' order. Comparing within each route first keeps the mix of routes out
+        of it: pooled over routes, a candidate whose rows fell on slow routes (long prompts) looked slower than
+        one that ran mostly fast routes (racer ranked first after a summarization route where ar had most rows,
+        benchmarks/warm-auto-20261206-063459.md)."""
+        terms: dict[str, list[float]] = {m: [] for m in self.candidates}
+        for route in set(self.routes) | set(self._others):
             shared = self._others.get(route, {})
+            own = self.routes[route].stats if route in self.routes else {}
+            rates = {}
             for m in self.candidates:
-                total[m] = total[m] + rc.stats[m] + shared.get(m, CandidateStats())
-        return sorted(self.candidates, key=lambda m: (-total[m].rate, self.candidates.index(m)))
+                st = own.get(m, CandidateStats()) + shared.get(m, CandidateStats())
+                if st.rows > 0 and st.rate > 0:
+                    rates[m] = st.rate
+            if len(rates) >= 2:
+                top = max(rates.values())
+                for m, r in rates.items():
+                    terms[m].append(math.log(r / top))
+        if not any(terms.values()):
+            return None
+        score = {m: (sum(v) / len(v) if v else -math.inf) for m, v in terms.items()}
+        return sorted(self.candidates, key=lambda m: (-score[m], self.candidates.index(m)))
 
     def observe(self, route: str, method: str, *, tokens: int, steps: int, busy_ms: float,
-                scale: float = 1.0) -> None:
+                decode_ms: Optional[float] = None, scale: float = 1.0) -> None:
         """A row of ``route`` answered by ``method`` ended: ``tokens`` output tokens in ``steps`` target forwards
-        and ``busy_ms`` of actor time; ``scale``: what a forward at the reference context costs over one at the
-        row's (``capacity.context_scale``; 1: not scaled), applied to ``busy_ms`` for the rule's comparisons."""
+        and ``busy_ms`` of actor time, ``decode_ms`` of it after the prompt forward (None: all of it); ``scale``:
+        what a forward at the reference context costs over one at the row's (``capacity.context_scale``; 1: not
+        scaled), applied to ``decode_ms`` for the rule's comparisons. The prompt forward costs every candidate
+        the same, yet it is 20-60% of a 128-token row's time on long prompts and varies with the prompt, so
+        leaving it out keeps a few rows' comparison about the method."""
         st = self._route(route).stats[method]
         st.rows += 1
         st.tokens += int(tokens)
         st.steps += int(steps)
         st.busy_ms += float(busy_ms)
-        st.adj_ms += float(busy_ms) * float(scale)
+        st.adj_ms += float(busy_ms if decode_ms is None else decode_ms) * float(scale)
         self._publish(route, method)
 
     def evidence(self, since: Optional[dict] = None) -> dict[str, Any]:

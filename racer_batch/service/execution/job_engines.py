@@ -72,14 +72,22 @@ class ShardEngines:
         name = self.chooser.pick(route, greedy=greedy) if self.auto else next(iter(self.states))
         return name, self.first, self.states[name]
 
-    def observe(self, route: str, method: str, record: Any, *, greedy: bool) -> None:
-        """A row ended: method auto learns from a finished greedy row's tokens, steps and actor time."""
+    def observe(self, route: str, method: str, record: Any, *, greedy: bool,
+                prefill_ms: Optional[float] = None) -> None:
+        """A row ended: method auto learns from a finished greedy row's tokens, steps and actor time.
+
+        ``prefill_ms``: the part of the row's actor time (``record.busy_ms``, its share of batched forwards)
+        that was its prompt forward; None where the row ran alone (its ``decode_ms`` is then its decode time)."""
         if self.auto and greedy and record.status == "ok":
             tokens = record.output_tokens or 0
             of = getattr(self.first, "context_scale", None)  # an engine hook's stand-in may have none: 1.0
             scale = of((record.prompt_tokens or 0) + tokens / 2) if of is not None else 1.0
+            if prefill_ms is not None:
+                decode = max(record.busy_ms - prefill_ms, 0.0)
+            else:
+                decode = float(record.decode_ms or 0.0)
             self.chooser.observe(route, method, tokens=tokens, steps=record.steps or 0, busy_ms=record.busy_ms,
-                                 scale=scale)
+                                 decode_ms=decode, scale=scale)
 
     def warm_commits(self) -> int:
         """Commits in the states the shard started from (the most among the candidates; 0: all cold)."""

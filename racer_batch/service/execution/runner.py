@@ -370,15 +370,19 @@ class RowRunner:
                                               error=f"job stopped before this row ran ({stopped})"), [])
             return None
 
-        def end(pos: int, rec: RowRecord, pair: list[ShadowRecord], device_ms: Optional[dict] = None) -> None:
+        def end(pos: int, rec: RowRecord, pair: list[ShadowRecord], device_ms: Optional[dict] = None,
+                prefill_ms: Optional[dict] = None) -> None:
             """A row ended: telemetry now, the part file in row order. ``device_ms``: its share of the batched
-            forwards per runner (B > 1), kept on the record (the cost basis of status and reports)."""
+            forwards per runner (B > 1), kept on the record (the cost basis of status and reports); ``prefill_ms``:
+            the part of it that was its prompt forwards (method auto compares candidates on the rest)."""
             nonlocal stopped
             row_engine, greedy = engines.pop(pos, (engine, True))
-            share = (device_ms or {}).get(id(getattr(row_engine, "runner", None)))  # its engine's, not a baseline's
+            runner_id = id(getattr(row_engine, "runner", None))
+            share = (device_ms or {}).get(runner_id)  # its engine's, not a baseline's
             if share:  # batched with other rows; a row that ran alone keeps None: its generation time counts
                 rec.device_ms = share
-            shard.observe(rec.route, rec.method, rec, greedy=greedy)
+            shard.observe(rec.route, rec.method, rec, greedy=greedy,
+                          prefill_ms=(prefill_ms or {}).get(runner_id) if share else None)
             if rec.status == "cancelled":
                 stopped = verdict() if verdict() != KEEP_GOING else CANCELLED
             rec.finished_at = now_utc()
@@ -540,7 +544,7 @@ def _feed(rows: Iterable[tuple[int, dict]], *, width: int,
                 in_flight.discard(fin.key)
                 if fin.error is not None:
                     raise fin.error
-                end(fin.key, *fin.result, device_ms=fin.device_ms)
+                end(fin.key, *fin.result, device_ms=fin.device_ms, prefill_ms=fin.prefill_ms)
     finally:
         batch.close()
 
