@@ -254,3 +254,21 @@ def test_the_context_scale_follows_the_two_measured_curves():
     assert context_scale(short, long, 4, 256) == pytest.approx(1.0)
     assert context_scale(short, long, 4, 1024) == pytest.approx(10.0 / 14.0)
     assert context_scale(short, long, 4, 2048) < context_scale(short, long, 4, 1024) < 1.0
+
+
+def test_a_shard_gives_the_chooser_each_rows_decode_time():
+    from types import SimpleNamespace
+
+    from racer_batch.service.execution.job_engines import ShardEngines
+
+    shard = ShardEngines.__new__(ShardEngines)  # only what observe reads
+    shard.auto, shard.chooser, shard.first = True, MethodChooser(("ar", "pld")), object()  # no context_scale: 1.0
+    rec = SimpleNamespace(status="ok", output_tokens=100, prompt_tokens=50, steps=100, busy_ms=1000.0,
+                          decode_ms=900.0)
+    shard.observe("r", "ar", rec, greedy=True, prefill_ms=300.0)  # batched: its share less its prompt forward
+    shard.observe("r", "pld", rec, greedy=True)  # ran alone: its own decode time
+    stats = shard.chooser.routes["r"].stats
+    assert (stats["ar"].adj_ms, stats["ar"].busy_ms) == (pytest.approx(700.0), pytest.approx(1000.0))
+    assert stats["pld"].adj_ms == pytest.approx(900.0)
+    shard.observe("r", "ar", SimpleNamespace(**{**vars(rec), "status": "error"}), greedy=True, prefill_ms=1.0)
+    assert stats["ar"].rows == 1  # a failed row teaches nothing
