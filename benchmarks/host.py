@@ -185,7 +185,25 @@ def calibrate(calls: int = 20000, repeats: int = 5) -> dict:
     return {"extra_us": round(extra, 4), "inner_us": round(inner, 4)}
 
 
-def wrap_forwards(patches: Patches, runner: Any, timers: Timers) -> None:
+def wrap_forwards(patches: Patches, runner: Any, timers: Timers, evict_mb: int = 0) -> None:
+    """Time the runner's forwards; with ``evict_mb``, each decode forward (not the prefill) then adds 1 to every
+    byte of an ``evict_mb`` MiB buffer inside the timed call, so the host work after it finds the CPU caches
+    holding that buffer, as after a real model's forward (``--evict-mb``)."""
+    if evict_mb > 0:
+        import numpy as np
+
+        buf = np.zeros(evict_mb << 20, dtype=np.uint8)
+
+        def evicting(fn: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                out = fn(*args, **kwargs)
+                np.add(buf, 1, out=buf)
+                return out
+            return call
+
+        for name in FORWARDS[1:]:
+            if callable(getattr(runner, name, None)):
+                patches.set(runner, name, evicting(getattr(runner, name)))
     for name in FORWARDS:
         if callable(getattr(runner, name, None)):
             patches.wrap(runner, name, timers, name)
@@ -262,11 +280,13 @@ def own_split() -> bool:
     return hasattr(StreamBatch().stats, "host_ms")
 
 
-def one_run(engine: Any, prompt_ids: list[list[int]], streams: int, max_new_tokens: int, *, wrap: bool) -> dict:
-    """One measured decode of the prompts: forwards always timed, the parts wrapped when ``wrap``."""
+def one_run(engine: Any, prompt_ids: list[list[int]], streams: int, max_new_tokens: int, *, wrap: bool,
+            evict_mb: int = 0) -> dict:
+    """One measured decode of the prompts: forwards always timed, the parts wrapped when ``wrap``; each decode
+    forward followed by an ``evict_mb`` MiB sweep, counted in the forward (``wrap_forwards``)."""
     forwards, parts, patches = Timers(), Timers(), Patches()
     try:
-        wrap_forwards(patches, engine.runner, forwards)
+        wrap_forwards(patches, engine.runner, forwards, evict_mb)
         if wrap:
             wrap_parts(patches, engine, parts)
         gc.collect()
@@ -295,11 +315,12 @@ def measure_b(engine: Any, prompt_ids: list[list[int]], streams: int, spec: dict
     own = own_split()
     rec: dict = {"streams": streams, "prompts": len(ids), "split": "own" if own else "wrapped"}
     plain_first = rnd % 2 == 0
+    evict = int(spec.get("evict_mb", 0))
     if spec.get("plain_too") and not own and plain_first:
-        rec["plain"] = one_run(engine, ids, streams, spec["max_new_tokens"], wrap=False)
-    rec.update(one_run(engine, ids, streams, spec["max_new_tokens"], wrap=not own))
+        rec["plain"] = one_run(engine, ids, streams, spec["max_new_tokens"], wrap=False, evict_mb=evict)
+    rec.update(one_run(engine, ids, streams, spec["max_new_tokens"], wrap=not own, evict_mb=evict))
     if spec.get("plain_too") and not own and not plain_first:
-        rec["plain"] = one_run(engine, ids, streams, spec["max_new_tokens"], wrap=False)
+        rec["plain"] = one_run(engine, ids, streams, spec["max_new_tokens"], wrap=False, evict_mb=evict)
     return rec
 
 
@@ -587,7 +608,10 @@ def render_md(d: dict) -> str:
              f"{'B' if s['child_per'] == 'b' else 'model and setting'} (order alternated per round); greedy, "
              f"Spec-Bench first turns, min(2B+8, max(B+8, {s['max_prompts']})) prompts per B, continuous batching; "
              "new tokens " + ", ".join(f"{k} {v}" for k, v in s["max_new_tokens"].items())
-             + f"; a wrapper's cost per call (median over children, extra / inner): {cal or 'none'}.", ""]
+             + f"; a wrapper's cost per call (median over children, extra / inner): {cal or 'none'}"
+             + (f"; after each decode forward a {s['evict_mb']} MiB buffer swept inside the timed forward "
+                "(`--evict-mb`: the host work finds the caches cold, as after a real model's forward)"
+                if s.get("evict_mb") else "") + ".", ""]
     split_note = ("Split of the host time, µs per stream-step (median over rounds of each part; `host`: the host "
                   "time of the run the split comes from; `wrap`: the wrapping correction already taken off a "
                   "wrapped run's host time; `plain`, where run: the host time of the same config without part "
@@ -610,7 +634,7 @@ def render_md(d: dict) -> str:
 def measure(*, base: Optional[str], head: str, grid: dict[str, list[int]], methods: list[tuple[str, str, int]],
             tokens: dict[str, int], max_prompts: int, rounds: int, threads: int, per_b: bool = False,
             plain_too: bool = False, timeout_s: float = 1800.0, on_round: Any = None, command: str = "",
-            stamp: str = "") -> dict:
+            stamp: str = "", evict_mb: int = 0) -> dict:
     """The whole measurement (module docstring); returns the result dict (``on_round(d)`` after each round).
 
     Raises:
@@ -625,7 +649,8 @@ def measure(*, base: Optional[str], head: str, grid: dict[str, list[int]], metho
                "revisions": {k: common.describe(v) for k, v in revisions.items()}, "splits": {}, "calibration": {},
                "settings": {"grid": grid, "methods": [m[0] for m in methods], "max_new_tokens": tokens,
                             "max_prompts": max_prompts, "prompts_per_b": n_of, "rounds": rounds, "rounds_done": 0,
-                            "threads": threads, "child_per": "b" if per_b else "setting", "plain_too": plain_too},
+                            "threads": threads, "child_per": "b" if per_b else "setting", "plain_too": plain_too,
+                            "evict_mb": evict_mb},
                "children": [], "raw": [], "rows": []}
     with tempfile.TemporaryDirectory(prefix="host-bench-") as tmp:
         src = {k: common.unpack(v, Path(tmp) / k) for k, v in revisions.items()}
@@ -633,7 +658,8 @@ def measure(*, base: Optional[str], head: str, grid: dict[str, list[int]], metho
             order = list(revisions) if rnd % 2 == 0 else list(reversed(revisions))
             for job in jobs:
                 spec = dict(job, threads=threads, max_new_tokens=tokens[job["model"]], round=rnd,
-                            plain_too=plain_too, messages=messages[: max(n_of[b] for b in job["streams"])],
+                            plain_too=plain_too, evict_mb=evict_mb,
+                            messages=messages[: max(n_of[b] for b in job["streams"])],
                             prompts={str(b): n_of[b] for b in job["streams"]})
                 for rev in order:
                     t0 = time.perf_counter()
@@ -685,6 +711,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--child-per", choices=("setting", "b"), default="setting",
                    help="a child process per model and setting (all its B; default) or per B")
     p.add_argument("--plain-too", action="store_true", help="also run each wrapped config without part wrappers")
+    p.add_argument("--evict-mb", type=int, default=0,
+                   help="after each decode forward, sweep a buffer of this many MiB inside the timed forward, so the "
+                        "host work meets caches as cold as after a real model's forward (default 0: off)")
     p.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per child process")
     p.add_argument("--out", default=str(common.OUT))
     p.add_argument("--tag", default="")
@@ -698,8 +727,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         tokens = parse_tokens(args.max_new_tokens, list(grid), QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     except ValueError as exc:
         p.error(str(exc))
-    if args.rounds < 1 or args.max_prompts < 1 or args.threads < 1:
-        p.error("--rounds, --max-prompts and --threads must be >= 1")
+    if args.rounds < 1 or args.max_prompts < 1 or args.threads < 1 or args.evict_mb < 0:
+        p.error("--rounds, --max-prompts and --threads must be >= 1, --evict-mb >= 0")
     base = None if args.no_base else (args.base or common.default_base())
     stamp = common.stamp() + (f"-{args.tag}" if args.tag else "")
     command = common.command("host", argv)
@@ -710,7 +739,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     d = measure(base=base, head=args.head, grid=grid, methods=methods, tokens=tokens, max_prompts=args.max_prompts,
                 rounds=args.rounds, threads=args.threads, per_b=args.child_per == "b", plain_too=args.plain_too,
-                timeout_s=args.child_timeout, on_round=write, command=command, stamp=stamp)
+                timeout_s=args.child_timeout, on_round=write, command=command, stamp=stamp,
+                evict_mb=args.evict_mb)
     print(render_md(d))
     print(f"wrote {paths[0]} and {paths[1]}")
     return 0
