@@ -28,6 +28,7 @@ the logits is timed there too, as ``SCORES_PART``, apart from the host parts (de
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -211,6 +212,9 @@ class Stepper:
         self.last_cu: Optional[np.ndarray] = None  # [B + 1] the last step's tree row offsets (its trees' sizes)
         self.last_starts: Optional[np.ndarray] = None  # [B] the last step's committed lengths (its contexts)
         self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
+        # greedy steps of native rows commit in one native call (_commit_native); False: the per-part path
+        # (acceptance, stops, update apart), kept as its oracle in tests
+        self.fused = True
         # host ms of the last step that belong to one row alone ([B]: its drafter's own propose and update; a
         # native call over several rows split evenly among them), where some row drafts in Python (kinds mixed
         # and python); None after a step of native or root-only rows (every row's host work alike). StreamBatch
@@ -254,18 +258,81 @@ class Stepper:
         forward_ms = (t2 - t0) * 1000.0
         host[SCORES_PART] = host.get(SCORES_PART, 0.0) + (t2 - t1) * 1000.0
         clock.skip()
-        nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
-        clock.lap("accept")
-        self.committing = True
-        blocks, emitted = self._stops(rows, flat, nodes, cu_paths, bonus)
-        clock.lap("stops")
+        commit = None
+        if self._fusable(rows, kind):
+            nodes, cu_paths, blocks, emitted, commit = self._commit_native(rows, flat, sources, order, choices, topk,
+                                                                           native, clock)
+        else:
+            nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
+            clock.lap("accept")
+            self.committing = True
+            blocks, emitted = self._stops(rows, flat, nodes, cu_paths, bonus)
+            clock.lap("stops")
         self._keep(rows, flat, nodes, cu_paths)
         clock.lap("keep_rows")
-        self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native, own)
-        clock.lap("update")
-        self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock)
+        if commit is None:
+            self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native, own)
+            clock.lap("update")
+        self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock, commit)
         clock.lap("telemetry")
         return forward_ms
+
+    def _fusable(self, rows: list[DecodeRow], kind: str) -> bool:
+        """Whether the step commits in one native call (``_commit_native``): every row on the native draft core,
+        greedy and lossless (sampled and relaxed rows draw per row), and the fused commit not turned off."""
+        if kind != "native" or not self.fused or self.config.acceptance != "lossless":
+            return False
+        if self._native_accept is None:
+            from ..drafters import native as native_mod
+
+            self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
+        return bool(self._native_accept) and all(r.params.greedy for r in rows)
+
+    def _commit_native(self, rows, flat, sources, order, choices, topk, native, clock):
+        """Acceptance, stop checks by token id, the telemetry's source counts and the drafters' update of every
+        row in one ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
+        checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
+        then every row's update is one ``update_batch``, ``update``). Returns ``(nodes, cu_paths, blocks,
+        emitted, commit)``; ``commit.counts`` is None where a stop string cut a block (``_observe`` counts
+        those)."""
+        from ..drafters.native import FINISH_OF_CODE, commit_greedy_batch
+
+        b = len(rows)
+        checkers = [r.stops for r in rows]
+        eos = _eos_table([c.eos_ids for c in checkers])
+        left_len = np.fromiter((c.max_new_tokens - len(c.tokens) for c in checkers), np.int64, b)
+        left_room = np.fromiter((c.room - len(c.tokens) for c in checkers), np.int64, b)
+        checked = np.fromiter((not c.stop for c in checkers), np.int64, b)
+        if topk is None:
+            topk = np.zeros((flat.rows, 1), dtype=np.int64)
+        self.committing = True  # the call below updates the drafters: no retry past it
+        c = commit_greedy_batch([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b), flat.cu,
+                                flat.parents, flat.tokens, choices, sources, order, topk, left_len, left_room, eos,
+                                checked)
+        clock.lap("accept")
+        flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
+        blocks: list[list[int]] = []
+        cut = False
+        for i, r in enumerate(rows):
+            block = flat_blocks[cu[i]: cu[i + 1]]
+            if fin[i] < 0:  # stop strings: the row's own checker decodes text
+                n = r.stops.push_many(block)
+                cut = cut or n != len(block)
+                emitted_l[i] = n
+            else:
+                r.stops.commit_checked(block[: emitted_l[i]], FINISH_OF_CODE[fin[i]])
+            if r.stops.finish is not None:
+                r.done, r.finish = True, r.stops.finish
+            r.root = block[-1]
+            blocks.append(block)
+        emitted = np.asarray(emitted_l, dtype=np.int64)
+        clock.lap("stops")
+        if not c.updated:
+            _update_native(native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)])
+        clock.lap("update")  # ~0 where the call above updated every row (that time is in ``accept``)
+        if cut:
+            c = dataclasses.replace(c, counts=None)
+        return c.nodes, c.cu_paths, blocks, emitted, c
 
     @staticmethod
     def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str, native: list,
@@ -426,8 +493,10 @@ class Stepper:
             ))
             _split_own(own, [i], t0)
 
-    def _observe(self, rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock) -> None:
-        """Telemetry of the step for every row (one table update) and one capacity-tuner observation."""
+    def _observe(self, rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock,
+                 commit=None) -> None:
+        """Telemetry of the step for every row (one table update) and one capacity-tuner observation
+        (``commit``: a native commit's source counts and created indices, where it made them)."""
         b = len(rows)
         plen = np.diff(cu_paths)
         accepted = np.minimum(plen - 1, emitted)  # accepted draft nodes (a stop inside the block cuts them too)
@@ -436,7 +505,10 @@ class Stepper:
         vals[:, 1] = emitted
         vals[:, 2] = accepted
         if len(nodes) > b:  # some tree had an accepted draft node: count them by source
-            vals[:, 3:7] = _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted)
+            counts = None if commit is None else commit.counts
+            if counts is None:
+                counts = _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted)
+            vals[:, 3:7] = counts
         vals[:, 7] = np.diff(flat.cu)
         host = clock.since_start_ms()
         propose = clock.part("propose")
@@ -448,12 +520,15 @@ class Stepper:
             _keep_records(rows, vals)
         tuner = self.engine.tuner
         if tuner is not None:
-            glob = nodes + np.repeat(flat.cu[:-1], plen)
-            # rows that draft (a mixed step's AR rows would count as trees that accepted nothing)
-            drafting = b - sum(1 for r in rows if getattr(r.drafter, "root_only", False))
+            if commit is not None:
+                created, drafting = commit.created, b
+            else:
+                created = order[(nodes + np.repeat(flat.cu[:-1], plen))[nodes > 0]]
+                # rows that draft (a mixed step's AR rows would count as trees that accepted nothing)
+                drafting = b - sum(1 for r in rows if getattr(r.drafter, "root_only", False))
             if drafting:
-                tuner.observe_batch(used_capacity=cap, accepted_creation_idx=order[glob[nodes > 0]],
-                                    streams=drafting, overhead_ms=host / b)
+                tuner.observe_batch(used_capacity=cap, accepted_creation_idx=created, streams=drafting,
+                                    overhead_ms=host / b)
 
 
 def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.ndarray:
@@ -527,6 +602,17 @@ def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: l
     flat_c = np.fromiter((t for c in committed for t in c), np.int64, int(cu_c[-1]))
     update_batch([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b),
                  flat.cu, flat.tokens, topk, flat_c, cu_c)
+
+
+def _eos_table(ids: list[np.ndarray]) -> np.ndarray:
+    """Each row's EOS ids as one ``[B, E]`` int64 table, padded with -1 (``commit_greedy_batch``'s ``eos``)."""
+    width = max(len(x) for x in ids)
+    if all(len(x) == width for x in ids):
+        return np.stack(ids) if width else np.zeros((len(ids), 0), dtype=np.int64)
+    table = np.full((len(ids), width), -1, dtype=np.int64)
+    for i, x in enumerate(ids):
+        table[i, : len(x)] = x
+    return table
 
 
 def _keep_records(rows: list[DecodeRow], vals: np.ndarray) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..values import FinishReason
 
 
@@ -36,6 +38,8 @@ class StopChecker:
         self.finish: FinishReason | None = None
         self._stop_window = max((len(s) for s in self.stop), default=0) + 8
         self.stop_at_char: int | None = None
+        # the EOS ids as int64, ascending: a native commit checks them by id (engine/step.py)
+        self.eos_ids = np.array(sorted(self.eos), dtype=np.int64)
 
     @property
     def remaining(self) -> int:
@@ -63,6 +67,18 @@ class StopChecker:
             if self.push(tok):
                 return i + 1
         return len(tokens)
+
+    def commit_checked(self, tokens: Sequence[int], finish: FinishReason | None) -> None:
+        """Append ``tokens`` already checked by id elsewhere (``drafters.native.commit_greedy_batch``: the EOS
+        ids, ``max_new_tokens`` and the context, in ``push``'s order) and set ``finish`` as ``push`` would have
+        after the last of them. Only for a checker without stop strings (those need the decoded text).
+
+        Raises:
+            ValueError: the checker has stop strings, or already finished."""
+        if self.stop or self.finish is not None:
+            raise ValueError("commit_checked needs a checker without stop strings that has not finished")
+        self.tokens.extend(tokens)
+        self.finish = finish
 
     def _stop_completed(self) -> bool:
         # Cheap check on the tail first (a stop string of m characters spans at most m tokens that each

@@ -134,3 +134,130 @@ def test_row_telemetry_adds_up_and_the_batch_times_its_parts(monkeypatch):
                  r.stats.steps, r.stats.tree_tokens) for r in results]
 
     assert key(runs["native"][0]) == key(runs["python"][0])
+
+
+def _fused_run(fused: bool, shared: bool):
+    """Six rows through a StreamBatch of three, with the fused native commit on or off: rows ending on
+    length inside a block, on an extra EOS id, on a stop string (text checks stay in Python) and on a full
+    context; with ``shared``, every row on one job draft state."""
+    bundle = tiny_bundle(seed=1, head_scale=60.0, context_length=72)
+    engine = Engine(bundle, DecodingConfig(method="racer", capacity=8), streams=3)
+    engine.stepper.fused = fused
+    state = engine.new_state() if shared else None
+    params = [GenerationParams(max_new_tokens=n) for n in (7, 30, 13)]
+    params += [GenerationParams(max_new_tokens=40, extra_eos_ids=[59]),
+               GenerationParams(max_new_tokens=40, stop=["::"]), GenerationParams(max_new_tokens=60)]
+    prompts = [PROMPTS[i % 3] * 3 for i in range(5)] + [PROMPTS[0] * 6]  # the last fills the context (72)
+    batch = StreamBatch()
+    for i, (p, gp) in enumerate(zip(prompts, params)):
+        batch.add(i, engine.stream(p, gp, state=state, keep_steps=True))
+    out = {}
+    while len(batch):
+        for f in batch.step():
+            assert f.error is None
+            out[f.key] = f.result
+    table = None if state is None else state.native.store_table().tolist()
+    nodes = None if state is None else state.native.num_nodes
+    return [out[i] for i in range(6)], table, nodes
+
+
+def _counts(rec):
+    return (rec.tree_size, rec.accepted_length, rec.emitted, rec.accepted_retrieval, rec.accepted_logits,
+            rec.accepted_both, rec.accepted_other)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_fused_native_commit_equals_the_per_part_step(shared):
+    """``Stepper.fused`` (one ``commit_greedy_batch`` call: acceptance, stop checks by id, the drafters' update,
+    the telemetry's counts) against the per-part step it replaces: the same tokens, finish reasons, step
+    records and learned draft state, with rows that end on each rule."""
+    from racer_batch.drafters import native
+
+    if not native.available():
+        pytest.fail(f"the native draft core is needed here: {native.unavailable_reason()}")
+    got, want = _fused_run(True, shared), _fused_run(False, shared)
+    finishes = [r.finish_reason for r in want[0]]
+    assert {"length", "eos", "stop", "context"} <= set(finishes), finishes
+    assert sum(r.stats.emitted_tokens - r.stats.steps for r in want[0]) > 0  # drafts were accepted
+    for g, w in zip(got[0], want[0]):
+        assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text)
+        assert [_counts(a) for a in g.stats.step_records] == [_counts(a) for a in w.stats.step_records]
+        assert g.stats.accepted_hist == w.stats.accepted_hist
+    assert got[1:] == want[1:]
+
+
+def _started_state(rng, rows: int, vocab: int):
+    from racer_batch.drafters.native import NativeDraftState
+
+    st = NativeDraftState(vocab_size=vocab, max_nodes=64, ngram=4, min_border_depth=1, use_retrieval=True,
+                          use_logits=True, max_breadth=3, own_layers=True)
+    handles = []
+    for _ in range(rows):
+        h = st.open_row()
+        prompt = rng.integers(0, 4, 12)
+        st.start(h, prompt, rng.integers(0, vocab, (12, 3)))
+        handles.append(h)
+    return st, np.array(handles, dtype=np.int64)
+
+
+def test_commit_greedy_batch_equals_its_parts_on_random_trees():
+    """``drafters.native.commit_greedy_batch`` against the parts it fuses: ``greedy_paths``, ``StopChecker``
+    by id (EOS, length, context), ``_accepted_by_source``, the tuner's created indices, the moved KV rows, and
+    ``update_batch`` (applied only when every row is checked; a shared state learns in row order)."""
+    from racer_batch.drafters.native import FINISH_OF_CODE, commit_greedy_batch, update_batch
+    from racer_batch.engine.stops import StopChecker
+
+    rng = np.random.default_rng(5)
+    vocab, seen = 16, set()
+    for _ in range(200):
+        b = int(rng.integers(1, 6))
+        drafts = [_random_trie(rng, 4, int(rng.integers(1, 10))) for _ in range(b)]
+        trees, flat = _flat(drafts)
+        sources = np.concatenate([t.sources for t in trees]).astype(np.int64)
+        order = np.concatenate([t.order for t in trees]).astype(np.int64)
+        choices = np.where(rng.random(flat.rows) < 0.8, rng.integers(0, 4, flat.rows), 9).astype(np.int64)
+        topk = rng.integers(0, vocab, (flat.rows, 3))
+        left_len, left_room = rng.integers(1, 7, b), rng.integers(1, 9, b)
+        eos = np.where(rng.random((b, 2)) < 0.3, rng.integers(0, 4, (b, 2)), -1)
+        checked = (rng.random(b) < 0.85).astype(np.int64)
+        st, rows = _started_state(np.random.default_rng(len(seen)), b, vocab)
+        ref, ref_rows = _started_state(np.random.default_rng(len(seen)), b, vocab)
+        c = commit_greedy_batch([st] * b, rows, flat.cu, flat.parents, flat.tokens, choices, sources, order, topk,
+                                left_len, left_room, eos, checked)
+        nodes, cu, bonus, glob = greedy_paths(flat, choices)
+        assert (c.nodes.tolist(), c.cu_paths.tolist(), c.bonus.tolist()) == (nodes.tolist(), cu.tolist(),
+                                                                           bonus.tolist())
+        emitted, committed = np.zeros(b, np.int64), []
+        for i in range(b):
+            block = flat.tokens[glob[cu[i] + 1: cu[i + 1]]].tolist() + [int(bonus[i])]
+            assert c.blocks[cu[i]: cu[i + 1]].tolist() == block
+            if checked[i]:
+                chk = StopChecker(tokenizer=None, eos_ids=[e for e in eos[i] if e >= 0], stop=[],
+                                  max_new_tokens=int(left_len[i]), prompt_tokens=0, context_length=int(left_room[i]))
+                emitted[i] = chk.push_many(block)
+                assert FINISH_OF_CODE[int(c.finish[i])] == chk.finish
+                seen.add(chk.finish)
+            else:
+                emitted[i] = len(block)
+                assert c.finish[i] == -1
+            committed.append(block[: emitted[i]])
+        assert c.emitted.tolist() == emitted.tolist()
+        plen = np.diff(cu)
+        want = _accepted_by_source(flat, sources, nodes, cu, plen, np.minimum(plen - 1, emitted))
+        assert c.counts.tolist() == want.tolist()
+        assert c.created.tolist() == order[glob[nodes > 0]].tolist()
+        along = np.arange(len(nodes)) - np.repeat(cu[:-1], plen)
+        stream = np.repeat(np.arange(b), plen)
+        moved = np.stack([stream, nodes, along], 1)[nodes != along]
+        assert c.moved.reshape(-1, 3).tolist() == moved.tolist()
+        assert c.updated == bool(checked.all())
+        if c.updated:
+            cu_c = np.zeros(b + 1, np.int64)
+            np.cumsum([len(x) for x in committed], out=cu_c[1:])
+            update_batch([ref] * b, ref_rows, flat.cu, flat.tokens, topk, np.array(sum(committed, []), np.int64),
+                         cu_c)
+        assert st.store_table().tolist() == ref.store_table().tolist()
+        assert st.num_nodes == ref.num_nodes
+        st.free()
+        ref.free()
+    assert {None, "eos", "length", "context"} <= seen

@@ -6,7 +6,9 @@ LRU leaf eviction, node id reuse and the tie order of ``candidates``), the copy-
 layer and the logits tree (drafters/copy_logits.py), and the trie builder (drafters/base.py). One
 :func:`propose_batch` call drafts every stream of a step, one :func:`update_batch` call teaches them all;
 :func:`accept_greedy_batch` and :func:`fill_tree_mask` are engine/tree.py's greedy acceptance and
-engine/decoder.py's flat-batch mask over the same flat arrays.
+engine/decoder.py's flat-batch mask over the same flat arrays; :func:`commit_greedy_batch` is the whole greedy
+commit of a step after its forward (acceptance, each block's stop checks by token id, the per-source counts
+of the telemetry, the KV rows to move, and ``update_batch``) in one call.
 
 Build: compiled on first use with the machine's C++ compiler (pybind11 headers from torch; no libtorch link;
 ``-O3``, no ``-march``) into the kernels' cache (``racer_batch.native_build``: the file named by a hash of the
@@ -49,7 +51,9 @@ __all__ = [
     "FlatDraft",
     "NativeDraftState",
     "accept_greedy_batch",
+    "Commit",
     "available",
+    "commit_greedy_batch",
     "fill_tree_mask",
     "native_core",
     "propose_batch",
@@ -346,6 +350,71 @@ def accept_greedy_batch(cu, parents, tokens, choices) -> tuple[np.ndarray, np.nd
         ValueError: shapes, offsets or parents not a forest of the streams' trees.
     """
     return native_core().accept_greedy_batch(cu, parents, tokens, choices)
+
+
+# commit_greedy_batch's finish codes -> engine/stops.py's finish reasons (-1: not checked, the row has stop strings)
+FINISH_OF_CODE = {0: None, 1: "eos", 2: "length", 3: "context"}
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What :func:`commit_greedy_batch` decided for every stream of a step (int64 numpy arrays).
+
+    Attributes:
+        nodes: accepted paths' local node indices, root first, all streams concatenated; ``cu_paths [B + 1]``
+            their offsets (as :func:`accept_greedy_batch`).
+        bonus: ``[B]`` each stream's bonus token.
+        blocks: ``[sum of path lengths]`` each stream's block (the accepted draft tokens, then the bonus),
+            over the same ``cu_paths`` (a block is as long as its path).
+        emitted: ``[B]`` tokens of the block taken before a stop rule ended the stream (the block's length for a
+            stream that goes on or was not checked).
+        finish: ``[B]`` 0 goes on, 1 eos, 2 length, 3 context (``FINISH_OF_CODE``), -1 not checked.
+        counts: ``[B, 4]`` accepted draft nodes within the emitted tokens by source: retrieval alone, logits
+            alone, both, neither (engine/step.py ``_accepted_by_source``).
+        created: creation indices (``order``) of every accepted non-root node, streams concatenated.
+        moved: ``[M, 3]`` KV rows to move, (stream, source node, destination index along the path) for every
+            path entry whose node is not its own index.
+        updated: whether the drafters learned here (every stream checked).
+    """
+
+    nodes: np.ndarray
+    cu_paths: np.ndarray
+    bonus: np.ndarray
+    blocks: np.ndarray
+    emitted: np.ndarray
+    finish: np.ndarray
+    counts: np.ndarray
+    created: np.ndarray
+    moved: np.ndarray
+    updated: bool
+
+
+def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, tokens, choices, sources, order, topk,
+                        left_len, left_room, eos, checked) -> Commit:
+    """The greedy commit of one step of every stream, in one native call (docs/method.md 4 and 9.11).
+
+    Per stream ``b`` (rows ``cu[b] : cu[b + 1]`` of the flat trees): the greedy longest path and its bonus
+    (:func:`accept_greedy_batch`); its block; where ``checked[b]``, ``StopChecker.push`` over the block by token
+    id (an EOS id -> eos, else ``left_len[b]`` tokens taken -> length, else ``left_room[b]`` -> context; a row
+    with stop strings is the caller's, ``checked`` 0); the source counts and created indices of the telemetry
+    and the KV rows to move. Then, only where every stream was checked, :func:`update_batch` with each
+    stream's emitted tokens (else the caller updates after its own checks, so a shared state learns in stream
+    order either way).
+
+    Args (int64, converted): states / rows as :func:`update_batch` (``[B]``); cu ``[B + 1]``, parents, tokens,
+        choices (the target's argmax at each node), sources, order ``[R]`` as a :class:`FlatDraft`; topk
+        ``[R, k']`` (k' >= the store's k); left_len / left_room ``[B]`` (>= 1: tokens the row may still emit
+        under ``max_new_tokens`` / the context); eos ``[B, E]`` each row's EOS ids, padded with -1; checked ``[B]``.
+
+    Returns: a :class:`Commit`.
+
+    Raises:
+        ValueError: shapes, offsets, parents not a forest, a closed/unknown/unstarted row, a freed state, a token
+            outside the vocabulary or too few top-k columns (checked before any state changes).
+    """
+    out = native_core().commit_greedy_batch(_cores(states), rows, cu, parents, tokens, choices, sources, order, topk,
+                                            left_len, left_room, eos, checked)
+    return Commit(*out, updated=bool(np.all(np.asarray(checked) != 0)))
 
 
 def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:

@@ -1121,6 +1121,37 @@ void start_row(DraftCore& st, i64 h, const I64Array& ids, const py::object& topk
 
 // ------------------------------------------------------------------------------------------------ acceptance
 
+struct AcceptScratch {
+  std::vector<i64> depth, deepest, up;
+  std::vector<char> leaf;
+};
+
+// engine/tree.py's accept_greedy on one stream's tree (rows [lo, lo + n) of the flat arrays, local parents):
+// appends the accepted path (local nodes, root first) to `path` and returns its last node. Of several longest
+// paths the first leaf in flattened order wins, as in the Python.
+i64 accept_one(const i64* par, const i64* tok, const i64* ch, i64 lo, i64 n, AcceptScratch& a, std::vector<i64>& path) {
+  a.depth.assign(size_t(n), 0);
+  a.deepest.assign(size_t(n), 0);  // deepest node on the path to j whose whole path matches the choices
+  a.leaf.assign(size_t(n), 1);
+  for (i64 j = 1; j < n; ++j) {
+    const i64 p = par[lo + j];
+    a.depth[size_t(j)] = a.depth[size_t(p)] + 1;
+    a.leaf[size_t(p)] = 0;
+    const bool ok = a.deepest[size_t(p)] == p && tok[lo + j] == ch[lo + p];
+    a.deepest[size_t(j)] = ok ? j : a.deepest[size_t(p)];
+  }
+  i64 best = 0, run = -1;
+  for (i64 j = 0; j < n; ++j)
+    if (a.leaf[size_t(j)] && a.depth[size_t(a.deepest[size_t(j)])] > run) {
+      run = a.depth[size_t(a.deepest[size_t(j)])];
+      best = a.deepest[size_t(j)];
+    }
+  a.up.clear();
+  for (i64 x = best; x >= 0; x = par[lo + x]) a.up.push_back(x);
+  path.insert(path.end(), a.up.rbegin(), a.up.rend());
+  return best;
+}
+
 py::tuple accept_greedy_batch(const I64Array& cu, const I64Array& parents, const I64Array& tokens,
                               const I64Array& choices) {
   const i64 b = cu.ndim() == 1 ? cu.shape(0) - 1 : -1;
@@ -1133,34 +1164,132 @@ py::tuple accept_greedy_batch(const I64Array& cu, const I64Array& parents, const
   {
     py::gil_scoped_release nogil;
     const i64 *c = cu.data(), *par = parents.data(), *tok = tokens.data(), *ch = choices.data();
-    std::vector<i64> depth, deepest, up;
-    std::vector<char> leaf;
+    AcceptScratch a;
     for (i64 s = 0; s < b; ++s) {
-      const i64 lo = c[s], n = c[s + 1] - c[s];
-      depth.assign(size_t(n), 0);
-      deepest.assign(size_t(n), 0);  // deepest node on the path to j whose whole path matches the choices
-      leaf.assign(size_t(n), 1);
-      for (i64 j = 1; j < n; ++j) {
-        const i64 p = par[lo + j];
-        depth[size_t(j)] = depth[size_t(p)] + 1;
-        leaf[size_t(p)] = 0;
-        const bool ok = deepest[size_t(p)] == p && tok[lo + j] == ch[lo + p];
-        deepest[size_t(j)] = ok ? j : deepest[size_t(p)];
-      }
-      i64 best = 0, run = -1;  // the first leaf (flattened order) with the longest accepted run
-      for (i64 j = 0; j < n; ++j)
-        if (leaf[size_t(j)] && depth[size_t(deepest[size_t(j)])] > run) {
-          run = depth[size_t(deepest[size_t(j)])];
-          best = deepest[size_t(j)];
-        }
-      up.clear();
-      for (i64 x = best; x >= 0; x = par[lo + x]) up.push_back(x);
-      path.insert(path.end(), up.rbegin(), up.rend());
+      const i64 best = accept_one(par, tok, ch, c[s], c[s + 1] - c[s], a, path);
       cu_path[size_t(s) + 1] = i64(path.size());
-      bonus[size_t(s)] = ch[lo + best];
+      bonus[size_t(s)] = ch[c[s] + best];
     }
   }
   return py::make_tuple(to_array(path), to_array(cu_path), to_array(bonus));
+}
+
+// ------------------------------------------------------------------------------------------------ commit
+
+// Finish codes of commit_greedy_batch (engine/stops.py's reasons checked by id; the Python maps them back).
+constexpr i64 kGoesOn = 0, kEos = 1, kLength = 2, kContext = 3, kUnchecked = -1;
+
+struct CommitArgs {
+  const i64 *cu, *par, *tok, *ch, *src, *order, *topk, *left_len, *left_room, *eos, *checked;
+  i64 kp, n_eos;
+};
+
+struct CommitOut {
+  std::vector<i64> path, cu_path, bonus, block, emitted, finish, counts, created, moved;
+};
+
+// StopChecker.push over one stream's block (accepted draft tokens, then the bonus) by token id: per token, an
+// EOS id -> eos, else max_new_tokens reached -> length, else the context full -> context (stop strings are the
+// caller's: such rows are not checked here). Returns how many tokens were taken and sets `finish`.
+i64 check_block(const i64* block, i64 n, const CommitArgs& a, i64 s, i64& finish) {
+  const i64 *e0 = a.eos + s * a.n_eos, *e1 = e0 + a.n_eos;  // the row's EOS ids (-1: padding)
+  for (i64 j = 0; j < n; ++j) {
+    if (std::find(e0, e1, block[j]) != e1) finish = kEos;
+    else if (j + 1 >= a.left_len[s]) finish = kLength;
+    else if (j + 1 >= a.left_room[s]) finish = kContext;
+    if (finish != kGoesOn) return j + 1;
+  }
+  return n;
+}
+
+// Accepted draft nodes of one stream by source (columns retrieval alone, logits alone, both, neither; a
+// retrieval/logits flag mixed with another drafter's counts in none), over path positions 1 .. accepted.
+void count_sources(const CommitArgs& a, i64 lo, const i64* path, i64 accepted, i64* counts) {
+  for (i64 k = 1; k <= accepted; ++k) {
+    const i64 src = a.src[lo + path[k]], rl = src & (kSourceRetrieval | kSourceLogits);
+    if (rl == 0) counts[3] += 1;
+    else if (src == rl) counts[rl - 1] += 1;
+  }
+}
+
+// One stream's acceptance, block, stop checks, source counts, created indices and moved KV rows into `o`.
+void commit_one(const CommitArgs& a, i64 s, AcceptScratch& sc, CommitOut& o) {
+  const i64 lo = a.cu[s], p0 = i64(o.path.size());
+  const i64 best = accept_one(a.par, a.tok, a.ch, lo, a.cu[s + 1] - lo, sc, o.path);
+  const i64 plen = i64(o.path.size()) - p0;
+  const i64* path = o.path.data() + p0;
+  o.cu_path.push_back(i64(o.path.size()));
+  o.bonus.push_back(a.ch[lo + best]);
+  const i64 b0 = i64(o.block.size());
+  for (i64 k = 1; k < plen; ++k) o.block.push_back(a.tok[lo + path[k]]);
+  o.block.push_back(a.ch[lo + best]);
+  i64 finish = a.checked[s] ? kGoesOn : kUnchecked;
+  const i64 emitted = a.checked[s] ? check_block(o.block.data() + b0, plen, a, s, finish) : plen;
+  o.emitted.push_back(emitted);
+  o.finish.push_back(finish);
+  const size_t c0 = o.counts.size();
+  o.counts.resize(c0 + 4, 0);
+  count_sources(a, lo, path, std::min(plen - 1, emitted), o.counts.data() + c0);
+  for (i64 k = 1; k < plen; ++k) o.created.push_back(a.order[lo + path[k]]);
+  for (i64 k = 0; k < plen; ++k)
+    if (path[k] != k) o.moved.insert(o.moved.end(), {s, path[k], k});
+}
+
+py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu,
+                              const I64Array& parents, const I64Array& tokens, const I64Array& choices,
+                              const I64Array& sources, const I64Array& order, const I64Array& topk,
+                              const I64Array& left_len, const I64Array& left_room, const I64Array& eos,
+                              const I64Array& checked) {
+  const std::vector<DraftCore*> states = cores_of(states_in);
+  const i64 b = i64(states.size());
+  check_1d(rows, b, "rows");
+  check_trees(cu, parents, b);
+  const i64 r = parents.shape(0);
+  check_1d(tokens, r, "tokens");
+  check_1d(choices, r, "choices");
+  check_1d(sources, r, "sources");
+  check_1d(order, r, "order");
+  if (topk.ndim() != 2 || topk.shape(0) != r)
+    bad("topk must be 2-D [R=" + std::to_string(r) + ", k'], got " + std::to_string(topk.ndim()) + "-D");
+  check_1d(left_len, b, "left_len");
+  check_1d(left_room, b, "left_room");
+  check_1d(checked, b, "checked");
+  if (eos.ndim() != 2 || eos.shape(0) != b)
+    bad("eos must be 2-D [B=" + std::to_string(b) + ", E], got " + std::to_string(eos.ndim()) + "-D");
+  const CommitArgs a{cu.data(),       parents.data(),  tokens.data(),      choices.data(),
+                     sources.data(),  order.data(),    topk.data(),        left_len.data(),
+                     left_room.data(), eos.data(),     checked.data(),     i64(topk.shape(1)),
+                     i64(eos.shape(1))};
+  CommitOut o;
+  {
+    py::gil_scoped_release nogil;
+    MultiLock lock(states);
+    const Streams st = resolve(states, rows.data());
+    thread_local AcceptScratch sc;
+    o.cu_path.assign(1, 0);
+    for (i64 s = 0; s < b; ++s) commit_one(a, s, sc, o);
+    // the drafters learn only when every stream was checked here (else the caller updates them all after its
+    // own stop checks, in stream order, as update_batch: a shared state's updates stay in the same order)
+    bool all_checked = true;
+    for (i64 s = 0; s < b; ++s) all_checked = all_checked && a.checked[s] != 0;
+    if (all_checked) {
+      std::vector<i64> comm, cu_c(size_t(b) + 1, 0);  // each stream's emitted tokens (block[: emitted])
+      for (i64 s = 0; s < b; ++s) {
+        const i64* blk = o.block.data() + o.cu_path[size_t(s)];
+        comm.insert(comm.end(), blk, blk + o.emitted[size_t(s)]);
+        cu_c[size_t(s) + 1] = i64(comm.size());
+      }
+      const UpdateArgs u{a.cu, a.tok, a.topk, comm.data(), cu_c.data(), a.kp};
+      check_update(st, u);  // every input checked before any state changes
+      for (size_t s = 0; s < states.size(); ++s) update_one(*states[s], *st.rows[s], u, s);
+    }
+  }
+  const i64 nm = i64(o.moved.size() / 3);
+  py::array_t<i64> counts({b, i64(4)}), moved({nm, i64(3)});
+  if (b) std::memcpy(counts.mutable_data(), o.counts.data(), o.counts.size() * sizeof(i64));
+  if (nm) std::memcpy(moved.mutable_data(), o.moved.data(), o.moved.size() * sizeof(i64));
+  return py::make_tuple(to_array(o.path), to_array(o.cu_path), to_array(o.bonus), to_array(o.block),
+                        to_array(o.emitted), to_array(o.finish), counts, to_array(o.created), moved);
 }
 
 // ------------------------------------------------------------------------------------------------ mask
@@ -1315,5 +1444,6 @@ PYBIND11_MODULE(racer_draft_core, m) {
   m.def("propose_batch", &propose_batch);
   m.def("update_batch", &update_batch);
   m.def("accept_greedy_batch", &accept_greedy_batch);
+  m.def("commit_greedy_batch", &commit_greedy_batch);
   m.def("fill_tree_mask", &fill_tree_mask);
 }
