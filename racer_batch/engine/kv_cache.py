@@ -282,31 +282,36 @@ class KVCache:
 
     @torch.inference_mode()
     def keep_rows_batch(self, caches: Sequence[SlotCache], starts: np.ndarray, paths: np.ndarray,
-                        cu_paths: np.ndarray) -> None:
+                        cu_paths: np.ndarray, *, moved: Optional[np.ndarray] = None) -> None:
         """``keep_rows`` of every stream in one call: stream ``b`` keeps ``paths[cu_paths[b] : cu_paths[b + 1]]``
         after its ``starts[b]`` committed rows. Every moved row of every stream (node ``!= i``) goes in one gather
         and one scatter over all layers, keys and values; the gather reads every source before any row is
-        written, as ascending copies one by one would (a source ``node >= i`` is never an earlier destination)."""
+        written, as ascending copies one by one would (a source ``node >= i`` is never an earlier destination).
+
+        ``moved``: those rows already listed, ``[M, 3]`` int64 (stream, source node, destination index along
+        its path; ``drafters.native.Commit.moved``), so they are not derived from ``paths`` here."""
         if len(paths) == len(caches):  # every stream kept its root alone (AR, or no draft node accepted)
             for cache, start in zip(caches, np.asarray(starts).tolist()):
                 cache.length = start + 1
             return
         starts = np.asarray(starts, dtype=np.int64)
-        paths = np.asarray(paths, dtype=np.int64)
         cu = np.asarray(cu_paths, dtype=np.int64)
-        lengths = np.diff(cu)
-        idx = np.arange(paths.shape[0], dtype=np.int64) - np.repeat(cu[:-1], lengths)  # i along each path
-        moved = paths != idx
-        if moved.any():
-            stream = np.repeat(np.arange(len(caches)), lengths)[moved]
-            slot_of = np.fromiter((c.slot for c in caches), np.int64, len(caches))
+        if moved is None:
+            paths = np.asarray(paths, dtype=np.int64)
+            lengths = np.diff(cu)
+            idx = np.arange(paths.shape[0], dtype=np.int64) - np.repeat(cu[:-1], lengths)  # i along each path
+            keep = paths != idx
+            moved = np.stack([np.repeat(np.arange(len(caches)), lengths)[keep], paths[keep], idx[keep]], 1)
+        if len(moved):
+            stream = moved[:, 0]
             base = starts[stream]
-            slot = torch.from_numpy(slot_of[stream]).to(self.device)
-            src = torch.from_numpy(base + paths[moved]).to(self.device)
-            dst = torch.from_numpy(base + idx[moved]).to(self.device)
+            slot = torch.from_numpy(np.fromiter((caches[s].slot for s in stream.tolist()), np.int64, len(stream)))
+            src = torch.from_numpy(base + moved[:, 1]).to(self.device)
+            dst = torch.from_numpy(base + moved[:, 2]).to(self.device)
+            slot = slot.to(self.device)
             if self.kernels is not None:
                 self.kernels.keep_rows_(self.kv, slot, src, dst)
             else:
                 self.kv[:, :, slot, :, dst] = self.kv[:, :, slot, :, src]
-        for cache, start, n in zip(caches, starts.tolist(), lengths.tolist()):
+        for cache, start, n in zip(caches, starts.tolist(), np.diff(cu).tolist()):
             cache.length = start + n

@@ -184,9 +184,11 @@ class ModelRunner:
             layer.keys = layer.keys.index_select(2, idx)
             layer.values = layer.values.index_select(2, idx)
 
-    def keep_rows_batch(self, caches: list, starts: np.ndarray, paths: np.ndarray, cu_paths: np.ndarray) -> None:
+    def keep_rows_batch(self, caches: list, starts: np.ndarray, paths: np.ndarray, cu_paths: np.ndarray, *,
+                        moved: np.ndarray | None = None) -> None:
         """``keep_rows`` per stream: stream ``b`` keeps ``paths[cu_paths[b] : cu_paths[b + 1]]`` (local node
-        indices, root first) after its ``starts[b]`` committed rows."""
+        indices, root first) after its ``starts[b]`` committed rows. ``moved``: accepted and unused here (the
+        static runner's shortcut, ``KVCache.keep_rows_batch``)."""
         for b, cache in enumerate(caches):
             nodes = [int(n) for n in paths[int(cu_paths[b]) : int(cu_paths[b + 1])]]
             self.keep_rows(cache, committed_len=int(starts[b]), nodes=nodes)

@@ -296,12 +296,12 @@ class StaticRunner:
         cache.pool.keep_rows(cache, committed_len=committed_len, nodes=nodes)
 
     def keep_rows_batch(self, caches: Sequence[SlotCache], starts: np.ndarray, paths: np.ndarray,
-                        cu_paths: np.ndarray) -> None:
+                        cu_paths: np.ndarray, *, moved: Optional[np.ndarray] = None) -> None:
         """``keep_rows`` of every stream in one call: stream ``b`` keeps the tree nodes
         ``paths[cu_paths[b] : cu_paths[b + 1]]`` (local indices, root first, ascending) after its ``starts[b]``
         committed rows and then holds ``starts[b] + len(path)``; all moved rows of all streams in one gather
-        and one scatter (``KVCache.keep_rows_batch``)."""
-        self.kv_cache.keep_rows_batch(caches, starts, paths, cu_paths)
+        and one scatter (``KVCache.keep_rows_batch``; ``moved`` as there)."""
+        self.kv_cache.keep_rows_batch(caches, starts, paths, cu_paths, moved=moved)
 
     # ---- prefill
     @torch.inference_mode()

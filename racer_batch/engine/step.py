@@ -28,9 +28,9 @@ the logits is timed there too, as ``SCORES_PART``, apart from the host parts (de
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Optional
 
 import numpy as np
@@ -243,7 +243,10 @@ class Stepper:
         kind, native = _drafting(rows)
         own = [0.0] * len(rows) if kind in ("mixed", "python") else None
         self.last_own_ms = own
-        flat, sources, order = self._propose(rows, cap, clock, kind, native, own)
+        # the native rows' (states, row handles [B]), made once for the step's native calls
+        handles = ([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, len(rows))) \
+            if kind == "native" else None
+        flat, sources, order = self._propose(rows, cap, clock, kind, native, own, handles)
         clock.lap("flatten")
         self.last_rows = flat.rows
         self.last_cu = flat.cu
@@ -261,17 +264,17 @@ class Stepper:
         commit = None
         if self._fusable(rows, kind):
             nodes, cu_paths, blocks, emitted, commit = self._commit_native(rows, flat, sources, order, choices, topk,
-                                                                           native, clock)
+                                                                           native, handles, clock)
         else:
             nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
             clock.lap("accept")
             self.committing = True
             blocks, emitted = self._stops(rows, flat, nodes, cu_paths, bonus)
             clock.lap("stops")
-        self._keep(rows, flat, nodes, cu_paths)
+        self._keep(rows, flat, nodes, cu_paths, None if commit is None else commit.moved)
         clock.lap("keep_rows")
         if commit is None:
-            self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native, own)
+            self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native, own, handles)
             clock.lap("update")
         self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock, commit)
         clock.lap("telemetry")
@@ -288,7 +291,7 @@ class Stepper:
             self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
         return bool(self._native_accept) and all(r.params.greedy for r in rows)
 
-    def _commit_native(self, rows, flat, sources, order, choices, topk, native, clock):
+    def _commit_native(self, rows, flat, sources, order, choices, topk, native, handles, clock):
         """Acceptance, stop checks by token id, the telemetry's source counts and the drafters' update of every
         row in one ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
@@ -299,16 +302,13 @@ class Stepper:
 
         b = len(rows)
         checkers = [r.stops for r in rows]
-        eos = _eos_table([c.eos_ids for c in checkers])
-        left_len = np.fromiter((c.max_new_tokens - len(c.tokens) for c in checkers), np.int64, b)
-        left_room = np.fromiter((c.room - len(c.tokens) for c in checkers), np.int64, b)
-        checked = np.fromiter((not c.stop for c in checkers), np.int64, b)
+        limits = np.fromiter(chain.from_iterable(c.limits() for c in checkers), np.int64, 3 * b).reshape(b, 3)
+        eos = _eos_table([c.eos_row for c in checkers])
         if topk is None:
             topk = np.zeros((flat.rows, 1), dtype=np.int64)
         self.committing = True  # the call below updates the drafters: no retry past it
-        c = commit_greedy_batch([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b), flat.cu,
-                                flat.parents, flat.tokens, choices, sources, order, topk, left_len, left_room, eos,
-                                checked)
+        c = commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices, sources, order,
+                                topk, limits, eos)
         clock.lap("accept")
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
         blocks: list[list[int]] = []
@@ -328,15 +328,16 @@ class Stepper:
         emitted = np.asarray(emitted_l, dtype=np.int64)
         clock.lap("stops")
         if not c.updated:
-            _update_native(native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)])
+            _update_native(native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)], handles)
         clock.lap("update")  # ~0 where the call above updated every row (that time is in ``accept``)
         if cut:
-            c = dataclasses.replace(c, counts=None)
+            c = c._replace(counts=None)
         return c.nodes, c.cu_paths, blocks, emitted, c
 
     @staticmethod
     def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str, native: list,
-                 own: Optional[list[float]] = None) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+                 own: Optional[list[float]] = None, handles: Optional[tuple] = None,
+                 ) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
         """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
         own trees are flattened here), with each row's ``sources`` and creation ``order``."""
         b = len(rows)
@@ -352,8 +353,7 @@ class Stepper:
         if kind == "native":
             from ..drafters.native import propose_batch
 
-            got = propose_batch([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b), roots,
-                                np.full(b, cap, dtype=np.int64), depth)
+            got = propose_batch(handles[0], handles[1], roots, np.full(b, cap, dtype=np.int64), depth)
             flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
             clock.lap("propose")
             return flat, got.sources, got.order
@@ -445,25 +445,28 @@ class Stepper:
             blocks.append(block)
         return blocks, emitted
 
-    def _keep(self, rows, flat, nodes, cu_paths) -> None:
-        """Keep the accepted path's KV rows of every row that goes on; advance its committed length."""
+    def _keep(self, rows, flat, nodes, cu_paths, moved: Optional[np.ndarray] = None) -> None:
+        """Keep the accepted path's KV rows of every row that goes on; advance its committed length.
+        ``moved``: a native commit's ``[M, 3]`` rows to move (``Commit.moved``), used where every row goes on."""
+        lengths = (cu_paths[1:] - cu_paths[:-1]).tolist()
+        if not any(r.done for r in rows):
+            self.runner.keep_rows_batch(flat.caches, flat.starts, nodes, cu_paths, moved=moved)
+            for r, n in zip(rows, lengths):
+                r.committed_len += n
+            return
         live = [i for i, r in enumerate(rows) if not r.done]
         if not live:
             return
-        lengths = np.diff(cu_paths)
-        if len(live) == len(rows):
-            keep_nodes, keep_cu = nodes, cu_paths
-        else:
-            keep_nodes = np.concatenate([nodes[cu_paths[i]: cu_paths[i + 1]] for i in live])
-            keep_cu = np.zeros(len(live) + 1, dtype=np.int64)
-            np.cumsum(lengths[live], out=keep_cu[1:])
+        keep_nodes = np.concatenate([nodes[cu_paths[i]: cu_paths[i + 1]] for i in live])
+        keep_cu = np.zeros(len(live) + 1, dtype=np.int64)
+        np.cumsum([lengths[i] for i in live], out=keep_cu[1:])
         self.runner.keep_rows_batch([rows[i].cache for i in live], flat.starts[live], keep_nodes, keep_cu)
         for i in live:
-            rows[i].committed_len += int(lengths[i])
+            rows[i].committed_len += lengths[i]
 
     @staticmethod
     def _update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind: str, native: list,
-                own: Optional[list[float]] = None) -> None:
+                own: Optional[list[float]] = None, handles: Optional[tuple] = None) -> None:
         """The drafters learn from the step: every verified node's top-k and the committed tokens."""
         for i, r in enumerate(rows):
             r.root = blocks[i][-1]
@@ -473,7 +476,7 @@ class Stepper:
             topk = np.zeros((flat.rows, 1), dtype=np.int64)
         committed = [blocks[i][: int(emitted[i])] for i in range(len(rows))]
         if kind == "native":
-            _update_native(native, flat, topk, committed)
+            _update_native(native, flat, topk, committed, handles)
             return
         if kind == "mixed":
             nat = [i for i, n in enumerate(native) if n is not None]
@@ -498,7 +501,7 @@ class Stepper:
         """Telemetry of the step for every row (one table update) and one capacity-tuner observation
         (``commit``: a native commit's source counts and created indices, where it made them)."""
         b = len(rows)
-        plen = np.diff(cu_paths)
+        plen = cu_paths[1:] - cu_paths[:-1]
         accepted = np.minimum(plen - 1, emitted)  # accepted draft nodes (a stop inside the block cuts them too)
         vals = np.zeros((b, len(TEL_FIELDS)))
         vals[:, 0] = 1.0
@@ -509,7 +512,7 @@ class Stepper:
             if counts is None:
                 counts = _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted)
             vals[:, 3:7] = counts
-        vals[:, 7] = np.diff(flat.cu)
+        vals[:, 7] = flat.cu[1:] - flat.cu[:-1]
         host = clock.since_start_ms()
         propose = clock.part("propose")
         vals[:, 8] = propose / b
@@ -592,26 +595,32 @@ def _mixed_drafts(rows: list[DecodeRow], native: list, roots: np.ndarray, cap: i
     return drafts
 
 
-def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: list[list[int]]) -> None:
-    """One ``update_batch`` call of the native draft core for every row (``native``: (state, row handle))."""
+def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: list[list[int]],
+                   handles: Optional[tuple] = None) -> None:
+    """One ``update_batch`` call of the native draft core for every row (``native``: (state, row handle);
+    ``handles``: the same as (states, handles [B]) where the step made them)."""
     from ..drafters.native import update_batch
 
     b = len(native)
     cu_c = np.zeros(b + 1, dtype=np.int64)
     np.cumsum([len(c) for c in committed], out=cu_c[1:])
     flat_c = np.fromiter((t for c in committed for t in c), np.int64, int(cu_c[-1]))
-    update_batch([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b),
-                 flat.cu, flat.tokens, topk, flat_c, cu_c)
+    if handles is None:
+        handles = ([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b))
+    update_batch(handles[0], handles[1], flat.cu, flat.tokens, topk, flat_c, cu_c)
 
 
-def _eos_table(ids: list[np.ndarray]) -> np.ndarray:
-    """Each row's EOS ids as one ``[B, E]`` int64 table, padded with -1 (``commit_greedy_batch``'s ``eos``)."""
-    width = max(len(x) for x in ids)
-    if all(len(x) == width for x in ids):
-        return np.stack(ids) if width else np.zeros((len(ids), 0), dtype=np.int64)
-    table = np.full((len(ids), width), -1, dtype=np.int64)
-    for i, x in enumerate(ids):
-        table[i, : len(x)] = x
+def _eos_table(rows: list[np.ndarray]) -> np.ndarray:
+    """Each row's EOS ids (``StopChecker.eos_row``, ``[1, E_i]``) as one ``[B, E]`` int64 table, padded with -1
+    (``commit_greedy_batch``'s ``eos``)."""
+    if len(rows) == 1:
+        return rows[0]
+    width = max(x.shape[1] for x in rows)
+    if all(x.shape[1] == width for x in rows):
+        return np.concatenate(rows)
+    table = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, x in enumerate(rows):
+        table[i, : x.shape[1]] = x[0]
     return table
 
 

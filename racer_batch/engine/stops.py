@@ -38,8 +38,9 @@ class StopChecker:
         self.finish: FinishReason | None = None
         self._stop_window = max((len(s) for s in self.stop), default=0) + 8
         self.stop_at_char: int | None = None
-        # the EOS ids as int64, ascending: a native commit checks them by id (engine/step.py)
-        self.eos_ids = np.array(sorted(self.eos), dtype=np.int64)
+        # the EOS ids as one int64 row [1, E], ascending: a native commit checks them by id (engine/step.py)
+        self.eos_row = np.array([sorted(self.eos)], dtype=np.int64).reshape(1, -1)
+        self._check_here = 0 if self.stop else 1
 
     @property
     def remaining(self) -> int:
@@ -67,6 +68,12 @@ class StopChecker:
             if self.push(tok):
                 return i + 1
         return len(tokens)
+
+    def limits(self) -> tuple[int, int, int]:
+        """``(tokens left under max_new_tokens, tokens left under the context, 1 where every rule is checkable by
+        token id (no stop strings) else 0)``: a row of ``commit_greedy_batch``'s ``limits``."""
+        n = len(self.tokens)
+        return self.max_new_tokens - n, self.room - n, self._check_here
 
     def commit_checked(self, tokens: Sequence[int], finish: FinishReason | None) -> None:
         """Append ``tokens`` already checked by id elsewhere (``drafters.native.commit_greedy_batch``: the EOS

@@ -110,7 +110,7 @@ class FlatTrees:
 
     def sizes(self) -> np.ndarray:
         """``[B]`` rows per stream."""
-        return np.diff(self.cu)
+        return self.cu[1:] - self.cu[:-1]
 
     def rows_of(self, streams: Sequence[int]) -> np.ndarray:
         """``[R']`` the global rows of the trees of ``streams``, in that order."""

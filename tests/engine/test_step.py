@@ -222,8 +222,9 @@ def test_commit_greedy_batch_equals_its_parts_on_random_trees():
         checked = (rng.random(b) < 0.85).astype(np.int64)
         st, rows = _started_state(np.random.default_rng(len(seen)), b, vocab)
         ref, ref_rows = _started_state(np.random.default_rng(len(seen)), b, vocab)
+        limits = np.stack([left_len, left_room, checked], 1)
         c = commit_greedy_batch([st] * b, rows, flat.cu, flat.parents, flat.tokens, choices, sources, order, topk,
-                                left_len, left_room, eos, checked)
+                                limits, eos)
         nodes, cu, bonus, glob = greedy_paths(flat, choices)
         assert (c.nodes.tolist(), c.cu_paths.tolist(), c.bonus.tolist()) == (nodes.tolist(), cu.tolist(),
                                                                            bonus.tolist())

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -123,6 +124,14 @@ def native_core() -> ModuleType:
             _state["error"] = f"racer's native draft core is unavailable: {type(exc).__name__}: {exc}"
             raise RuntimeError(_state["error"]) from exc
         return _state["module"]  # type: ignore[return-value]
+
+
+def _core() -> ModuleType:
+    """The module for the batch calls: once loaded, without reading the environment again (a step makes several
+    calls; ``RACER_NATIVE_DRAFT=off`` decides whether states are made, :func:`available`, not whether the states
+    that exist keep working); else :func:`native_core`."""
+    mod = _state.get("module")
+    return mod if mod is not None else native_core()  # type: ignore[return-value]
 
 
 def available() -> bool:
@@ -314,7 +323,7 @@ def propose_batch(states: Sequence[NativeDraftState], rows, roots, capacities, m
         ValueError: shapes, a closed/unknown/unstarted row, a freed state, a root outside the vocab, capacity < 1,
             max_depth < 0 (checked before any state changes).
     """
-    out = native_core().propose_batch(_cores(states), rows, roots, capacities, max_depths)
+    out = _core().propose_batch(_cores(states), rows, roots, capacities, max_depths)
     return FlatDraft(*out)
 
 
@@ -332,7 +341,7 @@ def update_batch(states: Sequence[NativeDraftState], rows, cu, node_tokens, node
         ValueError: shapes or offsets, token ids outside the vocab, too few top-k columns, a closed/unknown/
             unstarted row, a freed state (checked before any state changes).
     """
-    native_core().update_batch(_cores(states), rows, cu, node_tokens, node_topk, committed, cu_committed)
+    _core().update_batch(_cores(states), rows, cu, node_tokens, node_topk, committed, cu_committed)
 
 
 def accept_greedy_batch(cu, parents, tokens, choices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -349,16 +358,16 @@ def accept_greedy_batch(cu, parents, tokens, choices) -> tuple[np.ndarray, np.nd
     Raises:
         ValueError: shapes, offsets or parents not a forest of the streams' trees.
     """
-    return native_core().accept_greedy_batch(cu, parents, tokens, choices)
+    return _core().accept_greedy_batch(cu, parents, tokens, choices)
 
 
 # commit_greedy_batch's finish codes -> engine/stops.py's finish reasons (-1: not checked, the row has stop strings)
 FINISH_OF_CODE = {0: None, 1: "eos", 2: "length", 3: "context"}
 
 
-@dataclass(frozen=True)
-class Commit:
-    """What :func:`commit_greedy_batch` decided for every stream of a step (int64 numpy arrays).
+class Commit(NamedTuple):
+    """What :func:`commit_greedy_batch` decided for every stream of a step (int64 numpy arrays; a named tuple,
+    built without per-field work on the hot path).
 
     Attributes:
         nodes: accepted paths' local node indices, root first, all streams concatenated; ``cu_paths [B + 1]``
@@ -390,21 +399,22 @@ class Commit:
 
 
 def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, tokens, choices, sources, order, topk,
-                        left_len, left_room, eos, checked) -> Commit:
+                        limits, eos) -> Commit:
     """The greedy commit of one step of every stream, in one native call (docs/method.md 4 and 9.11).
 
     Per stream ``b`` (rows ``cu[b] : cu[b + 1]`` of the flat trees): the greedy longest path and its bonus
-    (:func:`accept_greedy_batch`); its block; where ``checked[b]``, ``StopChecker.push`` over the block by token
-    id (an EOS id -> eos, else ``left_len[b]`` tokens taken -> length, else ``left_room[b]`` -> context; a row
-    with stop strings is the caller's, ``checked`` 0); the source counts and created indices of the telemetry
+    (:func:`accept_greedy_batch`); its block; where ``limits[b, 2]`` (checked), ``StopChecker.push`` over the
+    block by token id (an EOS id -> eos, else ``limits[b, 0]`` tokens taken -> length, else ``limits[b, 1]`` ->
+    context; a row with stop strings is the caller's, checked 0); the source counts and created indices of the telemetry
     and the KV rows to move. Then, only where every stream was checked, :func:`update_batch` with each
     stream's emitted tokens (else the caller updates after its own checks, so a shared state learns in stream
     order either way).
 
     Args (int64, converted): states / rows as :func:`update_batch` (``[B]``); cu ``[B + 1]``, parents, tokens,
         choices (the target's argmax at each node), sources, order ``[R]`` as a :class:`FlatDraft`; topk
-        ``[R, k']`` (k' >= the store's k); left_len / left_room ``[B]`` (>= 1: tokens the row may still emit
-        under ``max_new_tokens`` / the context); eos ``[B, E]`` each row's EOS ids, padded with -1; checked ``[B]``.
+        ``[R, k']`` (k' >= the store's k); limits ``[B, 3]``: per row the tokens it may still emit under
+        ``max_new_tokens`` and under the context (each >= 1) and whether its stops are checked here (1) or by the
+        caller (0, stop strings: ``StopChecker.limits``); eos ``[B, E]`` each row's EOS ids, padded with -1.
 
     Returns: a :class:`Commit`.
 
@@ -412,9 +422,8 @@ def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, t
         ValueError: shapes, offsets, parents not a forest, a closed/unknown/unstarted row, a freed state, a token
             outside the vocabulary or too few top-k columns (checked before any state changes).
     """
-    out = native_core().commit_greedy_batch(_cores(states), rows, cu, parents, tokens, choices, sources, order, topk,
-                                            left_len, left_room, eos, checked)
-    return Commit(*out, updated=bool(np.all(np.asarray(checked) != 0)))
+    return Commit._make(_core().commit_greedy_batch(_cores(states), rows, cu, parents, tokens, choices, sources,
+                                                          order, topk, limits, eos))
 
 
 def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:
@@ -454,5 +463,5 @@ def fill_tree_mask(mask, cu, parents, starts, neg: float):
         ValueError: mask type/layout/shape, offsets, parents not a forest, or a stream not fitting in S columns.
     """
     view, neg_bits = _mask_bits(mask, neg)
-    native_core().fill_tree_mask(view, cu, parents, starts, 0, neg_bits)
+    _core().fill_tree_mask(view, cu, parents, starts, 0, neg_bits)
     return mask

@@ -1180,8 +1180,11 @@ py::tuple accept_greedy_batch(const I64Array& cu, const I64Array& parents, const
 constexpr i64 kGoesOn = 0, kEos = 1, kLength = 2, kContext = 3, kUnchecked = -1;
 
 struct CommitArgs {
-  const i64 *cu, *par, *tok, *ch, *src, *order, *topk, *left_len, *left_room, *eos, *checked;
+  const i64 *cu, *par, *tok, *ch, *src, *order, *topk, *limits, *eos;  // limits [B, 3]: left_len, left_room, checked
   i64 kp, n_eos;
+  i64 left_len(i64 s) const { return limits[3 * s]; }
+  i64 left_room(i64 s) const { return limits[3 * s + 1]; }
+  bool checked(i64 s) const { return limits[3 * s + 2] != 0; }
 };
 
 struct CommitOut {
@@ -1195,8 +1198,8 @@ i64 check_block(const i64* block, i64 n, const CommitArgs& a, i64 s, i64& finish
   const i64 *e0 = a.eos + s * a.n_eos, *e1 = e0 + a.n_eos;  // the row's EOS ids (-1: padding)
   for (i64 j = 0; j < n; ++j) {
     if (std::find(e0, e1, block[j]) != e1) finish = kEos;
-    else if (j + 1 >= a.left_len[s]) finish = kLength;
-    else if (j + 1 >= a.left_room[s]) finish = kContext;
+    else if (j + 1 >= a.left_len(s)) finish = kLength;
+    else if (j + 1 >= a.left_room(s)) finish = kContext;
     if (finish != kGoesOn) return j + 1;
   }
   return n;
@@ -1223,8 +1226,8 @@ void commit_one(const CommitArgs& a, i64 s, AcceptScratch& sc, CommitOut& o) {
   const i64 b0 = i64(o.block.size());
   for (i64 k = 1; k < plen; ++k) o.block.push_back(a.tok[lo + path[k]]);
   o.block.push_back(a.ch[lo + best]);
-  i64 finish = a.checked[s] ? kGoesOn : kUnchecked;
-  const i64 emitted = a.checked[s] ? check_block(o.block.data() + b0, plen, a, s, finish) : plen;
+  i64 finish = a.checked(s) ? kGoesOn : kUnchecked;
+  const i64 emitted = a.checked(s) ? check_block(o.block.data() + b0, plen, a, s, finish) : plen;
   o.emitted.push_back(emitted);
   o.finish.push_back(finish);
   const size_t c0 = o.counts.size();
@@ -1238,8 +1241,7 @@ void commit_one(const CommitArgs& a, i64 s, AcceptScratch& sc, CommitOut& o) {
 py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu,
                               const I64Array& parents, const I64Array& tokens, const I64Array& choices,
                               const I64Array& sources, const I64Array& order, const I64Array& topk,
-                              const I64Array& left_len, const I64Array& left_room, const I64Array& eos,
-                              const I64Array& checked) {
+                              const I64Array& limits, const I64Array& eos) {
   const std::vector<DraftCore*> states = cores_of(states_in);
   const i64 b = i64(states.size());
   check_1d(rows, b, "rows");
@@ -1251,16 +1253,15 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
   check_1d(order, r, "order");
   if (topk.ndim() != 2 || topk.shape(0) != r)
     bad("topk must be 2-D [R=" + std::to_string(r) + ", k'], got " + std::to_string(topk.ndim()) + "-D");
-  check_1d(left_len, b, "left_len");
-  check_1d(left_room, b, "left_room");
-  check_1d(checked, b, "checked");
+  if (limits.ndim() != 2 || limits.shape(0) != b || limits.shape(1) != 3)
+    bad("limits must be 2-D [B=" + std::to_string(b) + ", 3], got " + std::to_string(limits.ndim()) + "-D");
   if (eos.ndim() != 2 || eos.shape(0) != b)
     bad("eos must be 2-D [B=" + std::to_string(b) + ", E], got " + std::to_string(eos.ndim()) + "-D");
-  const CommitArgs a{cu.data(),       parents.data(),  tokens.data(),      choices.data(),
-                     sources.data(),  order.data(),    topk.data(),        left_len.data(),
-                     left_room.data(), eos.data(),     checked.data(),     i64(topk.shape(1)),
+  const CommitArgs a{cu.data(),    parents.data(), tokens.data(), choices.data(),      sources.data(),
+                     order.data(), topk.data(),    limits.data(), eos.data(),          i64(topk.shape(1)),
                      i64(eos.shape(1))};
   CommitOut o;
+  bool all_checked = true;
   {
     py::gil_scoped_release nogil;
     MultiLock lock(states);
@@ -1270,8 +1271,7 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
     for (i64 s = 0; s < b; ++s) commit_one(a, s, sc, o);
     // the drafters learn only when every stream was checked here (else the caller updates them all after its
     // own stop checks, in stream order, as update_batch: a shared state's updates stay in the same order)
-    bool all_checked = true;
-    for (i64 s = 0; s < b; ++s) all_checked = all_checked && a.checked[s] != 0;
+    for (i64 s = 0; s < b; ++s) all_checked = all_checked && a.checked(s);
     if (all_checked) {
       std::vector<i64> comm, cu_c(size_t(b) + 1, 0);  // each stream's emitted tokens (block[: emitted])
       for (i64 s = 0; s < b; ++s) {
@@ -1289,7 +1289,7 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
   if (b) std::memcpy(counts.mutable_data(), o.counts.data(), o.counts.size() * sizeof(i64));
   if (nm) std::memcpy(moved.mutable_data(), o.moved.data(), o.moved.size() * sizeof(i64));
   return py::make_tuple(to_array(o.path), to_array(o.cu_path), to_array(o.bonus), to_array(o.block),
-                        to_array(o.emitted), to_array(o.finish), counts, to_array(o.created), moved);
+                        to_array(o.emitted), to_array(o.finish), counts, to_array(o.created), moved, all_checked);
 }
 
 // ------------------------------------------------------------------------------------------------ mask
