@@ -21,6 +21,10 @@ hands a lone stream's the same way (B = 1 is the same code). One step of B rows 
 7. **telemetry**: per-row counters in one table (``Telemetry``: a row of numbers per stream, added to with
    one vectorised call per step), the capacity tuner observes the step once (``CapacityTuner.observe_batch``).
 
+A step whose rows are all native and greedy (lossless) runs 3, 4, 6 and the counts of 7 as one native call
+(``Stepper._commit_native``, ``drafters.native.commit_greedy_batch``; its host time is ``accept``, the
+checkers' bookkeeping ``stops``); ``Stepper.fused = False`` keeps the per-part path, its oracle in tests.
+
 The host time of each part is added to ``host_ms`` (part name -> ms; ``HOST_PARTS``), which a ``StreamBatch``
 keeps in ``BatchStats.host_ms`` (benchmarks/host.py reports it per stream-step); the argmax / top-k pass over
 the logits is timed there too, as ``SCORES_PART``, apart from the host parts (device work on a GPU).
@@ -261,10 +265,10 @@ class Stepper:
         forward_ms = (t2 - t0) * 1000.0
         host[SCORES_PART] = host.get(SCORES_PART, 0.0) + (t2 - t1) * 1000.0
         clock.skip()
-        commit = None
+        commit = counted = None
         if self._fusable(rows, kind):
-            nodes, cu_paths, blocks, emitted, commit = self._commit_native(rows, flat, sources, order, choices, topk,
-                                                                           native, handles, clock)
+            nodes, cu_paths, blocks, emitted, commit, counted = self._commit_native(
+                rows, flat, sources, order, choices, topk, native, handles, clock)
         else:
             nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
             clock.lap("accept")
@@ -276,7 +280,7 @@ class Stepper:
         if commit is None:
             self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native, own, handles)
             clock.lap("update")
-        self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock, commit)
+        self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock, commit, counted)
         clock.lap("telemetry")
         return forward_ms
 
@@ -296,8 +300,9 @@ class Stepper:
         row in one ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
         then every row's update is one ``update_batch``, ``update``). Returns ``(nodes, cu_paths, blocks,
-        emitted, commit)``; ``commit.counts`` is None where a stop string cut a block (``_observe`` counts
-        those)."""
+        emitted, commit, counted)``; ``commit.counts`` is None where a stop string cut a block (``_observe`` counts
+        those); ``counted``: the rows' telemetry ids where the call added the step's counts to the table (every
+        row checked by id and none keeping StepRecords), else None."""
         from ..drafters.native import FINISH_OF_CODE, commit_greedy_batch
 
         b = len(rows)
@@ -306,9 +311,12 @@ class Stepper:
         eos = _eos_table([c.eos_row for c in checkers])
         if topk is None:
             topk = np.zeros((flat.rows, 1), dtype=np.int64)
+        # the telemetry table's counts are added in the call (where it updates), unless a row keeps StepRecords
+        tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
+        tel = None if tids is None else (self.telemetry.table, self.telemetry.hist, tids)
         self.committing = True  # the call below updates the drafters: no retry past it
         c = commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices, sources, order,
-                                topk, limits, eos)
+                                topk, limits, eos, tel)
         clock.lap("accept")
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
         blocks: list[list[int]] = []
@@ -332,7 +340,7 @@ class Stepper:
         clock.lap("update")  # ~0 where the call above updated every row (that time is in ``accept``)
         if cut:
             c = c._replace(counts=None)
-        return c.nodes, c.cu_paths, blocks, emitted, c
+        return c.nodes, c.cu_paths, blocks, emitted, c, (tids if c.updated else None)
 
     @staticmethod
     def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str, native: list,
@@ -497,10 +505,34 @@ class Stepper:
             _split_own(own, [i], t0)
 
     def _observe(self, rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock,
-                 commit=None) -> None:
+                 commit=None, counted: Optional[np.ndarray] = None) -> None:
         """Telemetry of the step for every row (one table update) and one capacity-tuner observation
-        (``commit``: a native commit's source counts and created indices, where it made them)."""
+        (``commit``: a native commit's source counts and created indices, where it made them; ``counted``: the
+        rows' telemetry ids where that call already added the step's counts, leaving the three times here)."""
         b = len(rows)
+        host = clock.since_start_ms()
+        propose = clock.part("propose")
+        if counted is not None:
+            self.telemetry.table[counted, 8:11] += (propose / b, forward_ms / b, (host - propose) / b)
+        else:
+            self._count(rows, flat, sources, nodes, cu_paths, emitted, commit, (propose, forward_ms, host))
+        tuner = self.engine.tuner
+        if tuner is not None:
+            if commit is not None:
+                created, drafting = commit.created, b
+            else:
+                created = order[(nodes + np.repeat(flat.cu[:-1], cu_paths[1:] - cu_paths[:-1]))[nodes > 0]]
+                # rows that draft (a mixed step's AR rows would count as trees that accepted nothing)
+                drafting = b - sum(1 for r in rows if getattr(r.drafter, "root_only", False))
+            if drafting:
+                tuner.observe_batch(used_capacity=cap, accepted_creation_idx=created, streams=drafting,
+                                    overhead_ms=host / b)
+
+    def _count(self, rows, flat, sources, nodes, cu_paths, emitted, commit, times) -> None:
+        """The step's counters of every row as one ``[B, len(TEL_FIELDS)]`` block added to the table (and each
+        keeping row's StepRecord); ``times``: (propose, forward, host) ms of the step."""
+        b = len(rows)
+        propose, forward_ms, host = times
         plen = cu_paths[1:] - cu_paths[:-1]
         accepted = np.minimum(plen - 1, emitted)  # accepted draft nodes (a stop inside the block cuts them too)
         vals = np.zeros((b, len(TEL_FIELDS)))
@@ -513,25 +545,12 @@ class Stepper:
                 counts = _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted)
             vals[:, 3:7] = counts
         vals[:, 7] = flat.cu[1:] - flat.cu[:-1]
-        host = clock.since_start_ms()
-        propose = clock.part("propose")
         vals[:, 8] = propose / b
         vals[:, 9] = forward_ms / b
         vals[:, 10] = (host - propose) / b
         self.telemetry.add(np.fromiter((r.tid for r in rows), np.int64, b), vals, accepted)
         if any(r.keep_steps for r in rows):
             _keep_records(rows, vals)
-        tuner = self.engine.tuner
-        if tuner is not None:
-            if commit is not None:
-                created, drafting = commit.created, b
-            else:
-                created = order[(nodes + np.repeat(flat.cu[:-1], plen))[nodes > 0]]
-                # rows that draft (a mixed step's AR rows would count as trees that accepted nothing)
-                drafting = b - sum(1 for r in rows if getattr(r.drafter, "root_only", False))
-            if drafting:
-                tuner.observe_batch(used_capacity=cap, accepted_creation_idx=created, streams=drafting,
-                                    overhead_ms=host / b)
 
 
 def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.ndarray:

@@ -136,7 +136,7 @@ def test_row_telemetry_adds_up_and_the_batch_times_its_parts(monkeypatch):
     assert key(runs["native"][0]) == key(runs["python"][0])
 
 
-def _fused_run(fused: bool, shared: bool):
+def _fused_run(fused: bool, shared: bool, keep_steps: bool = True):
     """Six rows through a StreamBatch of three, with the fused native commit on or off: rows ending on
     length inside a block, on an extra EOS id, on a stop string (text checks stay in Python) and on a full
     context; with ``shared``, every row on one job draft state."""
@@ -150,7 +150,7 @@ def _fused_run(fused: bool, shared: bool):
     prompts = [PROMPTS[i % 3] * 3 for i in range(5)] + [PROMPTS[0] * 6]  # the last fills the context (72)
     batch = StreamBatch()
     for i, (p, gp) in enumerate(zip(prompts, params)):
-        batch.add(i, engine.stream(p, gp, state=state, keep_steps=True))
+        batch.add(i, engine.stream(p, gp, state=state, keep_steps=keep_steps))
     out = {}
     while len(batch):
         for f in batch.step():
@@ -166,24 +166,32 @@ def _counts(rec):
             rec.accepted_both, rec.accepted_other)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_the_fused_native_commit_equals_the_per_part_step(shared):
+@pytest.mark.parametrize("shared,keep_steps", [(False, True), (True, True), (True, False)])
+def test_the_fused_native_commit_equals_the_per_part_step(shared, keep_steps):
     """``Stepper.fused`` (one ``commit_greedy_batch`` call: acceptance, stop checks by id, the drafters' update,
-    the telemetry's counts) against the per-part step it replaces: the same tokens, finish reasons, step
-    records and learned draft state, with rows that end on each rule."""
+    the telemetry's counts, in the table itself without StepRecords) against the per-part step it replaces: the
+    same tokens, finish reasons, counters, step records and learned draft state, with rows that end on each
+    rule."""
     from racer_batch.drafters import native
 
     if not native.available():
         pytest.fail(f"the native draft core is needed here: {native.unavailable_reason()}")
-    got, want = _fused_run(True, shared), _fused_run(False, shared)
+    got, want = _fused_run(True, shared, keep_steps), _fused_run(False, shared, keep_steps)
     finishes = [r.finish_reason for r in want[0]]
     assert {"length", "eos", "stop", "context"} <= set(finishes), finishes
     assert sum(r.stats.emitted_tokens - r.stats.steps for r in want[0]) > 0  # drafts were accepted
     for g, w in zip(got[0], want[0]):
         assert (g.token_ids, g.finish_reason, g.text) == (w.token_ids, w.finish_reason, w.text)
         assert [_counts(a) for a in g.stats.step_records] == [_counts(a) for a in w.stats.step_records]
-        assert g.stats.accepted_hist == w.stats.accepted_hist
+        assert len(g.stats.step_records) == (g.stats.steps if keep_steps else 0)  # the prefill is step 0
+        assert _row_counters(g.stats) == _row_counters(w.stats)
+        assert g.stats.draft_ms > 0 and g.stats.verify_ms > 0 and g.stats.update_ms > 0
     assert got[1:] == want[1:]
+
+
+def _row_counters(st):
+    return (st.steps, st.emitted_tokens, st.accepted_retrieval, st.accepted_logits, st.accepted_both,
+            st.accepted_other, st.tree_tokens, dict(st.accepted_hist))
 
 
 def _started_state(rng, rows: int, vocab: int):
@@ -223,8 +231,10 @@ def test_commit_greedy_batch_equals_its_parts_on_random_trees():
         st, rows = _started_state(np.random.default_rng(len(seen)), b, vocab)
         ref, ref_rows = _started_state(np.random.default_rng(len(seen)), b, vocab)
         limits = np.stack([left_len, left_room, checked], 1)
+        table, hist = rng.random((8, 11)), rng.integers(0, 3, (8, 65))
+        table0, hist0, tids = table.copy(), hist.copy(), rng.permutation(8)[:b]
         c = commit_greedy_batch([st] * b, rows, flat.cu, flat.parents, flat.tokens, choices, sources, order, topk,
-                                limits, eos)
+                                limits, eos, (table, hist, tids))
         nodes, cu, bonus, glob = greedy_paths(flat, choices)
         assert (c.nodes.tolist(), c.cu_paths.tolist(), c.bonus.tolist()) == (nodes.tolist(), cu.tolist(),
                                                                            bonus.tolist())
@@ -252,6 +262,12 @@ def test_commit_greedy_batch_equals_its_parts_on_random_trees():
         moved = np.stack([stream, nodes, along], 1)[nodes != along]
         assert c.moved.reshape(-1, 3).tolist() == moved.tolist()
         assert c.updated == bool(checked.all())
+        if c.updated:  # the step's counts added to the telemetry rows, the three times left alone
+            acc = np.minimum(plen - 1, emitted)
+            np.add.at(table0, (tids, slice(0, 8)), np.column_stack([np.ones(b), emitted, acc, want, plen * 0 + np.diff(
+                flat.cu)]))
+            np.add.at(hist0, (tids, np.minimum(acc, 64)), 1)
+        assert np.array_equal(table, table0) and np.array_equal(hist, hist0)
         if c.updated:
             cu_c = np.zeros(b + 1, np.int64)
             np.cumsum([len(x) for x in committed], out=cu_c[1:])
@@ -262,3 +278,26 @@ def test_commit_greedy_batch_equals_its_parts_on_random_trees():
         st.free()
         ref.free()
     assert {None, "eos", "length", "context"} <= seen
+
+
+def test_commit_greedy_batch_refuses_a_telemetry_table_it_cannot_write():
+    """A table the call would have to copy (another dtype, not contiguous) or a row outside it raises
+    ValueError before the draft state changes, instead of counting into a copy."""
+    from racer_batch.drafters.native import commit_greedy_batch
+
+    rng = np.random.default_rng(3)
+    st, rows = _started_state(rng, 1, 16)
+    args = (np.array([0, 2]), np.array([-1, 0]), np.array([1, 2]), np.array([2, 3]), np.array([0, 1]),
+            np.array([0, 1]), rng.integers(0, 16, (2, 3)), np.array([[9, 9, 1]]), np.array([[15]]))
+    before = (st.num_nodes, st.store_table().tolist())
+    hist = np.zeros((4, 65), np.int64)
+    for table, tids in [(np.zeros((4, 11), np.float32), [0]), (np.zeros((11, 4)).T, [0]),
+                        (np.zeros((4, 11)), [4]), (np.zeros((4, 11)), [-1])]:
+        with pytest.raises(ValueError, match="telemetry"):
+            commit_greedy_batch([st], rows, *args, (table, hist, np.array(tids)))
+        assert (st.num_nodes, st.store_table().tolist()) == before
+    table = np.zeros((4, 11))
+    c = commit_greedy_batch([st], rows, *args, (table, hist, np.array([2])))
+    assert c.updated and c.emitted.tolist() == [2] and table[2, :3].tolist() == [1.0, 2.0, 1.0]
+    assert hist[2, 1] == 1 and hist.sum() == 1 and st.num_nodes != before[0]
+    st.free()

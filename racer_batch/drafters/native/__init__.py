@@ -399,7 +399,7 @@ class Commit(NamedTuple):
 
 
 def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, tokens, choices, sources, order, topk,
-                        limits, eos) -> Commit:
+                        limits, eos, telemetry=None) -> Commit:
     """The greedy commit of one step of every stream, in one native call (docs/method.md 4 and 9.11).
 
     Per stream ``b`` (rows ``cu[b] : cu[b + 1]`` of the flat trees): the greedy longest path and its bonus
@@ -415,6 +415,11 @@ def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, t
         ``[R, k']`` (k' >= the store's k); limits ``[B, 3]``: per row the tokens it may still emit under
         ``max_new_tokens`` and under the context (each >= 1) and whether its stops are checked here (1) or by the
         caller (0, stop strings: ``StopChecker.limits``); eos ``[B, E]`` each row's EOS ids, padded with -1.
+        telemetry: None, or ``(table, hist, tids)``: engine/step.py's ``Telemetry`` arrays (``table [N, C >= 8]``
+        float64, ``hist [N, H]`` int64, both writeable and C-contiguous) and each stream's row ``tids [B]``;
+        where the drafters learned here (``updated``), every stream's step is added to them in place (columns
+        steps, emitted, accepted, the four source counts, tree_tokens; one histogram count of its accepted
+        length, clipped to the last bin).
 
     Returns: a :class:`Commit`.
 
@@ -423,7 +428,7 @@ def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, t
             outside the vocabulary or too few top-k columns (checked before any state changes).
     """
     return Commit._make(_core().commit_greedy_batch(_cores(states), rows, cu, parents, tokens, choices, sources,
-                                                          order, topk, limits, eos))
+                                                          order, topk, limits, eos, telemetry))
 
 
 def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:

@@ -1238,10 +1238,60 @@ void commit_one(const CommitArgs& a, i64 s, AcceptScratch& sc, CommitOut& o) {
     if (path[k] != k) o.moved.insert(o.moved.end(), {s, path[k], k});
 }
 
+// The engine's per-row telemetry table (engine/step.py ``Telemetry``), written in place where given: ``table``
+// [N, C >= 8] float64 (columns steps, emitted, accepted, retrieval, logits, both, other, tree_tokens first),
+// ``hist`` [N, H] int64 (accepted-length histogram, the last bin counting longer lengths), ``tids`` [B] rows.
+struct Tel {
+  double* table = nullptr;
+  i64* hist = nullptr;
+  std::vector<i64> tids;
+  i64 cols = 0, bins = 0;
+};
+
+Tel tel_of(const py::object& obj, i64 b) {
+  Tel t;
+  if (obj.is_none()) return t;
+  const py::tuple tup = obj.cast<py::tuple>();
+  if (tup.size() != 3) bad("telemetry must be (table, hist, tids)");
+  py::array table = tup[0].cast<py::array>(), hist = tup[1].cast<py::array>();
+  const I64Array tids = tup[2].cast<I64Array>();
+  const auto ok = [](const py::array& a) { return a.ndim() == 2 && (a.flags() & py::array::c_style) && a.writeable(); };
+  if (!ok(table) || !table.dtype().is(py::dtype::of<double>()) || table.shape(1) < 8)
+    bad("telemetry table must be a writeable C-contiguous float64 [N, C >= 8] array");
+  if (!ok(hist) || !hist.dtype().is(py::dtype::of<i64>()) || hist.shape(0) != table.shape(0) || hist.shape(1) < 1)
+    bad("telemetry hist must be a writeable C-contiguous int64 [N, H] array with the table's N");
+  check_1d(tids, b, "telemetry tids");
+  for (i64 i = 0; i < b; ++i)
+    if (tids.data()[i] < 0 || tids.data()[i] >= table.shape(0))
+      bad("telemetry tids[" + std::to_string(i) + "] = " + std::to_string(tids.data()[i]) + " is not a row");
+  t.table = static_cast<double*>(table.mutable_data());
+  t.hist = static_cast<i64*>(hist.mutable_data());
+  t.tids.assign(tids.data(), tids.data() + b);
+  t.cols = i64(table.shape(1));
+  t.bins = i64(hist.shape(1));
+  return t;
+}
+
+// Adds one step of every stream to the telemetry table (the counts of engine/step.py ``Stepper._observe``).
+void count_step(const Tel& t, const CommitArgs& a, const CommitOut& o, i64 b) {
+  for (i64 s = 0; s < b; ++s) {
+    const size_t z = size_t(s);
+    const i64 plen = o.cu_path[z + 1] - o.cu_path[z], emitted = o.emitted[z];
+    const i64 accepted = std::min(plen - 1, emitted);
+    double* row = t.table + t.tids[z] * t.cols;
+    row[0] += 1.0;
+    row[1] += double(emitted);
+    row[2] += double(accepted);
+    for (size_t j = 0; j < 4; ++j) row[3 + j] += double(o.counts[4 * z + j]);
+    row[7] += double(a.cu[s + 1] - a.cu[s]);
+    t.hist[t.tids[z] * t.bins + std::min(accepted, t.bins - 1)] += 1;
+  }
+}
+
 py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu,
                               const I64Array& parents, const I64Array& tokens, const I64Array& choices,
                               const I64Array& sources, const I64Array& order, const I64Array& topk,
-                              const I64Array& limits, const I64Array& eos) {
+                              const I64Array& limits, const I64Array& eos, const py::object& telemetry) {
   const std::vector<DraftCore*> states = cores_of(states_in);
   const i64 b = i64(states.size());
   check_1d(rows, b, "rows");
@@ -1260,6 +1310,7 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
   const CommitArgs a{cu.data(),    parents.data(), tokens.data(), choices.data(),      sources.data(),
                      order.data(), topk.data(),    limits.data(), eos.data(),          i64(topk.shape(1)),
                      i64(eos.shape(1))};
+  const Tel tel = tel_of(telemetry, b);
   CommitOut o;
   bool all_checked = true;
   {
@@ -1282,6 +1333,7 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
       const UpdateArgs u{a.cu, a.tok, a.topk, comm.data(), cu_c.data(), a.kp};
       check_update(st, u);  // every input checked before any state changes
       for (size_t s = 0; s < states.size(); ++s) update_one(*states[s], *st.rows[s], u, s);
+      if (tel.table != nullptr) count_step(tel, a, o, b);
     }
   }
   const i64 nm = i64(o.moved.size() / 3);
@@ -1444,6 +1496,8 @@ PYBIND11_MODULE(racer_draft_core, m) {
   m.def("propose_batch", &propose_batch);
   m.def("update_batch", &update_batch);
   m.def("accept_greedy_batch", &accept_greedy_batch);
-  m.def("commit_greedy_batch", &commit_greedy_batch);
+  m.def("commit_greedy_batch", &commit_greedy_batch, py::arg("states"), py::arg("rows"), py::arg("cu"),
+        py::arg("parents"), py::arg("tokens"), py::arg("choices"), py::arg("sources"), py::arg("order"),
+        py::arg("topk"), py::arg("limits"), py::arg("eos"), py::arg("telemetry") = py::none());
   m.def("fill_tree_mask", &fill_tree_mask);
 }
