@@ -280,7 +280,6 @@ class KVCache:
         nodes = np.asarray(nodes, dtype=np.int64)
         self.keep_rows_batch([cache], np.array([committed_len]), nodes, np.array([0, nodes.shape[0]]))
 
-    @torch.inference_mode()
     def keep_rows_batch(self, caches: Sequence[SlotCache], starts: np.ndarray, paths: np.ndarray,
                         cu_paths: np.ndarray, *, moved: Optional[np.ndarray] = None) -> None:
         """``keep_rows`` of every stream in one call: stream ``b`` keeps ``paths[cu_paths[b] : cu_paths[b + 1]]``
@@ -308,10 +307,16 @@ class KVCache:
             slot = torch.from_numpy(np.fromiter((caches[s].slot for s in stream.tolist()), np.int64, len(stream)))
             src = torch.from_numpy(base + moved[:, 1]).to(self.device)
             dst = torch.from_numpy(base + moved[:, 2]).to(self.device)
-            slot = slot.to(self.device)
-            if self.kernels is not None:
-                self.kernels.keep_rows_(self.kv, slot, src, dst)
-            else:
-                self.kv[:, :, slot, :, dst] = self.kv[:, :, slot, :, src]
+            self._move_rows(slot.to(self.device), src, dst)
         for cache, start, n in zip(caches, starts.tolist(), np.diff(cu).tolist()):
             cache.length = start + n
+
+    @torch.inference_mode()
+    def _move_rows(self, slot: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Row ``src[i]`` of slot ``slot[i]`` to row ``dst[i]``, every layer, keys and values (``[M]`` int64 each).
+        Only this part runs under inference mode (the cache is an inference tensor): a step that moves no row
+        does not pay for entering it."""
+        if self.kernels is not None:
+            self.kernels.keep_rows_(self.kv, slot, src, dst)
+        else:
+            self.kv[:, :, slot, :, dst] = self.kv[:, :, slot, :, src]
