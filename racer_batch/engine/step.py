@@ -40,6 +40,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..drafters import native as native_mod
 from ..drafters.base import Verified
 from ..values import SOURCE_LOGITS, SOURCE_RETRIEVAL, StepRecord
 from .kernels import fused_argmax_topk
@@ -290,8 +291,6 @@ class Stepper:
         if kind != "native" or not self.fused or self.config.acceptance != "lossless":
             return False
         if self._native_accept is None:
-            from ..drafters import native as native_mod
-
             self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
         return bool(self._native_accept) and all(r.params.greedy for r in rows)
 
@@ -303,8 +302,6 @@ class Stepper:
         emitted, commit, counted)``; ``commit.counts`` is None where a stop string cut a block (``_observe`` counts
         those); ``counted``: the rows' telemetry ids where the call added the step's counts to the table (every
         row checked by id and none keeping StepRecords), else None."""
-        from ..drafters.native import FINISH_OF_CODE, commit_greedy_batch
-
         b = len(rows)
         checkers = [r.stops for r in rows]
         limits = np.fromiter(chain.from_iterable(c.limits() for c in checkers), np.int64, 3 * b).reshape(b, 3)
@@ -315,8 +312,8 @@ class Stepper:
         tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
         tel = None if tids is None else (self.telemetry.table, self.telemetry.hist, tids)
         self.committing = True  # the call below updates the drafters: no retry past it
-        c = commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices, sources, order,
-                                topk, limits, eos, tel)
+        c = native_mod.commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices,
+                                           sources, order, topk, limits, eos, tel)
         clock.lap("accept")
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
         blocks: list[list[int]] = []
@@ -328,7 +325,7 @@ class Stepper:
                 cut = cut or n != len(block)
                 emitted_l[i] = n
             else:
-                r.stops.commit_checked(block[: emitted_l[i]], FINISH_OF_CODE[fin[i]])
+                r.stops.commit_checked(block[: emitted_l[i]], native_mod.FINISH_OF_CODE[fin[i]])
             if r.stops.finish is not None:
                 r.done, r.finish = True, r.stops.finish
             r.root = block[-1]
@@ -359,9 +356,7 @@ class Stepper:
             return flat, zeros, zeros
         depth = np.fromiter((r.stops.remaining - 1 for r in rows), np.int64, b)
         if kind == "native":
-            from ..drafters.native import propose_batch
-
-            got = propose_batch(handles[0], handles[1], roots, np.full(b, cap, dtype=np.int64), depth)
+            got = native_mod.propose_batch(handles[0], handles[1], roots, np.full(b, cap, dtype=np.int64), depth)
             flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
             clock.lap("propose")
             return flat, got.sources, got.order
@@ -425,9 +420,7 @@ class Stepper:
         if flat.rows == b:  # every tree is its root alone
             return np.zeros(b, dtype=np.int64), np.arange(b + 1, dtype=np.int64), choices.astype(np.int64, copy=False)
         if self._native_accept is None:
-            from ..drafters import native
-
-            self._native_accept = native.accept_greedy_batch if native.available() else False
+            self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
         if self._native_accept:
             return self._native_accept(flat.cu, flat.parents, flat.tokens, np.asarray(choices, dtype=np.int64))
         return greedy_paths(flat, choices)[:3]
@@ -605,12 +598,12 @@ def _mixed_drafts(rows: list[DecodeRow], native: list, roots: np.ndarray, cap: i
     """Every row's Draft (creation order) where only some rows are native: those from one ``propose_batch``
     call, the others from their drafters' ``propose`` (each call's ms added to ``own``, where given)."""
     from ..drafters.methods import native_tree
-    from ..drafters.native import propose_batch
 
     nat = [i for i, n in enumerate(native) if n is not None]
     t0 = time.perf_counter()
-    got = propose_batch([native[i][0] for i in nat], np.fromiter((native[i][1] for i in nat), np.int64, len(nat)),
-                        roots[nat], np.full(len(nat), cap, dtype=np.int64), depth[nat])
+    got = native_mod.propose_batch([native[i][0] for i in nat],
+                                   np.fromiter((native[i][1] for i in nat), np.int64, len(nat)), roots[nat],
+                                   np.full(len(nat), cap, dtype=np.int64), depth[nat])
     drafts: list = [None] * len(rows)
     for j, i in enumerate(nat):
         drafts[i] = native_tree(got, j)
@@ -627,15 +620,13 @@ def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: l
                    handles: Optional[tuple] = None) -> None:
     """One ``update_batch`` call of the native draft core for every row (``native``: (state, row handle);
     ``handles``: the same as (states, handles [B]) where the step made them)."""
-    from ..drafters.native import update_batch
-
     b = len(native)
     cu_c = np.zeros(b + 1, dtype=np.int64)
     np.cumsum([len(c) for c in committed], out=cu_c[1:])
     flat_c = np.fromiter((t for c in committed for t in c), np.int64, int(cu_c[-1]))
     if handles is None:
         handles = ([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b))
-    update_batch(handles[0], handles[1], flat.cu, flat.tokens, topk, flat_c, cu_c)
+    native_mod.update_batch(handles[0], handles[1], flat.cu, flat.tokens, topk, flat_c, cu_c)
 
 
 def _eos_table(rows: list[np.ndarray]) -> np.ndarray:
