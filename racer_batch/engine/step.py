@@ -42,9 +42,10 @@ import torch
 
 from ..drafters import native as native_mod
 from ..drafters.base import Verified
-from ..values import SOURCE_LOGITS, SOURCE_RETRIEVAL, StepRecord
+from ..values import SOURCE_LOGITS, SOURCE_RETRIEVAL
 from .kernels import fused_argmax_topk
 from .sampling import processed_probs
+from .telemetry import TEL_FIELDS, Telemetry, keep_records
 from .tree import FlatTrees, accept_relaxed, accept_sampling, breadth_first
 
 HOST_PARTS = ("propose", "flatten", "accept", "stops", "keep_rows", "update", "telemetry")
@@ -52,10 +53,7 @@ HOST_PARTS = ("propose", "flatten", "accept", "stops", "keep_rows", "update", "t
 # but not one of them: on a GPU it runs on the device over the logits the forward left there
 SCORES_PART = "scores"
 
-# the counters of one row's telemetry (Telemetry columns)
-TEL_FIELDS = ("steps", "emitted", "accepted", "retrieval", "logits", "both", "other", "tree_tokens",
-              "draft_ms", "verify_ms", "update_ms")
-_HIST = 65  # accepted-length histogram bins (0 .. 64; longer lengths go in the last)
+
 
 
 @dataclass(eq=False)
@@ -85,51 +83,6 @@ class DecodeRow:
     finish: Optional[str] = None
     tid: int = -1
     records: list = field(default_factory=list)
-
-
-class Telemetry:
-    """Per-row counters of every row in flight: one ``[rows, len(TEL_FIELDS)]`` float table and one accepted-
-    length histogram ``[rows, 65]``, each added to once per step for all rows (``np.add.at``)."""
-
-    def __init__(self) -> None:
-        self.table = np.zeros((8, len(TEL_FIELDS)))
-        self.hist = np.zeros((8, _HIST), dtype=np.int64)
-        self._free = list(range(7, -1, -1))
-
-    def open(self) -> int:
-        """A zeroed row for a new stream; returns its index."""
-        if not self._free:
-            n = self.table.shape[0]
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self.hist = np.concatenate([self.hist, np.zeros_like(self.hist)])
-            self._free = list(range(2 * n - 1, n - 1, -1))
-        tid = self._free.pop()
-        self.table[tid] = 0.0
-        self.hist[tid] = 0
-        return tid
-
-    def close(self, tid: int, stats: Any) -> None:
-        """Add row ``tid``'s counters into ``stats`` (a ``RowStats``) and free the row."""
-        v = dict(zip(TEL_FIELDS, self.table[tid].tolist()))
-        stats.steps += int(v["steps"])
-        stats.emitted_tokens += int(v["emitted"])
-        stats.accepted_retrieval += int(v["retrieval"])
-        stats.accepted_logits += int(v["logits"])
-        stats.accepted_both += int(v["both"])
-        stats.accepted_other += int(v["other"])
-        stats.tree_tokens += int(v["tree_tokens"])
-        stats.draft_ms += v["draft_ms"]
-        stats.verify_ms += v["verify_ms"]
-        stats.update_ms += v["update_ms"]
-        for n in np.nonzero(self.hist[tid])[0]:
-            stats.accepted_hist[int(n)] = stats.accepted_hist.get(int(n), 0) + int(self.hist[tid, n])
-        self._free.append(tid)
-
-    def add(self, tids: np.ndarray, values: np.ndarray, accepted: np.ndarray) -> None:
-        """Add ``values [B, len(TEL_FIELDS)]`` to the rows ``tids [B]`` (distinct: one per stream of a step) and
-        count ``accepted [B]`` lengths."""
-        self.table[tids] += values
-        self.hist[tids, np.minimum(accepted, _HIST - 1)] += 1
 
 
 def greedy_paths(flat: FlatTrees, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -290,9 +243,13 @@ class Stepper:
         greedy and lossless (sampled and relaxed rows draw per row), and the fused commit not turned off."""
         if kind != "native" or not self.fused or self.config.acceptance != "lossless":
             return False
+        return bool(self._native_accept_fn()) and all(r.params.greedy for r in rows)
+
+    def _native_accept_fn(self) -> Any:
+        """``drafters.native.accept_greedy_batch`` where the native core built, else False (decided once)."""
         if self._native_accept is None:
             self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
-        return bool(self._native_accept) and all(r.params.greedy for r in rows)
+        return self._native_accept
 
     def _commit_native(self, rows, flat, sources, order, choices, topk, native, handles, clock):
         """Acceptance, stop checks by token id, the telemetry's source counts and the drafters' update of every
@@ -419,10 +376,9 @@ class Stepper:
         b = flat.num_streams
         if flat.rows == b:  # every tree is its root alone
             return np.zeros(b, dtype=np.int64), np.arange(b + 1, dtype=np.int64), choices.astype(np.int64, copy=False)
-        if self._native_accept is None:
-            self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
-        if self._native_accept:
-            return self._native_accept(flat.cu, flat.parents, flat.tokens, np.asarray(choices, dtype=np.int64))
+        accept = self._native_accept_fn()
+        if accept:
+            return accept(flat.cu, flat.parents, flat.tokens, np.asarray(choices, dtype=np.int64))
         return greedy_paths(flat, choices)[:3]
 
     @staticmethod
@@ -506,16 +462,7 @@ class Stepper:
         host = clock.since_start_ms()
         propose = clock.propose_ms
         if counted is not None:
-            shares = (propose / b, forward_ms / b, (host - propose) / b)
-            table = self.telemetry.table
-            if b <= 4:  # a few rows: plain indexing (an index array with a slice costs ~10 us)
-                for t in counted.tolist():
-                    row = table[t]
-                    row[8] += shares[0]
-                    row[9] += shares[1]
-                    row[10] += shares[2]
-            else:
-                table[counted, 8:11] += shares
+            self.telemetry.add_times(counted, (propose / b, forward_ms / b, (host - propose) / b))
         else:
             self._count(rows, flat, sources, nodes, cu_paths, emitted, commit, (propose, forward_ms, host))
         tuner = self.engine.tuner
@@ -552,7 +499,7 @@ class Stepper:
         vals[:, 10] = (host - propose) / b
         self.telemetry.add(np.fromiter((r.tid for r in rows), np.int64, b), vals, accepted)
         if any(r.keep_steps for r in rows):
-            _keep_records(rows, vals)
+            keep_records(rows, vals)
 
 
 def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.ndarray:
@@ -641,14 +588,6 @@ def _eos_table(rows: list[np.ndarray]) -> np.ndarray:
     for i, x in enumerate(rows):
         table[i, : x.shape[1]] = x[0]
     return table
-
-
-def _keep_records(rows: list[DecodeRow], vals: np.ndarray) -> None:
-    for i, r in enumerate(rows):
-        if r.keep_steps:
-            v = vals[i]
-            r.records.append(StepRecord(int(v[7]), int(v[2]), int(v[1]), int(v[3]), int(v[4]), int(v[5]), int(v[6]),
-                                        float(v[8]), float(v[9]), float(v[10])))
 
 
 class _Clock:

@@ -415,7 +415,7 @@ def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, t
         ``[R, k']`` (k' >= the store's k); limits ``[B, 3]``: per row the tokens it may still emit under
         ``max_new_tokens`` and under the context (each >= 1) and whether its stops are checked here (1) or by the
         caller (0, stop strings: ``StopChecker.limits``); eos ``[B, E]`` each row's EOS ids, padded with -1.
-        telemetry: None, or ``(table, hist, tids)``: engine/step.py's ``Telemetry`` arrays (``table [N, C >= 8]``
+        telemetry: None, or ``(table, hist, tids)``: engine/telemetry.py's ``Telemetry`` arrays (``table [N, C >= 8]``
         float64, ``hist [N, H]`` int64, both writeable and C-contiguous) and each stream's row ``tids [B]``;
         where the drafters learned here (``updated``), every stream's step is added to them in place (columns
         steps, emitted, accepted, the four source counts, tree_tokens; one histogram count of its accepted

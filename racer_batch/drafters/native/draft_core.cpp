@@ -1238,7 +1238,7 @@ void commit_one(const CommitArgs& a, i64 s, AcceptScratch& sc, CommitOut& o) {
     if (path[k] != k) o.moved.insert(o.moved.end(), {s, path[k], k});
 }
 
-// The engine's per-row telemetry table (engine/step.py ``Telemetry``), written in place where given: ``table``
+// The engine's per-row telemetry table (engine/telemetry.py ``Telemetry``), written in place where given: ``table``
 // [N, C >= 8] float64 (columns steps, emitted, accepted, retrieval, logits, both, other, tree_tokens first),
 // ``hist`` [N, H] int64 (accepted-length histogram, the last bin counting longer lengths), ``tids`` [B] rows.
 struct Tel {
