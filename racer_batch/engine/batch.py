@@ -2,8 +2,9 @@
 ``StreamBatch`` runs one step of every stream in flight, each part of the step once for all of them.
 
 A stream (``Engine.stream``) keeps batch-1 RACER semantics: its own draft tree, committed length, stop rules,
-seeded generator and KV-cache slot. It yields a ``Prefill`` (the prompt, once, at its first step), then a
-``Decode`` per step (its ``step.DecodeRow``), and returns its ``GenerationResult``. ``drive`` runs one stream
+seeded generator and KV-cache slot. It yields a ``Prefill`` (the prompt, once, at its first step), then one
+standing ``Decode`` (its ``step.DecodeRow``: stepped until the row is done or cancelled, ``Decode.settle``, and
+only then the stream is resumed), and returns its ``GenerationResult``. ``drive`` runs one stream
 alone (``Engine.generate``); a ``StreamBatch`` runs many: every pending ``Decode`` of one engine goes into one
 ``step.Stepper.step`` call (one batched propose, one ``runner.verify_flat`` forward over all trees, batched
 acceptance, stops, ``keep_rows_batch``, drafter update and telemetry: engine/step.py), while a joining stream's
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Generator, Hashable, Optional, Sequence
+from typing import Any, Callable, Generator, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -54,11 +55,34 @@ class Verify:
 
 @dataclass
 class Decode:
-    """One decode step of a stream (``step.DecodeRow``): run by its engine's ``step.Stepper`` together with
-    every other pending ``Decode`` of that engine in one batched step; the stream is sent None."""
+    """Decode steps of a stream (``step.DecodeRow``), each run by its engine's ``step.Stepper`` together with
+    every other pending ``Decode`` of that engine in one batched step. The request stands until the row is done:
+    after each step the runner (``StreamBatch``, ``drive``) calls :meth:`settle` and sends the stream None only
+    where it returns True (a stream resumed while its row goes on yields the same request again)."""
 
     stepper: Any
     row: Any
+    should_cancel: Optional[Callable[[], bool]] = None
+
+    def settle(self, asked: Optional[dict] = None) -> bool:
+        """After a step: whether the stream is to be resumed, i.e. its row is done, or ``should_cancel()`` is
+        True now (then the row ends as ``cancelled``). ``asked``: ``id(should_cancel) -> answer`` for this step,
+        so rows sharing one callable (a shard's rows) ask it once per step."""
+        row = self.row
+        if row.done:
+            return True
+        fn = self.should_cancel
+        if fn is None:
+            return False
+        if asked is None:
+            cancel = bool(fn())
+        else:
+            cancel = asked.get(id(fn))
+            if cancel is None:
+                cancel = asked[id(fn)] = bool(fn())
+        if cancel:
+            row.finish, row.done = "cancelled", True
+        return cancel
 
 
 Request = Any  # Prefill | Verify | Decode
@@ -82,7 +106,11 @@ def drive(stream: Stream) -> Any:
     try:
         req = next(stream)
         while True:
-            req = stream.send(run_one(req))
+            out = run_one(req)
+            if isinstance(req, Decode):
+                while not req.settle():  # the row goes on: the standing request again, without a resume
+                    run_one(req)
+            req = stream.send(out)
     except StopIteration as stop:
         return stop.value
 
@@ -236,8 +264,16 @@ class StreamBatch:
         1), else an equal share."""
         st = self.stats
         total = ms if charge is None else charge
-        for i, key in enumerate(keys):
-            self._charge(key, runner, total * (shares[i] if shares is not None else 1.0 / len(keys)))
+        rid, share_of = id(runner), self._share
+        if shares is None:
+            each = total / len(keys)
+            for key in keys:  # _charge, inlined (once per stream and step)
+                share = share_of[key]
+                share[rid] = share.get(rid, 0.0) + each
+        else:
+            for key, s in zip(keys, shares):
+                share = share_of[key]
+                share[rid] = share.get(rid, 0.0) + total * s
         st.verify_ms += ms
         st.steps += 1
         st.streams += len(keys)
@@ -246,10 +282,13 @@ class StreamBatch:
 
     def _decode_group(self, keys: list[Hashable]) -> None:
         """One batched decode step of these streams (one engine's); where it fails before any row committed
-        a token, each row is retried alone so that only a row that fails by itself ends with the error."""
-        rows = [self._live[k].request.row for k in keys]
-        stepper = self._live[keys[0]].request.stepper
+        a token, each row is retried alone so that only a row that fails by itself ends with the error. A stream
+        is resumed only where its row ended or its request polls (``Decode``)."""
+        reqs = [self._live[k].request for k in keys]
+        rows = [r.row for r in reqs]
+        stepper = reqs[0].stepper
         t0 = time.perf_counter()
+        asked: dict = {}  # should_cancel answers of this step (Decode.settle)
         try:
             ms = stepper.step(rows, self.stats.host_ms)
         except Exception as exc:  # noqa: BLE001 - find the stream that fails by itself
@@ -259,13 +298,14 @@ class StreamBatch:
                 return
             log.warning("batched decode step of %d streams failed (%r); stepping them one by one", len(keys), exc)
             self.stats.fallbacks += 1
-            for key, row in zip(keys, rows):
+            for key, req in zip(keys, reqs):
                 try:
-                    stepper.step([row], self.stats.host_ms)
+                    stepper.step([req.row], self.stats.host_ms)
                 except Exception as exc1:  # noqa: BLE001
                     self._send(key, error=exc1)
                 else:
-                    self._send(key, None)
+                    if req.settle(asked):
+                        self._send(key, None)
             return
         wall = (time.perf_counter() - t0) * 1000.0
         cpu = _on_cpu(stepper.runner)
@@ -273,8 +313,9 @@ class StreamBatch:
         if cpu:  # the host work is charged too: each row's own part (a mixed step's drafting) first
             shares = row_charges(wall, stepper.last_own_ms, shares)
         self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if cpu else ms, shares=shares)
-        for key in keys:
-            self._send(key, None)
+        for key, req in zip(keys, reqs):
+            if req.settle(asked):
+                self._send(key, None)
 
     def _verify_group(self, keys: list[Hashable]) -> None:
         reqs = [self._live[k].request for k in keys]

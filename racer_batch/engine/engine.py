@@ -441,11 +441,12 @@ class Engine:
         t_decode = time.perf_counter()
         self.stepper.open(row)
         try:
-            while not row.done:
-                if should_cancel is not None and should_cancel():
-                    row.finish = "cancelled"
-                    break
-                yield Decode(self.stepper, row)
+            if should_cancel is not None and should_cancel():  # asked before the first step too
+                row.finish = "cancelled"
+            else:  # one standing request: the runner resumes this stream once the row is done or cancelled
+                request = Decode(self.stepper, row, should_cancel)
+                while not row.done:
+                    yield request
         finally:
             self.stepper.close(row, stats)
         finish = row.finish

@@ -60,13 +60,27 @@ def trim_heap() -> bool:
     measured with benchmarks/memory.py). Called by the engine after its warm-up and by the static runner after
     each CPU prefill. No-op elsewhere (not Linux, or a C library without ``malloc_trim``).
     """
-    import ctypes
-
-    try:  # the process's own symbols (no library search: find_library would run ldconfig per engine)
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
+    fn = _malloc_trim()
+    if fn is None:
         return False
+    fn(0)
     return True
+
+
+_LIBC: dict = {}
+
+
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim`` from the process's own symbols, looked up once (no library search: find_library
+    would run ldconfig; a ``ctypes.CDLL`` made per call costs ~0.1 ms, a class per instance); None where absent."""
+    if "trim" not in _LIBC:
+        import ctypes
+
+        try:
+            _LIBC["trim"] = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError, TypeError):
+            _LIBC["trim"] = None
+    return _LIBC["trim"]
 
 
 def available_bytes(device: torch.device) -> Optional[int]:

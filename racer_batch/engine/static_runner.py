@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -225,6 +225,8 @@ class StaticRunner:
         self.last_batch_path = ""  # how the last verify ran: segments | padded | padded-graph
         self.warmup_s: dict[int, float] = {}
         self._mask_buf = torch.empty(0, dtype=self.dtype)  # reused CPU buffer of the verify mask (_flat_mask)
+        self._fill_mask: Optional[Callable[..., Any]] = None  # decoder.tree_mask_filler(), on the first use
+        self._mask_neg = float(torch.finfo(self.dtype).min)
         # sized for a typical row up front, so warm-up graphs survive the first rows
         initial = INITIAL_POSITIONS if self.device.type == "cuda" else INITIAL_POSITIONS_CPU
         start = int(max_len) if max_len > 0 else min(self.context_length, initial) + self.buckets[-1]
@@ -410,7 +412,9 @@ class StaticRunner:
         if self._mask_buf.numel() < rows * span:
             self._mask_buf = torch.empty(max(rows * span, self.buckets[-1] * self.max_len), dtype=self.dtype)
         mask = self._mask_buf[: rows * span].view(rows, span)
-        return tree_mask_filler()(mask, cu, parents, starts, float(torch.finfo(self.dtype).min))
+        if self._fill_mask is None:  # decided once per runner (the module lookup reads the environment)
+            self._fill_mask = tree_mask_filler()
+        return self._fill_mask(mask, cu, parents, starts, self._mask_neg)
 
     def _verify_segments(self, flat: FlatTrees) -> torch.Tensor:
         """Our CPU kernels: the streams' rows one after another, unpadded (``rope_kv_seg_`` writes each row's

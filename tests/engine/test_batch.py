@@ -281,6 +281,48 @@ def test_a_failing_stream_ends_alone():
     assert not engine.runner._free_slots or len(engine.runner._free_slots) == engine.runner.slots  # all released
 
 
+def test_rows_sharing_a_should_cancel_ask_it_once_per_step_and_keep_their_tokens():
+    """A stream's ``Decode`` stands until its row is done: the batch asks ``should_cancel`` after each step (once
+    per step for rows sharing one callable, as a shard's rows do) and resumes only the streams that ended. The
+    cancelled rows keep what they had emitted: a prefix of their whole output."""
+    bundle = tiny_bundle(seed=1)
+    engine = Engine(bundle, DecodingConfig(method="racer", capacity=4), streams=3)
+    params = GenerationParams(max_new_tokens=40)
+    prompts = ["abcabcabd", "hello world, hello", "xyzxyz"]  # each runs its 40 tokens (13-25 steps) alone
+    whole = [engine.generate(p, params).token_ids for p in prompts]
+    assert all(len(w) == 40 for w in whole)
+    calls, steps = {"n": 0}, {"n": 0}
+
+    def cancel() -> bool:
+        calls["n"] += 1
+        return steps["n"] >= 4
+
+    batch = StreamBatch()
+    for i, p in enumerate(prompts):
+        batch.add(i, engine.stream(p, params, should_cancel=cancel))
+    out = {}
+    while len(batch):
+        for f in batch.step():
+            out[f.key] = f.result
+        steps["n"] += 1
+    assert steps["n"] == 5
+    assert calls["n"] == 3 + 5  # each row once before its first step, then once per step for all three
+    for i in range(3):
+        assert out[i].finish_reason == "cancelled"
+        assert 5 <= len(out[i].token_ids) < len(whole[i])  # the first token and at least one per step
+        assert out[i].token_ids == whole[i][: len(out[i].token_ids)]
+    # drive (a lone row) settles the same way
+    n = {"calls": 0}
+
+    def after_three() -> bool:
+        n["calls"] += 1
+        return n["calls"] > 3
+
+    alone = drive(engine.stream(prompts[0], params, should_cancel=after_three))
+    assert alone.finish_reason == "cancelled" and alone.token_ids == whole[0][: len(alone.token_ids)]
+    assert n["calls"] == 4 and len(alone.token_ids) < len(whole[0])
+
+
 @needs_kernels
 def test_batched_forward_failure_falls_back_stream_by_stream(monkeypatch):
     """If the batched step's forward raises, each stream steps alone: outputs unchanged, the fallback counted."""
