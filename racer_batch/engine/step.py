@@ -482,6 +482,10 @@ class Stepper:
         keeping row's StepRecord); ``times``: (propose, forward, host) ms of the step."""
         b = len(rows)
         propose, forward_ms, host = times
+        if len(nodes) == b and not any(r.keep_steps for r in rows):  # no draft node taken anywhere (AR's steps)
+            self.telemetry.add_roots([r.tid for r in rows], emitted.tolist(), (flat.cu[1:] - flat.cu[:-1]).tolist(),
+                                     (propose / b, forward_ms / b, (host - propose) / b))
+            return
         plen = cu_paths[1:] - cu_paths[:-1]
         accepted = np.minimum(plen - 1, emitted)  # accepted draft nodes (a stop inside the block cuts them too)
         vals = np.zeros((b, len(TEL_FIELDS)))

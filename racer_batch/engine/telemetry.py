@@ -14,6 +14,7 @@ TEL_FIELDS = ("steps", "emitted", "accepted", "retrieval", "logits", "both", "ot
               "draft_ms", "verify_ms", "update_ms")
 _HIST = 65  # accepted-length histogram bins (0 .. 64; longer lengths go in the last)
 _DRAFT_MS = TEL_FIELDS.index("draft_ms")  # draft_ms, verify_ms, update_ms: the last three columns, in that order
+_STEPS, _EMITTED, _TREE = TEL_FIELDS.index("steps"), TEL_FIELDS.index("emitted"), TEL_FIELDS.index("tree_tokens")
 
 
 class Telemetry:
@@ -65,6 +66,32 @@ class Telemetry:
                 row[_DRAFT_MS + 2] += ms[2]
         else:
             self.table[tids, _DRAFT_MS: _DRAFT_MS + 3] += ms
+
+    def add_roots(self, tids: list[int], emitted: list[int], tree_tokens: list[int],
+                  ms: tuple[float, float, float]) -> None:
+        """One step of rows ``tids`` (distinct) that accepted no draft node (AR's roots, or trees none of whose
+        nodes was taken): steps + 1, ``emitted [B]`` and ``tree_tokens [B]`` added, nothing accepted (histogram
+        bin 0), and each row's draft, verify and update ``ms``. The same counts as :meth:`add` with a values
+        block of those columns, without building it (the AR step's telemetry was ~60 us at B = 1 of numpy calls;
+        benchmarks/README.md, "The standing Decode and the AR step's telemetry")."""
+        if len(tids) <= 4:  # a few rows: plain indexing
+            table, hist = self.table, self.hist
+            for t, e, n in zip(tids, emitted, tree_tokens):
+                row = table[t]
+                row[_STEPS] += 1.0
+                row[_EMITTED] += e
+                row[_TREE] += n
+                row[_DRAFT_MS] += ms[0]
+                row[_DRAFT_MS + 1] += ms[1]
+                row[_DRAFT_MS + 2] += ms[2]
+                hist[t, 0] += 1
+            return
+        idx = np.asarray(tids, dtype=np.int64)
+        self.table[idx, _STEPS] += 1.0
+        self.table[idx, _EMITTED] += np.asarray(emitted, dtype=np.float64)
+        self.table[idx, _TREE] += np.asarray(tree_tokens, dtype=np.float64)
+        self.table[idx, _DRAFT_MS: _DRAFT_MS + 3] += ms
+        self.hist[idx, 0] += 1
 
     def add(self, tids: np.ndarray, values: np.ndarray, accepted: np.ndarray) -> None:
         """Add ``values [B, len(TEL_FIELDS)]`` to the rows ``tids [B]`` (distinct: one per stream of a step) and

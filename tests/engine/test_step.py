@@ -301,3 +301,47 @@ def test_commit_greedy_batch_refuses_a_telemetry_table_it_cannot_write():
     assert c.updated and c.emitted.tolist() == [2] and table[2, :3].tolist() == [1.0, 2.0, 1.0]
     assert hist[2, 1] == 1 and hist.sum() == 1 and st.num_nodes != before[0]
     st.free()
+
+
+@pytest.mark.parametrize("b", [3, 9])  # plain indexing (<= 4 rows) and the array path
+def test_telemetry_add_roots_equals_add_with_a_values_block(b):
+    """``Telemetry.add_roots`` (a step where no row took a draft node: AR) adds what ``add`` adds for the values
+    block of those columns: steps, emitted, tree tokens, the three times, histogram bin 0."""
+    from racer_batch.engine.telemetry import TEL_FIELDS, Telemetry
+
+    rng = np.random.default_rng(b)
+    fast, ref = Telemetry(), Telemetry()
+    for t in (fast, ref):
+        [t.open() for _ in range(b + 2)]
+    tids = rng.permutation(b + 2)[:b].tolist()  # rows of the table in no particular order
+    for _ in range(6):
+        emitted, tree = rng.integers(1, 4, b).tolist(), rng.integers(1, 7, b).tolist()
+        ms = tuple(float(x) for x in rng.random(3))
+        fast.add_roots(tids, emitted, tree, ms)
+        vals = np.zeros((b, len(TEL_FIELDS)))
+        vals[:, 0], vals[:, 1], vals[:, 7], vals[:, 8:11] = 1.0, emitted, tree, ms
+        ref.add(np.asarray(tids), vals, np.zeros(b, dtype=np.int64))
+    assert np.allclose(fast.table, ref.table) and np.array_equal(fast.hist, ref.hist)
+    assert fast.table[tids[0], 0] == 6 and fast.hist[tids[0], 0] == 6
+
+
+def test_ar_rows_count_the_same_with_and_without_step_records():
+    """AR rows through a StreamBatch: the counters kept by ``add_roots`` (no StepRecords) equal those of the
+    values-block path (rows keeping StepRecords)."""
+    bundle = tiny_bundle(seed=1)
+
+    def run(keep_steps: bool):
+        engine = Engine(bundle, DecodingConfig(method="ar"), streams=3)
+        batch = StreamBatch()
+        for i, p in enumerate(PROMPTS):
+            batch.add(i, engine.stream(p, GenerationParams(max_new_tokens=9 + 4 * i), keep_steps=keep_steps))
+        out = {}
+        while len(batch):
+            for f in batch.step():
+                out[f.key] = f.result
+        return [(r.token_ids, r.stats.steps, r.stats.emitted_tokens, r.stats.tree_tokens, r.stats.accepted_hist)
+                for r in (out[i] for i in range(len(PROMPTS)))]
+
+    plain, kept = run(False), run(True)
+    assert plain == kept
+    assert all(steps == len(ids) and hist == {0: steps} for ids, steps, _, _, hist in plain)
