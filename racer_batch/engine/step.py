@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from itertools import chain
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -211,10 +212,10 @@ class Stepper:
         kind, native = _drafting(rows)
         own = [0.0] * len(rows) if kind in ("mixed", "python") else None
         self.last_own_ms = own
-        cols = _columns(rows, kind == "native")
         # the native rows' (states, row handles [B]), made once for the step's native calls
-        handles = ([n[0] for n in native], cols.handles) if kind == "native" else None
-        flat, sources, order = self._propose(rows, cap, clock, kind, native, own, handles, cols)
+        handles = ([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, len(rows))) \
+            if kind == "native" else None
+        flat, sources, order = self._propose(rows, cap, clock, kind, native, own, handles)
         clock.lap("flatten")
         self.last_rows = flat.rows
         self.last_cu = flat.cu
@@ -232,7 +233,7 @@ class Stepper:
         commit = counted = None
         if self._fusable(rows, kind):
             nodes, cu_paths, blocks, emitted, commit, counted = self._commit_native(
-                rows, flat, sources, order, choices, topk, native, handles, clock, cols)
+                rows, flat, sources, order, choices, topk, native, handles, clock)
         else:
             nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
             clock.lap("accept")
@@ -261,7 +262,7 @@ class Stepper:
             self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
         return self._native_accept
 
-    def _commit_native(self, rows, flat, sources, order, choices, topk, native, handles, clock, cols):
+    def _commit_native(self, rows, flat, sources, order, choices, topk, native, handles, clock):
         """Acceptance, stop checks by token id, the telemetry's source counts and the drafters' update of every
         row in one ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
@@ -270,15 +271,17 @@ class Stepper:
         those); ``counted``: the rows' telemetry ids where the call added the step's counts to the table (every
         row checked by id and none keeping StepRecords), else None."""
         b = len(rows)
-        eos = _eos_table([r.stops.eos_row for r in rows])
+        checkers = [r.stops for r in rows]
+        limits = np.fromiter(chain.from_iterable(c.limits() for c in checkers), np.int64, 3 * b).reshape(b, 3)
+        eos = _eos_table([c.eos_row for c in checkers])
         if topk is None:
             topk = np.zeros((flat.rows, 1), dtype=np.int64)
         # the telemetry table's counts are added in the call (where it updates), unless a row keeps StepRecords
-        tids = cols.tids
+        tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
         tel = None if tids is None else (self.telemetry.table, self.telemetry.hist, tids)
         self.committing = True  # the call below updates the drafters: no retry past it
         c = native_mod.commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices,
-                                           sources, order, topk, cols.limits, eos, tel)
+                                           sources, order, topk, limits, eos, tel)
         clock.lap("accept")
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
         blocks: list[list[int]] = []
@@ -307,19 +310,19 @@ class Stepper:
     @staticmethod
     def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str, native: list,
                  own: Optional[list[float]] = None, handles: Optional[tuple] = None,
-                 cols: Optional["_Columns"] = None) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+                 ) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
         """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
-        own trees are flattened here), with each row's ``sources`` and creation ``order`` (``cols``: the rows'
-        ``_columns``, made here where not given)."""
+        own trees are flattened here), with each row's ``sources`` and creation ``order``."""
         b = len(rows)
-        cols = cols if cols is not None else _columns(rows, False)
-        starts, roots, depth = cols.starts, cols.roots, cols.depth
+        starts = np.fromiter((r.committed_len for r in rows), np.int64, b)
         caches = [r.cache for r in rows]
+        roots = np.fromiter((r.root for r in rows), np.int64, b)
         if kind == "root":
             zeros = np.zeros(b, dtype=np.int64)
             flat = FlatTrees(roots, zeros - 1, zeros, np.arange(b + 1, dtype=np.int64), starts, caches)
             clock.lap("propose")
             return flat, zeros, zeros
+        depth = np.fromiter((r.stops.remaining - 1 for r in rows), np.int64, b)
         if kind == "native":
             got = native_mod.propose_batch(handles[0], handles[1], roots, np.full(b, cap, dtype=np.int64), depth)
             flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
@@ -586,35 +589,6 @@ def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: l
     if handles is None:
         handles = ([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b))
     native_mod.update_batch(handles[0], handles[1], flat.cu, flat.tokens, topk, flat_c, cu_c)
-
-
-class _Columns(NamedTuple):
-    """What a step reads of every row, gathered in one pass (``_columns``): int64 ``[B]`` committed lengths
-    (``starts``), roots, deepest tree depth each row may draft (``depth``: tokens it may still emit, less 1),
-    telemetry rows (``tids``, None where a row keeps StepRecords: those are counted in Python), native row
-    handles (``handles``, None unless every row is native) and ``limits [B, 3]`` (``StopChecker.limits``)."""
-
-    starts: np.ndarray
-    roots: np.ndarray
-    depth: np.ndarray
-    tids: Optional[np.ndarray]
-    handles: Optional[np.ndarray]
-    limits: np.ndarray
-
-
-def _columns(rows: list[DecodeRow], native: bool) -> _Columns:
-    """One pass over the rows into one ``[B, 7]`` int64 table (one tuple per row, one array call), then its
-    columns: a generator per column cost ~14 us at B = 1 and ~110 us at B = 64 (~4 and ~50 here)."""
-    keep = False
-    table = []
-    for r in rows:
-        table.append((r.committed_len, r.root, r.tid, r.native[1] if native else -1, *r.stops.limits()))
-        keep = keep or r.keep_steps
-    a = np.array(table, dtype=np.int64).reshape(len(rows), 7)
-    t = a.T.copy()  # [7, B]: each column contiguous
-    depth = np.maximum(np.minimum(t[4], t[5]), 0) - 1  # StopChecker.remaining - 1
-    return _Columns(t[0], t[1], depth, None if keep else t[2], t[3] if native else None,
-                    np.ascontiguousarray(a[:, 4:7]))
 
 
 def _eos_table(rows: list[np.ndarray]) -> np.ndarray:
