@@ -285,10 +285,11 @@ class Stepper:
         clock.lap("accept")
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
         blocks: list[list[int]] = []
-        cut = False
+        cut = strings = False
         for i, r in enumerate(rows):
             block = flat_blocks[cu[i]: cu[i + 1]]
             if fin[i] < 0:  # stop strings: the row's own checker decodes text
+                strings = True
                 n = r.stops.push_many(block)
                 cut = cut or n != len(block)
                 emitted_l[i] = n
@@ -298,7 +299,7 @@ class Stepper:
                 r.done, r.finish = True, r.stops.finish
             r.root = block[-1]
             blocks.append(block)
-        emitted = np.asarray(emitted_l, dtype=np.int64)
+        emitted = c.emitted if not strings else np.asarray(emitted_l, dtype=np.int64)  # as the call's unless cut here
         clock.lap("stops")
         if not c.updated:
             _update_native(native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)], handles)
