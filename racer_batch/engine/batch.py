@@ -283,7 +283,7 @@ class StreamBatch:
     def _decode_group(self, keys: list[Hashable]) -> None:
         """One batched decode step of these streams (one engine's); where it fails before any row committed
         a token, each row is retried alone so that only a row that fails by itself ends with the error. A stream
-        is resumed only where its row ended or its request polls (``Decode``)."""
+        is resumed only where ``Decode.settle`` says so (its row ended, or its ``should_cancel`` is True)."""
         reqs = [self._live[k].request for k in keys]
         rows = [r.row for r in reqs]
         stepper = reqs[0].stepper
