@@ -8,6 +8,7 @@ values after it and ``keep_rows`` / ``keep_rows_batch`` move the accepted path's
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional, Sequence
 
@@ -67,20 +68,16 @@ def trim_heap() -> bool:
     return True
 
 
-_LIBC: dict = {}
-
-
+@functools.cache
 def _malloc_trim() -> Any:
     """glibc's ``malloc_trim`` from the process's own symbols, looked up once (no library search: find_library
     would run ldconfig; a ``ctypes.CDLL`` made per call costs ~0.1 ms, a class per instance); None where absent."""
-    if "trim" not in _LIBC:
-        import ctypes
+    import ctypes
 
-        try:
-            _LIBC["trim"] = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError, TypeError):
-            _LIBC["trim"] = None
-    return _LIBC["trim"]
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
 
 
 def available_bytes(device: torch.device) -> Optional[int]:

@@ -54,8 +54,6 @@ HOST_PARTS = ("propose", "flatten", "accept", "stops", "keep_rows", "update", "t
 SCORES_PART = "scores"
 
 
-
-
 @dataclass(eq=False)
 class DecodeRow:
     """One stream's decoding state between steps (the engine's ``_decode`` owns it).

@@ -73,7 +73,7 @@ class Telemetry:
         nodes was taken): steps + 1, ``emitted [B]`` and ``tree_tokens [B]`` added, nothing accepted (histogram
         bin 0), and each row's draft, verify and update ``ms``. The same counts as :meth:`add` with a values
         block of those columns, without building it (the AR step's telemetry was ~60 us at B = 1 of numpy calls;
-        benchmarks/README.md, "The standing Decode and the AR step's telemetry")."""
+        benchmarks/README.md, "The standing Decode, AR's telemetry, and numpy calls after a cold forward")."""
         if len(tids) <= 4:  # a few rows: plain indexing
             table, hist = self.table, self.hist
             for t, e, n in zip(tids, emitted, tree_tokens):
