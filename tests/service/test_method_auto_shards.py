@@ -76,11 +76,24 @@ def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, 
     assert runner._states == {} and runner._choosers == {}
 
 
-def test_a_later_actor_starts_from_the_evidence_the_others_shared_in_redis(tmp_path, queue):
+def test_a_later_actor_starts_from_the_evidence_the_others_shared_in_redis(tmp_path, queue, monkeypatch):
     """Two runners (two actors) of one job with Redis sinks: the second runs shard 1 after the first ran
     shard 0 and explores nothing (every route's rows go to the choice the first actor's evidence makes); the
-    output equals a fixed racer run's; the shard summaries keep each actor's own rows."""
+    output equals a fixed racer run's; the shard summaries keep each actor's own rows.
+
+    Each row is charged 1 ms per target forward in place of its wall time: the choice then follows the
+    candidates' tokens per forward only. With wall time, two candidates within the machine's noise of each other
+    could swap places as the second actor's own rows came in (CI, 2026-12-07: one of route b's 8 later rows went
+    to racer), and the test would be about the noise, not about starting from the shared evidence."""
     from racer_batch.service.execution.actors import RedisSink
+    from racer_batch.service.execution.auto import MethodChooser
+
+    observe = MethodChooser.observe
+
+    def by_forwards(self, route, method, *, tokens, steps, busy_ms, decode_ms=None, scale=1.0):
+        observe(self, route, method, tokens=tokens, steps=steps, busy_ms=float(steps), decode_ms=float(steps))
+
+    monkeypatch.setattr(MethodChooser, "observe", by_forwards)
 
     bundle = tiny_bundle(seed=3, head_scale=60.0)
     rows = [{"id": f"r{i:02d}", "prompt": PROMPTS[i % 4], "route": "ab"[i % 2]} for i in range(32)]
