@@ -29,6 +29,8 @@ Reported:
 - **method auto**: per route, the tokens per actor-second (output tokens / the rows' actor time: their share of
   the forwards they were in) of ``auto`` against the best of the fixed methods, measured the same way, and the
   route's choice with its evidence (the manifest's ``method_auto``);
+- **method auto's own machinery**, where ``auto-ar`` (method auto with ar its only candidate) and ``ar`` both ran:
+  per route and over all rows, auto-ar's tokens per actor-second against fixed ar's (``machinery``);
 - **lossless**: every row's text in every contender against ``racer-cold``'s.
 
 Writes ``<out>/warm-auto-<stamp>.json`` and ``.md``. Needs the Redis at ``--redis-url`` (else a private
@@ -70,6 +72,9 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     # not in the default order: RACER with a draft state per row (decoding.scope request, nothing learned from the
     # job's other rows), the ceiling check of the warm state (what learning across rows adds at all)
     "racer-row": {"decoding.method": "racer", "decoding.scope": "request", "resources.warm_draft_state": False},
+    # not in the default order: method auto with ar as its only candidate, against fixed ar (what auto's own
+    # machinery changes in a row's measured tokens per actor-second, apart from the candidates sharing forwards)
+    "auto-ar": {"decoding.method": "auto", "decoding.auto_methods": ["ar"]},
 }
 DEFAULT_ORDER = ("racer-cold", "racer-warm", "pld", "ar", "auto")
 FIXED = ("racer-warm", "pld", "ar")  # auto is compared with the best of these per route
@@ -201,6 +206,21 @@ def auto_against_fixed(jobs: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def machinery(jobs: dict[str, dict]) -> dict[str, dict]:
+    """Per route and over all rows: ``auto-ar``'s tokens per actor-second (method auto with ar its only candidate)
+    against fixed ``ar``'s and their ratio, where both ran: what auto's own machinery (the chooser, its evidence,
+    the measured step cost) changes in a row's measured rate, with no other candidate sharing its forwards."""
+    if "auto-ar" not in jobs or "ar" not in jobs:
+        return {}
+    got = {name: per_route(jobs[name]) for name in ("auto-ar", "ar")}
+    got = {name: {**routes, "all": figures(*(sum(f[k] for f in routes.values()) for k in
+                                            ("rows", "tokens", "steps", "busy_ms")))}
+           for name, routes in got.items()}
+    return {route: {"auto_ar": a["tokens_per_s"], "ar": got["ar"][route]["tokens_per_s"],
+                    "ratio": common.ratio(a["tokens_per_s"], got["ar"][route]["tokens_per_s"])}
+            for route, a in got["auto-ar"].items() if route in got["ar"]}
+
+
 def pooled(runs: list[dict]) -> dict:
     """One contender's runs (rounds) as one job: every round's rows, the manifests' ``method_auto`` pooled
     (``results.method_auto.pool``), the wall seconds summed."""
@@ -271,10 +291,25 @@ def render_md(d: dict) -> str:
               common.md_table(["route", "method", "rows", "MAT", "tokens/actor-s"],
                               [[route, m, f["rows"], f["mat"], f["tokens_per_s"]]
                                for route, a in d["auto"].items() for m, f in a["evidence"].items()]), "",
+              *_machinery_md(d),
               "## Jobs", "", common.md_table(["contender", "job", "wall s", "output tokens", "tokens/s (wall)"],
                                              [[n, j["job_id"], _r(j["wall_s"], 1), j["tokens"],
                                                _r(j["tokens"] / j["wall_s"], 1)] for n, j in d["jobs"].items()])]
     return "\n".join(lines) + "\n"
+
+
+def _machinery_md(d: dict) -> list[str]:
+    """The section of ``machinery`` (auto-ar against ar), where both ran."""
+    m = d.get("machinery") or {}
+    if not m:
+        return []
+    rounds = d.get("machinery_rounds") or []
+    body = [[route, _r(x["auto_ar"], 1), _r(x["ar"], 1), x["ratio"],
+             " / ".join(str((r.get(route) or {}).get("ratio")) for r in rounds) if len(rounds) > 1 else ""]
+            for route, x in m.items()]
+    return ["## Method auto's own machinery: auto with ar its only candidate against fixed ar", "",
+            common.md_table(["route", "auto-ar tokens/actor-s", "ar tokens/actor-s", "auto-ar / ar",
+                             "auto-ar / ar per round"], body), ""]
 
 
 def _with_rounds(pooled_fig: dict, per_round: list[dict]) -> list[tuple[str, dict]]:
@@ -348,6 +383,7 @@ def main(argv: Optional[list[str]] = None) -> int:
          "auto": auto_against_fixed(jobs) if "auto" in jobs else {},
          "cross_row": cross_row(jobs["racer-cold"], jobs["racer-row"]) if "racer-row" in jobs else {},
          "auto_rounds": [auto_against_fixed(rnd) for rnd in rounds if "auto" in rnd],
+         "machinery": machinery(jobs), "machinery_rounds": [machinery(rnd) for rnd in rounds],
          "jobs": {f"{n} (round {i + 1})": {"job_id": j["job_id"], "wall_s": j["wall_s"],
                                            "tokens": sum(r["output_tokens"] or 0 for r in j["rows"])}
                   for n, r in runs.items() for i, j in enumerate(r)}}
