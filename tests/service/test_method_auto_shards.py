@@ -31,8 +31,26 @@ def _task(spec) -> dict:
                      plan=plan_input(spec.input).to_dict(), spec_hash=spec.spec_hash(), owner="t").to_dict()
 
 
+@pytest.fixture
+def by_forwards(monkeypatch):
+    """Each finished row is charged 1 ms per target forward in place of its actor time, so a route's choice follows
+    the candidates' tokens per forward only. With wall time, two candidates within the machine's noise of each
+    other swap places from run to run: CI failed twice on that (2026-12-07), once where a later actor's own rows
+    moved a route's choice, once where the manifest's pooled figures, recomputed from milliseconds rounded to 0.1,
+    ranked two near-equal candidates the other way. These tests are about how the evidence travels, not about
+    the timer."""
+    from racer_batch.service.execution.auto import MethodChooser
+
+    observe = MethodChooser.observe
+
+    def charged_per_forward(self, route, method, *, tokens, steps, busy_ms, decode_ms=None, scale=1.0):
+        observe(self, route, method, tokens=tokens, steps=steps, busy_ms=float(steps), decode_ms=float(steps))
+
+    monkeypatch.setattr(MethodChooser, "observe", charged_per_forward)
+
+
 @pytest.mark.parametrize("streams", [1, 4])
-def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, streams):
+def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, streams, by_forwards):
     bundle = tiny_bundle(seed=3, head_scale=60.0)
     rows = [{"id": f"r{i:02d}", "prompt": PROMPTS[i % 4], "route": "ab"[i % 2]} for i in range(16)]
     write_parquet(tmp_path / "in.parquet", rows)
@@ -76,24 +94,12 @@ def test_method_auto_answers_as_a_fixed_method_and_reports_its_choice(tmp_path, 
     assert runner._states == {} and runner._choosers == {}
 
 
-def test_a_later_actor_starts_from_the_evidence_the_others_shared_in_redis(tmp_path, queue, monkeypatch):
+def test_a_later_actor_starts_from_the_evidence_the_others_shared_in_redis(tmp_path, queue, by_forwards):
     """Two runners (two actors) of one job with Redis sinks: the second runs shard 1 after the first ran
     shard 0 and explores nothing (every route's rows go to the choice the first actor's evidence makes); the
-    output equals a fixed racer run's; the shard summaries keep each actor's own rows.
-
-    Each row is charged 1 ms per target forward in place of its wall time: the choice then follows the
-    candidates' tokens per forward only. With wall time, two candidates within the machine's noise of each other
-    could swap places as the second actor's own rows came in (CI, 2026-12-07: one of route b's 8 later rows went
-    to racer), and the test would be about the noise, not about starting from the shared evidence."""
+    output equals a fixed racer run's; the shard summaries keep each actor's own rows (rows charged per forward:
+    ``by_forwards``)."""
     from racer_batch.service.execution.actors import RedisSink
-    from racer_batch.service.execution.auto import MethodChooser
-
-    observe = MethodChooser.observe
-
-    def by_forwards(self, route, method, *, tokens, steps, busy_ms, decode_ms=None, scale=1.0):
-        observe(self, route, method, tokens=tokens, steps=steps, busy_ms=float(steps), decode_ms=float(steps))
-
-    monkeypatch.setattr(MethodChooser, "observe", by_forwards)
 
     bundle = tiny_bundle(seed=3, head_scale=60.0)
     rows = [{"id": f"r{i:02d}", "prompt": PROMPTS[i % 4], "route": "ab"[i % 2]} for i in range(32)]
