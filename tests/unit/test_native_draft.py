@@ -519,6 +519,34 @@ def test_accept_greedy_batch_on_a_hand_made_batch():
     assert path.tolist() == [0, 1, 3, 0] and cu_path.tolist() == [0, 3, 4] and bonus.tolist() == [4, 6]
 
 
+def test_int64_arguments_are_read_in_place_or_converted_alike():
+    """The native calls read a C-contiguous, aligned, native-order int64 array in place and convert anything else
+    (lists, int32, strided views, big-endian, read-only): every form gives the same answer; what cannot be an
+    int64 array is refused by the binding."""
+    cu, parents, tokens, choices = [0, 4, 5], [-1, 0, 0, 1, -1], [5, 7, 8, 9, 3], [7, 9, 0, 4, 6]
+    want = ([0, 1, 3, 0], [0, 3, 4], [4, 6])
+
+    def forms(values):
+        a = np.array(values, dtype=np.int64)
+        wide = np.zeros(2 * len(values), dtype=np.int64)
+        wide[::2] = values
+        frozen = a.copy()
+        frozen.flags.writeable = False
+        return {"int64": a, "list": list(values), "int32": a.astype(np.int32), "strided": wide[::2],
+                "big-endian": a.astype(">i8"), "read-only": frozen}
+
+    args = [forms(v) for v in (cu, parents, tokens, choices)]
+    for name in args[0]:
+        got = accept_greedy_batch(*(f[name] for f in args))
+        assert tuple(x.tolist() for x in got) == want, name
+    with pytest.raises(TypeError):
+        accept_greedy_batch("0 4 5", parents, tokens, choices)
+    # only the int64 form (what the engine passes) is read in place; a read-only one too (nothing writes to it)
+    reads = native.native_core().reads_in_place
+    assert {name: reads(f) for name, f in args[0].items()} == {
+        "int64": True, "list": False, "int32": False, "strided": False, "big-endian": False, "read-only": True}
+
+
 def test_fill_tree_mask_other_dtypes_and_numpy():
     cu, parents, starts = np.array([0, 3]), np.array([-1, 0, 1]), np.array([2])
     want = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 1]], dtype=bool)
