@@ -272,3 +272,16 @@ def test_a_shard_gives_the_chooser_each_rows_decode_time():
     assert stats["pld"].adj_ms == pytest.approx(900.0)
     shard.observe("r", "ar", SimpleNamespace(**{**vars(rec), "status": "error"}), greedy=True, prefill_ms=1.0)
     assert stats["ar"].rows == 1  # a failed row teaches nothing
+
+
+def test_the_pooled_choice_of_one_shard_is_the_shards_own_for_near_equal_candidates():
+    """``pool`` ranks the candidates by rates recomputed from the summed ms, unrounded, and the summaries keep the
+    ms to 3 decimals: two candidates 0.003% apart (pld listed first and slower, equal at 0.01 tokens/s) come out
+    in the shard's order."""
+    from racer_batch.service.results.method_auto import figures, pool
+
+    ev = {"r": {"choice": "racer", "candidates": {"pld": figures(1, 100, 50, 1000.04, 1000.04),
+                                                  "racer": figures(1, 100, 50, 1000.01, 1000.01)}}}
+    cands = ev["r"]["candidates"]
+    assert cands["racer"]["compared_tokens_per_s"] == cands["pld"]["compared_tokens_per_s"]  # equal when rounded
+    assert pool([ev])["r"]["choice"] == "racer"

@@ -15,8 +15,10 @@ def figures(rows: int, tokens: int, steps: int, busy_ms: float, adj_ms: float = 
     decode time scaled to one context, which is what the choice compares (``auto.CandidateStats.rate``; the
     measured figure where ``adj_ms`` is 0, as in summaries written before it was kept)."""
     measured = round(1000.0 * tokens / busy_ms, 2) if busy_ms > 0 else 0.0
-    return {"rows": int(rows), "tokens": int(tokens), "steps": int(steps), "busy_ms": round(float(busy_ms), 1),
-            "adj_ms": round(float(adj_ms), 1), "mat": round(tokens / steps, 3) if steps else None,
+    # the ms keep 3 decimals: pool() recomputes the rates from them, and at 0.1 ms two candidates within ~0.1% of
+    # each other could come out in the other order than the shard's own choice
+    return {"rows": int(rows), "tokens": int(tokens), "steps": int(steps), "busy_ms": round(float(busy_ms), 3),
+            "adj_ms": round(float(adj_ms), 3), "mat": round(tokens / steps, 3) if steps else None,
             "tokens_per_s": measured,
             "compared_tokens_per_s": round(1000.0 * tokens / adj_ms, 2) if adj_ms > 0 else measured}
 
@@ -24,7 +26,7 @@ def figures(rows: int, tokens: int, steps: int, busy_ms: float, adj_ms: float = 
 def pool(shards: Iterable[Optional[Mapping[str, Any]]]) -> dict:
     """``{route: {"choice": method, "candidates": {method: figures}}}`` summed over the shards' ``method_auto``
     (None or missing: a shard without method auto); a route's choice is the candidate with the most compared
-    tokens per second over the whole job (ties: the first listed)."""
+    tokens per second over the whole job, from the summed counters unrounded (ties: the first listed)."""
     sums: dict[str, dict[str, list[float]]] = {}
     for ev in shards:
         for route, entry in (ev or {}).items():
@@ -35,6 +37,14 @@ def pool(shards: Iterable[Optional[Mapping[str, Any]]]) -> dict:
     out = {}
     for route, per in sorted(sums.items()):
         cands = {m: figures(*acc) for m, acc in per.items()}
-        out[route] = {"choice": max(cands, key=lambda m: (cands[m]["compared_tokens_per_s"], -list(cands).index(m))),
-                      "candidates": cands}
+        order = list(cands)
+        # ranked by the unrounded rate (the figures round it to 0.01 tokens/s)
+        out[route] = {"choice": max(cands, key=lambda m: (_rate(per[m]), -order.index(m))), "candidates": cands}
     return out
+
+
+def _rate(acc: list) -> float:
+    """Compared tokens per second of pooled counters ``[rows, tokens, steps, busy_ms, adj_ms]`` (as ``figures``,
+    unrounded)."""
+    ms = acc[4] if acc[4] > 0 else acc[3]
+    return 1000.0 * acc[1] / ms if ms > 0 else 0.0
