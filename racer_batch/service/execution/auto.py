@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
-from racer_batch.service.results.method_auto import figures
+from racer_batch.service.results.method_auto import compared_rate, figures
 
 # Exploration is paid in rows answered by slower candidates: on 27-row routes split over two actors, 2 first rows
 # each and one in 10 after put 30-44% of a route's rows on the others (benchmarks/warm-auto-20261205-083829.md:
@@ -107,8 +107,7 @@ class CandidateStats:
     def rate(self) -> float:
         """What the rule compares: tokens per second of decode time (``adj_ms``: as if every row had the same
         context), or of ``busy_ms`` where no decode time was recorded."""
-        ms = self.adj_ms if self.adj_ms > 0 else self.busy_ms
-        return 1000.0 * self.tokens / ms if ms > 0 else 0.0
+        return compared_rate(self.tokens, self.busy_ms, self.adj_ms)
 
     def to_dict(self, since: Optional["CandidateStats"] = None) -> dict:
         """Its figures (``results.method_auto.figures``), or those of what it measured after ``since``."""

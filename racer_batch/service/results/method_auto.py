@@ -9,6 +9,13 @@ from typing import Any, Iterable, Mapping, Optional
 COUNTERS = ("rows", "tokens", "steps", "busy_ms", "adj_ms")
 
 
+def compared_rate(tokens: float, busy_ms: float, adj_ms: float) -> float:
+    """What method auto compares, unrounded: tokens per second of ``adj_ms`` (the rows' decode time scaled to one
+    context), or of ``busy_ms`` where no decode time was recorded; 0.0 without time."""
+    ms = adj_ms if adj_ms > 0 else busy_ms
+    return 1000.0 * tokens / ms if ms > 0 else 0.0
+
+
 def figures(rows: int, tokens: int, steps: int, busy_ms: float, adj_ms: float = 0.0) -> dict:
     """One candidate's counters with its MAT (tokens per target forward), tokens per second of actor time
     (``tokens_per_s``, as measured) and ``compared_tokens_per_s``: tokens per second of ``adj_ms``, the rows'
@@ -20,7 +27,7 @@ def figures(rows: int, tokens: int, steps: int, busy_ms: float, adj_ms: float = 
     return {"rows": int(rows), "tokens": int(tokens), "steps": int(steps), "busy_ms": round(float(busy_ms), 3),
             "adj_ms": round(float(adj_ms), 3), "mat": round(tokens / steps, 3) if steps else None,
             "tokens_per_s": measured,
-            "compared_tokens_per_s": round(1000.0 * tokens / adj_ms, 2) if adj_ms > 0 else measured}
+            "compared_tokens_per_s": round(compared_rate(tokens, busy_ms, adj_ms), 2)}
 
 
 def pool(shards: Iterable[Optional[Mapping[str, Any]]]) -> dict:
@@ -39,12 +46,6 @@ def pool(shards: Iterable[Optional[Mapping[str, Any]]]) -> dict:
         cands = {m: figures(*acc) for m, acc in per.items()}
         order = list(cands)
         # ranked by the unrounded rate (the figures round it to 0.01 tokens/s)
-        out[route] = {"choice": max(cands, key=lambda m: (_rate(per[m]), -order.index(m))), "candidates": cands}
+        out[route] = {"choice": max(cands, key=lambda m: (compared_rate(per[m][1], per[m][3], per[m][4]),
+                                                           -order.index(m))), "candidates": cands}
     return out
-
-
-def _rate(acc: list) -> float:
-    """Compared tokens per second of pooled counters ``[rows, tokens, steps, busy_ms, adj_ms]`` (as ``figures``,
-    unrounded)."""
-    ms = acc[4] if acc[4] > 0 else acc[3]
-    return 1000.0 * acc[1] / ms if ms > 0 else 0.0
