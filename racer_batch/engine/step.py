@@ -182,6 +182,7 @@ class Stepper:
         # and python); None after a step of native or root-only rows (every row's host work alike). StreamBatch
         # charges each row its own part before splitting the rest of the step (batch.row_charges)
         self.last_own_ms: Optional[list[float]] = None
+        self._plan: Optional[_Plan] = None  # what the last step read of its rows that stays while they decode
 
     # ---- row lifecycle
     def open(self, row: DecodeRow) -> None:
@@ -207,13 +208,11 @@ class Stepper:
         clock = _Clock(host)
         self.committing = False
         cap = self.engine._capacity(self.engine._in_flight)
-        kind, native = _drafting(rows)
+        plan = self._plan_of(rows)
+        kind, native, handles = plan.kind, plan.native, plan.handles
         own = [0.0] * len(rows) if kind in ("mixed", "python") else None
         self.last_own_ms = own
-        # the native rows' (states, row handles [B]), made once for the step's native calls
-        handles = ([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, len(rows))) \
-            if kind == "native" else None
-        flat, sources, order = self._propose(rows, cap, clock, kind, native, own, handles)
+        flat, sources, order = self._propose(rows, cap, clock, kind, native, own, handles, plan)
         clock.lap("flatten")
         self.last_rows = flat.rows
         self.last_cu = flat.cu
@@ -231,7 +230,7 @@ class Stepper:
         commit = counted = None
         if self._fusable(rows, kind):
             nodes, cu_paths, blocks, emitted, commit, counted = self._commit_native(
-                rows, flat, sources, order, choices, topk, native, handles, clock)
+                rows, flat, sources, order, choices, topk, native, handles, clock, plan)
         else:
             nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
             clock.lap("accept")
@@ -247,6 +246,16 @@ class Stepper:
         clock.lap("telemetry")
         return forward_ms
 
+    def _plan_of(self, rows: list[DecodeRow]) -> "_Plan":
+        """The step's ``_Plan``: the last step's where ``rows`` are the same rows in the same order (the common case
+        between two joins or finishes of continuous batching), else a new one."""
+        plan = self._plan
+        if plan is None or plan.rows != rows:  # DecodeRow compares by identity (eq=False)
+            plan = self._plan = _Plan(rows)
+        if plan.kind != "root":  # AR's steps read neither limits nor depths
+            plan.measure(rows)
+        return plan
+
     def _fusable(self, rows: list[DecodeRow], kind: str) -> bool:
         """Whether the step commits in one native call (``_commit_native``): every row on the native draft core,
         greedy and lossless (sampled and relaxed rows draw per row), and the fused commit not turned off."""
@@ -260,7 +269,7 @@ class Stepper:
             self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
         return self._native_accept
 
-    def _commit_native(self, rows, flat, sources, order, choices, topk, native, handles, clock):
+    def _commit_native(self, rows, flat, sources, order, choices, topk, native, handles, clock, plan):
         """Acceptance, stop checks by token id, the telemetry's source counts and the drafters' update of every
         row in one ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
@@ -269,13 +278,11 @@ class Stepper:
         those); ``counted``: the rows' telemetry ids where the call added the step's counts to the table (every
         row checked by id and none keeping StepRecords), else None."""
         b = len(rows)
-        checkers = [r.stops for r in rows]
-        limits = np.fromiter(chain.from_iterable(c.limits() for c in checkers), np.int64, 3 * b).reshape(b, 3)
-        eos = _eos_table([c.eos_row for c in checkers])
+        limits, eos = plan.limits, plan.eos
         if topk is None:
             topk = np.zeros((flat.rows, 1), dtype=np.int64)
         # the telemetry table's counts are added in the call (where it updates), unless a row keeps StepRecords
-        tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
+        tids = plan.tids
         tel = None if tids is None else (self.telemetry.table, self.telemetry.hist, tids)
         self.committing = True  # the call below updates the drafters: no retry past it
         c = native_mod.commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices,
@@ -308,22 +315,26 @@ class Stepper:
 
     @staticmethod
     def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str, native: list,
-                 own: Optional[list[float]] = None, handles: Optional[tuple] = None,
+                 own: Optional[list[float]] = None, handles: Optional[tuple] = None, plan: Optional["_Plan"] = None,
                  ) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
         """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
-        own trees are flattened here), with each row's ``sources`` and creation ``order``."""
+        own trees are flattened here), with each row's ``sources`` and creation ``order`` (``plan``: the step's
+        ``_Plan``, made here where not given)."""
         b = len(rows)
+        if plan is None:
+            plan = _Plan(rows)
+            plan.measure(rows)
         starts = np.fromiter((r.committed_len for r in rows), np.int64, b)
-        caches = [r.cache for r in rows]
+        caches = plan.caches
         roots = np.fromiter((r.root for r in rows), np.int64, b)
         if kind == "root":
             zeros = np.zeros(b, dtype=np.int64)
             flat = FlatTrees(roots, zeros - 1, zeros, np.arange(b + 1, dtype=np.int64), starts, caches)
             clock.lap("propose")
             return flat, zeros, zeros
-        depth = np.fromiter((r.stops.remaining - 1 for r in rows), np.int64, b)
+        depth = plan.depth
         if kind == "native":
-            got = native_mod.propose_batch(handles[0], handles[1], roots, np.full(b, cap, dtype=np.int64), depth)
+            got = native_mod.propose_batch(handles[0], handles[1], roots, plan.capacities(cap), depth)
             flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
             clock.lap("propose")
             return flat, got.sources, got.order
@@ -529,6 +540,70 @@ def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.nd
     rl = src & (SOURCE_RETRIEVAL | SOURCE_LOGITS)
     col = np.where(rl == 0, 3, np.where(src == rl, rl - 1, 4))
     return np.bincount(owner[counted] * 5 + col, minlength=5 * b).reshape(b, 5)[:, :4]
+
+
+_FEW_ROWS = 4  # _Plan.measure: up to this many rows, element by element
+
+
+class _Plan:
+    """What a step reads of its rows that stays the same while the same rows decode together, made once for them
+    (``Stepper._plan_of``), and the per-step arrays derived from the rows' emitted counts (:meth:`measure`).
+
+    Attributes (B = len(rows)):
+        rows: the rows, in step order. kind, native: ``_drafting(rows)``. handles: the native rows' (states, row
+            handles ``[B]``) where kind is native, else None. caches: the rows' KV-cache handles.
+        checkers: the rows' ``StopChecker``. eos: ``[B, E]`` their EOS ids (``_eos_table``). tids: ``[B]`` their
+            telemetry rows, or None where a row keeps StepRecords (``_commit_native``).
+        limits: ``[B, 3]`` ``StopChecker.limits`` of every row (columns 0 and 1 refreshed by :meth:`measure`).
+        depth: ``[B]`` the deepest draft node each row may take, ``StopChecker.remaining - 1`` (:meth:`measure`).
+    """
+
+    __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
+                 "_caps", "_left", "_deepest", "_cap")
+
+    def __init__(self, rows: list[DecodeRow]) -> None:
+        b = len(rows)
+        self.rows = list(rows)
+        self.kind, self.native = _drafting(rows)
+        self.handles = ([n[0] for n in self.native], np.fromiter((n[1] for n in self.native), np.int64, b)) \
+            if self.kind == "native" else None
+        self.caches = [r.cache for r in rows]
+        self.checkers = [r.stops for r in rows]
+        self.eos = _eos_table([c.eos_row for c in self.checkers])
+        self.tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
+        self.limits = np.fromiter(chain.from_iterable(c.limits() for c in self.checkers), np.int64,
+                                  3 * b).reshape(b, 3)
+        self._caps = np.fromiter(chain.from_iterable((c.max_new_tokens, c.room) for c in self.checkers), np.int64,
+                                 2 * b).reshape(b, 2)
+        self._left = self.limits[:, :2]  # a view: measure writes the two columns in place
+        self._deepest = self._caps.min(axis=1) - 1
+        self.depth = np.zeros(b, dtype=np.int64)
+        self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
+
+    def capacities(self, cap: int) -> np.ndarray:
+        """``[B]`` int64 filled with ``cap`` (the native propose's capacities), made again only when it changes."""
+        if self._cap[0] != cap or self._cap[1] is None:
+            self._cap = (cap, np.full(len(self.rows), cap, dtype=np.int64))
+        return self._cap[1]
+
+    def measure(self, rows: list[DecodeRow]) -> None:
+        """Refresh ``limits`` (tokens left under max_new_tokens and under the context) and ``depth`` from how many
+        tokens each row has emitted. A numpy call costs a few µs on the caches a forward left cold (measured ~11 µs
+        for these three at B = 1), so a few rows are written element by element and more rows with three calls
+        whatever B. A row that steps has not finished, so it has at least one token left and ``depth`` >= 0
+        (``StopChecker.remaining`` >= 1)."""
+        b = len(rows)
+        if b <= _FEW_ROWS:
+            lim, depth = self.limits, self.depth
+            for i, c in enumerate(self.checkers):
+                n = len(c.tokens)
+                lim[i, 0] = c.max_new_tokens - n
+                lim[i, 1] = c.room - n
+                depth[i] = min(c.max_new_tokens, c.room) - 1 - n
+            return
+        n = np.fromiter((len(c.tokens) for c in self.checkers), np.int64, b)
+        np.subtract(self._caps, n[:, None], out=self._left)
+        np.subtract(self._deepest, n, out=self.depth)
 
 
 def _drafting(rows: list[DecodeRow]) -> tuple[str, list]:

@@ -345,3 +345,39 @@ def test_ar_rows_count_the_same_with_and_without_step_records():
     plain, kept = run(False), run(True)
     assert plain == kept
     assert all(steps == len(ids) and hist == {0: steps} for ids, steps, _, _, hist in plain)
+
+
+@pytest.mark.parametrize("b", [1, 3, 4, 5, 9])
+def test_step_plan_limits_and_depths_follow_the_rows_emitted_tokens(b):
+    """``_Plan`` is made once for a run of steps over the same rows; its ``limits`` and ``depth`` must still be
+    each row's ``StopChecker.limits()`` and ``remaining - 1`` after every step's tokens (element by element up to
+    ``_FEW_ROWS`` rows, numpy above), and a different row list must get a new plan."""
+    from racer_batch.engine.step import _FEW_ROWS, DecodeRow, Stepper, _Plan
+    from racer_batch.engine.stops import StopChecker
+
+    rng = np.random.default_rng(b)
+    rows = []
+    for i in range(b):
+        stops = StopChecker(tokenizer=None, eos_ids=[0, 2 + i % 2], stop=[], max_new_tokens=int(rng.integers(20, 40)),
+                            prompt_tokens=int(rng.integers(1, 30)), context_length=50)
+        row = DecodeRow(drafter=None, cache=object(), stops=stops, params=None, gen=None, committed_len=5, root=1)
+        row.tid = i
+        rows.append(row)
+    stepper = Stepper.__new__(Stepper)
+    stepper._plan = None
+    plan = stepper._plan_of(rows)
+    assert plan.kind == "python" and _FEW_ROWS == 4  # b = 5 and 9 take the numpy path
+    assert plan.eos.shape == (b, 2) and plan.tids.tolist() == list(range(b))
+    for _ in range(6):
+        for r in rows:
+            if r.stops.remaining > 3:
+                r.stops.commit_checked([7] * int(rng.integers(0, 4)), None)
+        again = stepper._plan_of(rows)
+        assert again is plan
+        assert plan.limits.tolist() == [list(r.stops.limits()) for r in rows]
+        assert plan.depth.tolist() == [r.stops.remaining - 1 for r in rows]
+        assert plan.capacities(3).tolist() == [3] * b and plan.capacities(5).tolist() == [5] * b
+    fewer = rows[1:] if b > 1 else [rows[0], rows[0]]
+    assert stepper._plan_of(fewer) is not plan and isinstance(stepper._plan, _Plan)
+    rev = list(reversed(rows))
+    assert b == 1 or stepper._plan_of(rev).rows == rev
