@@ -228,7 +228,7 @@ class Stepper:
         host[SCORES_PART] = host.get(SCORES_PART, 0.0) + (t2 - t1) * 1000.0
         clock.skip()
         commit = counted = None
-        if self._fusable(rows, kind):
+        if self._fusable(plan):
             nodes, cu_paths, blocks, emitted, commit, counted = self._commit_native(
                 rows, flat, sources, order, choices, topk, native, handles, clock, plan)
         else:
@@ -256,12 +256,12 @@ class Stepper:
             plan.measure(rows)
         return plan
 
-    def _fusable(self, rows: list[DecodeRow], kind: str) -> bool:
+    def _fusable(self, plan: "_Plan") -> bool:
         """Whether the step commits in one native call (``_commit_native``): every row on the native draft core,
         greedy and lossless (sampled and relaxed rows draw per row), and the fused commit not turned off."""
-        if kind != "native" or not self.fused or self.config.acceptance != "lossless":
+        if plan.kind != "native" or not plan.greedy or not self.fused or self.config.acceptance != "lossless":
             return False
-        return bool(self._native_accept_fn()) and all(r.greedy for r in rows)
+        return bool(self._native_accept_fn())
 
     def _native_accept_fn(self) -> Any:
         """``drafters.native.accept_greedy_batch`` where the native core built, else False (decided once)."""
@@ -426,7 +426,8 @@ class Stepper:
     def _keep(self, rows, flat, nodes, cu_paths, moved: Optional[np.ndarray] = None) -> None:
         """Keep the accepted path's KV rows of every row that goes on; advance its committed length.
         ``moved``: a native commit's ``[M, 3]`` rows to move (``Commit.moved``), used where every row goes on."""
-        lengths = (cu_paths[1:] - cu_paths[:-1]).tolist()
+        cu = cu_paths.tolist()  # one numpy call (slicing and subtracting cost three, each µs on cold caches)
+        lengths = [cu[i + 1] - cu[i] for i in range(len(rows))]
         if not any(r.done for r in rows):
             self.runner.keep_rows_batch(flat.caches, flat.starts, nodes, cu_paths, moved=moved)
             for r, n in zip(rows, lengths):
@@ -551,7 +552,8 @@ class _Plan:
 
     Attributes (B = len(rows)):
         rows: the rows, in step order. kind, native: ``_drafting(rows)``. handles: the native rows' (states, row
-            handles ``[B]``) where kind is native, else None. caches: the rows' KV-cache handles.
+            handles ``[B]``) where kind is native, else None. caches: the rows' KV-cache handles. greedy: whether
+            every row is greedy.
         checkers: the rows' ``StopChecker``. eos: ``[B, E]`` their EOS ids (``_eos_table``). tids: ``[B]`` their
             telemetry rows, or None where a row keeps StepRecords (``_commit_native``).
         limits: ``[B, 3]`` ``StopChecker.limits`` of every row (columns 0 and 1 refreshed by :meth:`measure`).
@@ -559,7 +561,7 @@ class _Plan:
     """
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
-                 "_caps", "_left", "_deepest", "_cap")
+                 "greedy", "_caps", "_left", "_deepest", "_cap")
 
     def __init__(self, rows: list[DecodeRow]) -> None:
         b = len(rows)
@@ -568,6 +570,7 @@ class _Plan:
         self.handles = ([n[0] for n in self.native], np.fromiter((n[1] for n in self.native), np.int64, b)) \
             if self.kind == "native" else None
         self.caches = [r.cache for r in rows]
+        self.greedy = all(r.greedy for r in rows)
         self.checkers = [r.stops for r in rows]
         self.eos = _eos_table([c.eos_row for c in self.checkers])
         self.tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
