@@ -195,6 +195,7 @@ class Stepper:
 
     def close(self, row: DecodeRow, stats: Any) -> None:
         """Move the row's counters into ``stats`` (a ``RowStats``; StepRecords too when kept)."""
+        self._flush_times()
         if row.tid >= 0:
             self.telemetry.close(row.tid, stats)
             row.tid = -1
@@ -251,10 +252,20 @@ class Stepper:
         between two joins or finishes of continuous batching), else a new one."""
         plan = self._plan
         if plan is None or plan.rows != rows:  # DecodeRow compares by identity (eq=False)
+            self._flush_times()
             plan = self._plan = _Plan(rows)
         if plan.kind != "root":  # AR's steps read neither limits nor depths
             plan.measure(rows)
         return plan
+
+    def _flush_times(self) -> None:
+        """Add the current plan's summed step times to its rows' telemetry (``_Plan.times``): before the plan is
+        replaced and before any row closes, so a row's table entry is whole when it is read and no freed row is
+        written."""
+        plan = self._plan
+        if plan is not None and plan.timed:
+            self.telemetry.add_times(plan.tids, (plan.times[0], plan.times[1], plan.times[2]))
+            plan.times, plan.timed = [0.0, 0.0, 0.0], False
 
     def _fusable(self, plan: "_Plan") -> bool:
         """Whether the step commits in one native call (``_commit_native``): every row on the native draft core,
@@ -324,9 +335,13 @@ class Stepper:
         if plan is None:
             plan = _Plan(rows)
             plan.measure(rows)
-        starts = np.fromiter((r.committed_len for r in rows), np.int64, b)
+        if b <= _FEW_ROWS:  # a list and one array: cheaper than fromiter over a generator for a few rows
+            starts = np.array([r.committed_len for r in rows], dtype=np.int64)
+            roots = np.array([r.root for r in rows], dtype=np.int64)
+        else:
+            starts = np.fromiter((r.committed_len for r in rows), np.int64, b)
+            roots = np.fromiter((r.root for r in rows), np.int64, b)
         caches = plan.caches
-        roots = np.fromiter((r.root for r in rows), np.int64, b)
         if kind == "root":
             zeros = np.zeros(b, dtype=np.int64)
             flat = FlatTrees(roots, zeros - 1, zeros, np.arange(b + 1, dtype=np.int64), starts, caches)
@@ -483,7 +498,16 @@ class Stepper:
         b = len(rows)
         host = clock.since_start_ms()
         propose = clock.propose_ms
-        if counted is not None:
+        plan = self._plan
+        if counted is not None and plan is not None and counted is plan.tids:
+            # the same three times go to every row of the plan: summed here, added to the table once per plan
+            # (_flush_times; a table update per step cost ~10 µs at B = 1 after a cold forward)
+            t = plan.times
+            t[0] += propose / b
+            t[1] += forward_ms / b
+            t[2] += (host - propose) / b
+            plan.timed = True
+        elif counted is not None:
             self.telemetry.add_times(counted, (propose / b, forward_ms / b, (host - propose) / b))
         else:
             self._count(rows, flat, sources, nodes, cu_paths, emitted, commit, (propose, forward_ms, host))
@@ -558,10 +582,12 @@ class _Plan:
             telemetry rows, or None where a row keeps StepRecords (``_commit_native``).
         limits: ``[B, 3]`` ``StopChecker.limits`` of every row (columns 0 and 1 refreshed by :meth:`measure`).
         depth: ``[B]`` the deepest draft node each row may take, ``StopChecker.remaining - 1`` (:meth:`measure`).
+        times, timed: each row's draft, verify and update ms summed over the plan's fused steps, not yet added to
+            the telemetry table, and whether there are any (``Stepper._flush_times``).
     """
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
-                 "greedy", "_caps", "_left", "_deepest", "_cap")
+                 "greedy", "times", "timed", "_caps", "_left", "_deepest", "_cap")
 
     def __init__(self, rows: list[DecodeRow]) -> None:
         b = len(rows)
@@ -571,17 +597,23 @@ class _Plan:
             if self.kind == "native" else None
         self.caches = [r.cache for r in rows]
         self.greedy = all(r.greedy for r in rows)
-        self.checkers = [r.stops for r in rows]
-        self.eos = _eos_table([c.eos_row for c in self.checkers])
+        self.checkers = checkers = [r.stops for r in rows]
+        first = checkers[0]
+        if all(c.eos == first.eos for c in checkers):  # one model's rows: one EOS row repeated
+            self.eos = first.eos_row if b == 1 else np.repeat(first.eos_row, b, axis=0)
+        else:
+            self.eos = _eos_table([c.eos_row for c in checkers])
         self.tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
-        self.limits = np.fromiter(chain.from_iterable(c.limits() for c in self.checkers), np.int64,
-                                  3 * b).reshape(b, 3)
+        self.limits = np.empty((b, 3), dtype=np.int64)  # columns 0 and 1: measure
+        self.limits[:, 2] = [c.limits()[2] for c in checkers]
         self._caps = np.fromiter(chain.from_iterable((c.max_new_tokens, c.room) for c in self.checkers), np.int64,
                                  2 * b).reshape(b, 2)
         self._left = self.limits[:, :2]  # a view: measure writes the two columns in place
         self._deepest = self._caps.min(axis=1) - 1
         self.depth = np.zeros(b, dtype=np.int64)
         self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
+        self.times = [0.0, 0.0, 0.0]  # draft, verify and update ms per row summed over the plan's steps
+        self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
 
     def capacities(self, cap: int) -> np.ndarray:
         """``[B]`` int64 filled with ``cap`` (the native propose's capacities), made again only when it changes."""

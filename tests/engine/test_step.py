@@ -381,3 +381,26 @@ def test_step_plan_limits_and_depths_follow_the_rows_emitted_tokens(b):
     assert stepper._plan_of(fewer) is not plan and isinstance(stepper._plan, _Plan)
     rev = list(reversed(rows))
     assert b == 1 or stepper._plan_of(rev).rows == rev
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_each_rows_step_times_add_up_to_the_batch_forward_time(fused):
+    """Each step gives every row its share of the forward (and of the drafting and the rest); the fused path sums
+    them per step plan and adds them to the table only when the plan changes or a row closes
+    (``Stepper._flush_times``). Summed over the rows they must still equal the batch's forward time: a plan
+    replaced or a row closed without the flush would lose steps."""
+    bundle = tiny_bundle(seed=1, head_scale=60.0, context_length=96)
+    engine = Engine(bundle, DecodingConfig(method="racer", capacity=4), streams=3)
+    engine.stepper.fused = fused
+    state = engine.new_state()
+    batch = StreamBatch()
+    for i, n in enumerate((5, 21, 9, 30, 14, 3, 17)):
+        batch.add(i, engine.stream(PROMPTS[i % 3] * 2, GenerationParams(max_new_tokens=n), state=state))
+    results = []
+    while len(batch):
+        for f in batch.step():
+            assert f.error is None
+            results.append(f.result)
+    assert len(results) == 7 and all(r.stats.verify_ms > 0 and r.stats.draft_ms > 0 for r in results)
+    total = sum(r.stats.verify_ms for r in results)
+    assert total == pytest.approx(batch.stats.verify_ms, rel=1e-9)
