@@ -194,8 +194,10 @@ class Stepper:
         row.greedy = bool(row.params.greedy)
 
     def close(self, row: DecodeRow, stats: Any) -> None:
-        """Move the row's counters into ``stats`` (a ``RowStats``; StepRecords too when kept)."""
+        """Move the row's counters into ``stats`` (a ``RowStats``; StepRecords too when kept). The step plan goes
+        too (its times added first): the next step's rows differ, and it holds the rows' drafters and caches."""
         self._flush_times()
+        self._plan = None
         if row.tid >= 0:
             self.telemetry.close(row.tid, stats)
             row.tid = -1
