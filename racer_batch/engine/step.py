@@ -215,7 +215,7 @@ class Stepper:
         kind, native, handles = plan.kind, plan.native, plan.handles
         own = [0.0] * len(rows) if kind in ("mixed", "python") else None
         self.last_own_ms = own
-        flat, sources, order = self._propose(rows, cap, clock, kind, native, own, handles, plan)
+        flat, sources, order = self._propose(rows, cap, clock, plan, own)
         clock.lap("flatten")
         self.last_rows = flat.rows
         self.last_cu = flat.cu
@@ -233,7 +233,7 @@ class Stepper:
         commit = counted = None
         if self._fusable(plan):
             nodes, cu_paths, blocks, emitted, commit, counted = self._commit_native(
-                rows, flat, sources, order, choices, topk, native, handles, clock, plan)
+                rows, flat, sources, order, choices, topk, clock, plan)
         else:
             nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
             clock.lap("accept")
@@ -257,7 +257,7 @@ class Stepper:
             self._flush_times()
             plan = self._plan = _Plan(rows)
         if plan.kind != "root":  # AR's steps read neither limits nor depths
-            plan.measure(rows)
+            plan.measure()
         return plan
 
     def _flush_times(self) -> None:
@@ -282,7 +282,7 @@ class Stepper:
             self._native_accept = native_mod.accept_greedy_batch if native_mod.available() else False
         return self._native_accept
 
-    def _commit_native(self, rows, flat, sources, order, choices, topk, native, handles, clock, plan):
+    def _commit_native(self, rows, flat, sources, order, choices, topk, clock, plan):
         """Acceptance, stop checks by token id, the telemetry's source counts and the drafters' update of every
         row in one ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
@@ -298,6 +298,7 @@ class Stepper:
         tids = plan.tids
         tel = None if tids is None else (self.telemetry.table, self.telemetry.hist, tids)
         self.committing = True  # the call below updates the drafters: no retry past it
+        handles = plan.handles
         c = native_mod.commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices,
                                            sources, order, topk, limits, eos, tel)
         clock.lap("accept")
@@ -320,23 +321,20 @@ class Stepper:
         emitted = c.emitted if not strings else np.asarray(emitted_l, dtype=np.int64)  # as the call's unless cut here
         clock.lap("stops")
         if not c.updated:
-            _update_native(native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)], handles)
+            _update_native(plan.native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)], handles)
         clock.lap("update")  # ~0 where the call above updated every row (that time is in ``accept``)
         if cut:
             c = c._replace(counts=None)
         return c.nodes, c.cu_paths, blocks, emitted, c, (tids if c.updated else None)
 
     @staticmethod
-    def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", kind: str, native: list,
-                 own: Optional[list[float]] = None, handles: Optional[tuple] = None, plan: Optional["_Plan"] = None,
-                 ) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
+    def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", plan: "_Plan",
+                 own: Optional[list[float]] = None) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
         """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
-        own trees are flattened here), with each row's ``sources`` and creation ``order`` (``plan``: the step's
-        ``_Plan``, made here where not given)."""
+        own trees are flattened here), with each row's ``sources`` and creation ``order``; ``plan`` is the step's
+        ``_Plan`` (how the rows draft, their handles and draft depths)."""
         b = len(rows)
-        if plan is None:
-            plan = _Plan(rows)
-            plan.measure(rows)
+        kind = plan.kind
         if b <= _FEW_ROWS:  # a list and one array: cheaper than fromiter over a generator for a few rows
             starts = np.array([r.committed_len for r in rows], dtype=np.int64)
             roots = np.array([r.root for r in rows], dtype=np.int64)
@@ -351,12 +349,12 @@ class Stepper:
             return flat, zeros, zeros
         depth = plan.depth
         if kind == "native":
-            got = native_mod.propose_batch(handles[0], handles[1], roots, plan.capacities(cap), depth)
+            got = native_mod.propose_batch(plan.handles[0], plan.handles[1], roots, plan.capacities(cap), depth)
             flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
             clock.lap("propose")
             return flat, got.sources, got.order
         if kind == "mixed":  # rows of several methods in one forward: the native rows in one call, the rest each
-            drafts = _mixed_drafts(rows, native, roots, cap, depth, own)
+            drafts = _mixed_drafts(rows, plan.native, roots, cap, depth, own)
         else:
             drafts = []
             for i, r in enumerate(rows):
@@ -500,17 +498,15 @@ class Stepper:
         b = len(rows)
         host = clock.since_start_ms()
         propose = clock.propose_ms
-        plan = self._plan
-        if counted is not None and plan is not None and counted is plan.tids:
-            # the same three times go to every row of the plan: summed here, added to the table once per plan
-            # (_flush_times; a table update per step cost ~10 µs at B = 1 after a cold forward)
+        if counted is not None:  # the plan's tids: the same three times go to every row of the plan, summed
+            # here and added to the table once per plan (_flush_times; a table update per step cost ~10 µs at
+            # B = 1 after a cold forward)
+            plan = self._plan
             t = plan.times
             t[0] += propose / b
             t[1] += forward_ms / b
             t[2] += (host - propose) / b
             plan.timed = True
-        elif counted is not None:
-            self.telemetry.add_times(counted, (propose / b, forward_ms / b, (host - propose) / b))
         else:
             self._count(rows, flat, sources, nodes, cu_paths, emitted, commit, (propose, forward_ms, host))
         tuner = self.engine.tuner
@@ -581,7 +577,8 @@ class _Plan:
             handles ``[B]``) where kind is native, else None. caches: the rows' KV-cache handles. greedy: whether
             every row is greedy.
         checkers: the rows' ``StopChecker``. eos: ``[B, E]`` their EOS ids (``_eos_table``). tids: ``[B]`` their
-            telemetry rows, or None where a row keeps StepRecords (``_commit_native``).
+            telemetry rows, or None where a row keeps StepRecords (``_commit_native``). eos, tids, limits and depth
+            are None in an AR plan (kind root), whose steps read none of them.
         limits: ``[B, 3]`` ``StopChecker.limits`` of every row (columns 0 and 1 refreshed by :meth:`measure`).
         depth: ``[B]`` the deepest draft node each row may take, ``StopChecker.remaining - 1`` (:meth:`measure`).
         times, timed: each row's draft, verify and update ms summed over the plan's fused steps, not yet added to
@@ -600,6 +597,12 @@ class _Plan:
         self.caches = [r.cache for r in rows]
         self.greedy = all(r.greedy for r in rows)
         self.checkers = checkers = [r.stops for r in rows]
+        self.times = [0.0, 0.0, 0.0]  # draft, verify and update ms per row summed over the plan's steps
+        self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
+        self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
+        if self.kind == "root":  # AR: no draft depth, no native commit
+            self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
+            return
         first = checkers[0]
         if all(c.eos == first.eos for c in checkers):  # one model's rows: one EOS row repeated
             self.eos = first.eos_row if b == 1 else np.repeat(first.eos_row, b, axis=0)
@@ -613,9 +616,6 @@ class _Plan:
         self._left = self.limits[:, :2]  # a view: measure writes the two columns in place
         self._deepest = self._caps.min(axis=1) - 1
         self.depth = np.zeros(b, dtype=np.int64)
-        self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
-        self.times = [0.0, 0.0, 0.0]  # draft, verify and update ms per row summed over the plan's steps
-        self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
 
     def capacities(self, cap: int) -> np.ndarray:
         """``[B]`` int64 filled with ``cap`` (the native propose's capacities), made again only when it changes."""
@@ -623,13 +623,13 @@ class _Plan:
             self._cap = (cap, np.full(len(self.rows), cap, dtype=np.int64))
         return self._cap[1]
 
-    def measure(self, rows: list[DecodeRow]) -> None:
+    def measure(self) -> None:
         """Refresh ``limits`` (tokens left under max_new_tokens and under the context) and ``depth`` from how many
         tokens each row has emitted. A numpy call costs a few µs on the caches a forward left cold (measured ~11 µs
         for these three at B = 1), so a few rows are written element by element and more rows with three calls
         whatever B. A row that steps has not finished, so it has at least one token left and ``depth`` >= 0
         (``StopChecker.remaining`` >= 1)."""
-        b = len(rows)
+        b = len(self.checkers)
         if b <= _FEW_ROWS:
             lim, depth = self.limits, self.depth
             for i, c in enumerate(self.checkers):
