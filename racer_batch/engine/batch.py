@@ -137,6 +137,17 @@ class _Live:
     request: Request
 
 
+@dataclass(eq=False)
+class _Group:
+    """The pending ``Decode`` requests of one engine (one ``Stepper``) in one step: their keys, requests and rows
+    in step order."""
+
+    keys: list
+    reqs: list
+    rows: list
+    stepper: Any
+
+
 @dataclass
 class BatchStats:
     """Counters of a StreamBatch (for benchmarks and logs)."""
@@ -165,6 +176,9 @@ class StreamBatch:
         self._done: list[Finished] = []
         self._share: dict[Hashable, dict[int, float]] = {}  # key -> {id(runner): ms of forwards it had}
         self._prefill: dict[Hashable, dict[int, float]] = {}  # key -> {id(runner): ms of its prefills} (in _share)
+        # the last step's decode groups while no stream joined, left or changed its request since (a standing
+        # Decode is not resumed while its row goes on): the next step steps them without looking at every stream
+        self._steady: Optional[list[_Group]] = None
         self.stats = BatchStats()
 
     def __len__(self) -> int:
@@ -185,6 +199,7 @@ class StreamBatch:
         """
         if key in self._live:
             raise KeyError(f"stream {key!r} is already in flight")
+        self._steady = None
         try:
             self._live[key] = _Live(stream, next(stream))
         except StopIteration as stop:
@@ -197,6 +212,7 @@ class StreamBatch:
     def cancel(self, key: Hashable) -> None:
         """Drop a stream now (closing its generator releases its slot); nothing is reported for it."""
         live = self._live.pop(key, None)
+        self._steady = None
         self._share.pop(key, None)
         self._prefill.pop(key, None)
         if live is not None:
@@ -209,6 +225,7 @@ class StreamBatch:
 
     def _send(self, key: Hashable, value: Any = None, error: Optional[BaseException] = None) -> None:
         live = self._live[key]
+        self._steady = None  # the stream's request changes, or it ends
         try:
             live.request = live.stream.throw(error) if error is not None else live.stream.send(value)
         except StopIteration as stop:
@@ -226,6 +243,19 @@ class StreamBatch:
 
     def step(self) -> list[Finished]:
         """One step of every stream in flight; returns the streams that ended (in the order they ended)."""
+        steady = self._steady
+        if steady is not None:  # the same standing Decode requests as the last step: only those to step
+            for group in steady:
+                self._decode_group(group)
+        else:
+            self._step_all()
+        done, self._done = self._done, []
+        return done
+
+    def _step_all(self) -> None:
+        """One step of every stream, each request looked at: prefills first (each alone), then a batched decode
+        step per engine and a batched verify per runner. Where every stream decodes, the groups are kept for
+        the next step (``_steady``)."""
         st = self.stats
         for key in [k for k, v in self._live.items() if isinstance(v.request, Prefill)]:
             req = self._live[key].request
@@ -244,18 +274,24 @@ class StreamBatch:
             st.prefills += 1
             st.prefill_ms += ms
         groups: dict[int, list[Hashable]] = {}
-        decodes: dict[int, list[Hashable]] = {}
+        decodes: dict[int, _Group] = {}
         for key, live in self._live.items():
-            if isinstance(live.request, Decode):
-                decodes.setdefault(id(live.request.stepper), []).append(key)
-            elif isinstance(live.request, Verify):
-                groups.setdefault(id(live.request.runner), []).append(key)
-        for keys in decodes.values():
-            self._decode_group(keys)
+            req = live.request
+            if isinstance(req, Decode):
+                g = decodes.get(id(req.stepper))
+                if g is None:
+                    g = decodes[id(req.stepper)] = _Group([], [], [], req.stepper)
+                g.keys.append(key)
+                g.reqs.append(req)
+                g.rows.append(req.row)
+            elif isinstance(req, Verify):
+                groups.setdefault(id(req.runner), []).append(key)
+        steady = list(decodes.values())
+        self._steady = steady if steady and not groups else None
+        for group in steady:
+            self._decode_group(group)
         for keys in groups.values():
             self._verify_group(keys)
-        done, self._done = self._done, []
-        return done
 
     def _count(self, keys: list[Hashable], runner: Any, ms: float, rows: int, charge: Optional[float] = None,
                shares: Optional[list[float]] = None) -> None:
@@ -280,13 +316,11 @@ class StreamBatch:
         st.rows += rows
         st.sizes[len(keys)] = st.sizes.get(len(keys), 0) + 1
 
-    def _decode_group(self, keys: list[Hashable]) -> None:
+    def _decode_group(self, group: _Group) -> None:
         """One batched decode step of these streams (one engine's); where it fails before any row committed
         a token, each row is retried alone so that only a row that fails by itself ends with the error. A stream
         is resumed only where ``Decode.settle`` says so (its row ended, or its ``should_cancel`` is True)."""
-        reqs = [self._live[k].request for k in keys]
-        rows = [r.row for r in reqs]
-        stepper = reqs[0].stepper
+        keys, reqs, rows, stepper = group.keys, group.reqs, group.rows, group.stepper
         t0 = time.perf_counter()
         asked: dict = {}  # should_cancel answers of this step (Decode.settle)
         try:

@@ -146,6 +146,8 @@ class KVCache:
         self.live: dict[int, SlotCache] = {}  # slot -> the row's handle, while taken
         self.max_len = 0
         self.kv = torch.empty(0, dtype=dtype, device=device)
+        self._view: Optional[np.ndarray] = None  # host_view's array and the tensor it views
+        self._view_of: Optional[torch.Tensor] = None
         self.grow(start_len)
 
     # ---- size and memory
@@ -284,6 +286,18 @@ class KVCache:
             self.kv[:, :, slot, :, pos] = values
 
     # ---- keeping the accepted rows
+    def host_view(self) -> Optional[np.ndarray]:
+        """The cache's memory as a numpy array ``[L, 2, S, H, P, D']`` (float32 as it is; any other dtype as bytes,
+        ``D' = D x`` its size), for the native commit that keeps the accepted rows in the same call
+        (``drafters.native.commit_greedy_batch``'s ``kv``); None off the CPU. Made once per buffer (``grow``,
+        ``reserve`` and ``fresh`` replace it)."""
+        if self.device.type != "cpu":
+            return None
+        if self._view_of is not self.kv:
+            self._view = (self.kv if self.kv.dtype == torch.float32 else self.kv.view(torch.uint8)).numpy()
+            self._view_of = self.kv
+        return self._view
+
     @torch.inference_mode()
     def keep_rows(self, cache: SlotCache, *, committed_len: int, nodes: Sequence[int]) -> None:
         """Keep the accepted tree ``nodes`` (local indices, root first, ascending): row ``committed_len +

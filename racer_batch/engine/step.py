@@ -240,7 +240,10 @@ class Stepper:
             self.committing = True
             blocks, emitted = self._stops(rows, flat, nodes, cu_paths, bonus)
             clock.lap("stops")
-        self._keep(rows, flat, nodes, cu_paths, None if commit is None else commit.moved)
+        if commit is not None and plan.pool is not None:  # the commit kept the rows: lengths only
+            _advance(rows, cu_paths)
+        else:
+            self._keep(rows, flat, nodes, cu_paths, None if commit is None else commit.moved)
         clock.lap("keep_rows")
         if commit is None:
             self._update(rows, flat, topk, probs, nodes, cu_paths, blocks, emitted, kind, native, own, handles)
@@ -255,9 +258,12 @@ class Stepper:
         plan = self._plan
         if plan is None or plan.rows != rows:  # DecodeRow compares by identity (eq=False)
             self._flush_times()
-            plan = self._plan = _Plan(rows)
+            plan = self._plan = _Plan(rows, self.runner)
         if plan.kind != "root":  # AR's steps read neither limits nor depths
-            plan.measure()
+            if plan.advanced:  # the last step's native commit left them as they are now
+                plan.advanced = False
+            else:
+                plan.measure()
         return plan
 
     def _flush_times(self) -> None:
@@ -283,8 +289,9 @@ class Stepper:
         return self._native_accept
 
     def _commit_native(self, rows, flat, sources, order, choices, topk, clock, plan):
-        """Acceptance, stop checks by token id, the telemetry's source counts and the drafters' update of every
-        row in one ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
+        """Acceptance, stop checks by token id, the telemetry's source counts, the drafters' update and, on the
+        CPU's KV cache (``_Plan.pool``), keeping the accepted KV rows of every row in one
+        ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
         then every row's update is one ``update_batch``, ``update``). Returns ``(nodes, cu_paths, blocks,
         emitted, commit, counted)``; ``commit.counts`` is None where a stop string cut a block (``_observe`` counts
@@ -298,9 +305,14 @@ class Stepper:
         tids = plan.tids
         tel = None if tids is None else (self.telemetry.table, self.telemetry.hist, tids)
         self.committing = True  # the call below updates the drafters: no retry past it
-        handles = plan.handles
+        handles, pool = plan.handles, plan.pool
+        # on the CPU the call keeps every row's accepted KV rows too (the step then only advances the lengths)
+        kv = None if pool is None else (pool.host_view(), plan.slots, flat.starts)
+        # the call also takes each row's emitted tokens off its limits and depth: the next step's, unless a stop
+        # string cuts a block below (then that row is done, and the next step's rows make a new plan)
         c = native_mod.commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices,
-                                           sources, order, topk, limits, eos, tel)
+                                           sources, order, topk, limits, eos, tel, kv, plan.depth)
+        plan.advanced = True
         clock.lap("accept")
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
         blocks: list[list[int]] = []
@@ -550,6 +562,16 @@ class Stepper:
             keep_records(rows, vals)
 
 
+def _advance(rows: list[DecodeRow], cu_paths: np.ndarray) -> None:
+    """Each row that goes on now holds its accepted path too (committed length and KV-cache length), where the
+    native commit kept the KV rows itself (``Stepper._commit_native``)."""
+    cu = cu_paths.tolist()
+    for i, r in enumerate(rows):
+        if not r.done:
+            r.committed_len = n = r.committed_len + cu[i + 1] - cu[i]
+            r.cache.length = n
+
+
 def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.ndarray:
     """``[B, 4]`` accepted draft nodes per row by source (retrieval, logits, both, other), counting only the
     nodes within each row's emitted tokens."""
@@ -583,12 +605,17 @@ class _Plan:
         depth: ``[B]`` the deepest draft node each row may take, ``StopChecker.remaining - 1`` (:meth:`measure`).
         times, timed: each row's draft, verify and update ms summed over the plan's fused steps, not yet added to
             the telemetry table, and whether there are any (``Stepper._flush_times``).
+        advanced: the last step's native commit took its emitted tokens off ``limits`` and ``depth`` in place, so
+            the next step need not :meth:`measure`.
+        pool, slots: the runner's ``KVCache`` and the rows' slots ``[B]``, where the native commit keeps the KV rows
+            (a native plan, every row a slot of that cache, the cache on the CPU: ``KVCache.host_view``); else
+            None (``Stepper._keep``).
     """
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
-                 "greedy", "times", "timed", "_caps", "_left", "_deepest", "_cap")
+                 "greedy", "times", "timed", "pool", "slots", "advanced", "_caps", "_left", "_deepest", "_cap")
 
-    def __init__(self, rows: list[DecodeRow]) -> None:
+    def __init__(self, rows: list[DecodeRow], runner: Any = None) -> None:
         b = len(rows)
         self.rows = list(rows)
         self.kind, self.native = _drafting(rows)
@@ -600,9 +627,16 @@ class _Plan:
         self.times = [0.0, 0.0, 0.0]  # draft, verify and update ms per row summed over the plan's steps
         self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
         self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
+        self.pool = self.slots = None
+        self.advanced = False
         if self.kind == "root":  # AR: no draft depth, no native commit
             self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
             return
+        pool = getattr(runner, "kv_cache", None)
+        if (self.kind == "native" and pool is not None and pool.host_view() is not None
+                and all(getattr(c, "pool", None) is pool for c in self.caches)):
+            self.pool = pool
+            self.slots = np.fromiter((c.slot for c in self.caches), np.int64, b)
         first = checkers[0]
         if all(c.eos == first.eos for c in checkers):  # one model's rows: one EOS row repeated
             self.eos = first.eos_row if b == 1 else np.repeat(first.eos_row, b, axis=0)

@@ -233,8 +233,19 @@ def test_commit_greedy_batch_equals_its_parts_on_random_trees():
         limits = np.stack([left_len, left_room, checked], 1)
         table, hist = rng.random((8, 11)), rng.integers(0, 3, (8, 65))
         table0, hist0, tids = table.copy(), hist.copy(), rng.permutation(8)[:b]
+        # the KV cache the call keeps rows of: float32 half the time, else 2-byte elements seen as bytes
+        kv = rng.random((2, 2, 6, 2, 16, 3)).astype(np.float32)
+        if rng.random() < 0.5:
+            kv = kv.view(np.uint8)
+        kv0, slots = kv.copy(), rng.permutation(6)[:b]
+        starts = np.array([int(rng.integers(0, 17 - (flat.cu[i + 1] - flat.cu[i]))) for i in range(b)])
+        depths = rng.integers(0, 9, b)
+        limits0, depths0 = limits.copy(), depths.copy()
         c = commit_greedy_batch([st] * b, rows, flat.cu, flat.parents, flat.tokens, choices, sources, order, topk,
-                                limits, eos, (table, hist, tids))
+                                limits, eos, (table, hist, tids), (kv, slots, starts), depths)
+        assert np.array_equal(depths, depths0 - c.emitted)  # the emitted tokens off the depths and limits
+        assert np.array_equal(limits[:, :2], limits0[:, :2] - c.emitted[:, None])
+        assert np.array_equal(limits[:, 2], limits0[:, 2])
         nodes, cu, bonus, glob = greedy_paths(flat, choices)
         assert (c.nodes.tolist(), c.cu_paths.tolist(), c.bonus.tolist()) == (nodes.tolist(), cu.tolist(),
                                                                            bonus.tolist())
@@ -261,6 +272,9 @@ def test_commit_greedy_batch_equals_its_parts_on_random_trees():
         stream = np.repeat(np.arange(b), plen)
         moved = np.stack([stream, nodes, along], 1)[nodes != along]
         assert c.moved.reshape(-1, 3).tolist() == moved.tolist()
+        for q, src, dst in moved.tolist():  # ascending per stream, as KVCache.keep_rows_batch moves them
+            kv0[:, :, slots[q], :, starts[q] + dst] = kv0[:, :, slots[q], :, starts[q] + src]
+        assert np.array_equal(kv, kv0)
         assert c.updated == bool(checked.all())
         if c.updated:  # the step's counts added to the telemetry rows, the three times left alone
             acc = np.minimum(plen - 1, emitted)
@@ -278,6 +292,41 @@ def test_commit_greedy_batch_equals_its_parts_on_random_trees():
         st.free()
         ref.free()
     assert {None, "eos", "length", "context"} <= seen
+
+
+def test_commit_greedy_batch_refuses_a_kv_cache_it_cannot_keep_rows_in():
+    """A KV array of the wrong rank or layout, read-only, a slot outside it or a tree past its positions raises
+    ValueError before the draft state or the cache changes."""
+    from racer_batch.drafters.native import commit_greedy_batch
+
+    rng = np.random.default_rng(4)
+    st, rows = _started_state(rng, 1, 16)
+    args = (np.array([0, 3]), np.array([-1, 0, 1]), np.array([1, 2, 3]), np.array([2, 3, 4]), np.array([0, 1, 1]),
+            np.array([0, 1, 2]), rng.integers(0, 16, (3, 3)), np.array([[9, 9, 1]]), np.array([[15]]))
+    before = (st.num_nodes, st.store_table().tolist())
+    kv = rng.random((2, 2, 3, 2, 8, 4)).astype(np.float32)
+    frozen = kv.copy()
+    frozen.flags.writeable = False
+    for bad, match in [((kv[0], [0], [0]), "kv must"), ((kv.transpose(0, 1, 2, 3, 5, 4), [0], [0]), "kv must"),
+                       ((frozen, [0], [0]), "kv must"), ((kv, [3], [0]), "not a slot"),
+                       ((kv, [0], [6]), "does not fit"), ((kv, [0], [-1]), "does not fit"), ((kv, [0]), "kv must")]:
+        snapshot = kv.copy()
+        with pytest.raises(ValueError, match=match):
+            commit_greedy_batch([st], rows, *args, None, bad)
+        assert (st.num_nodes, st.store_table().tolist()) == before
+        assert np.array_equal(kv, snapshot)
+    frozen_depths = np.zeros(1, np.int64)
+    frozen_depths.flags.writeable = False
+    for depths in [np.zeros(1, np.int32), np.zeros(2, np.int64), frozen_depths]:
+        with pytest.raises(ValueError, match="depths"):
+            commit_greedy_batch([st], rows, *args, None, None, depths)
+    frozen_limits = args[7].copy()
+    frozen_limits.flags.writeable = False
+    with pytest.raises(ValueError, match="limits"):
+        commit_greedy_batch([st], rows, *args[:7], frozen_limits, args[8], None, None, np.zeros(1, np.int64))
+    assert (st.num_nodes, st.store_table().tolist()) == before
+    c = commit_greedy_batch([st], rows, *args, None, (kv, np.array([2]), np.array([5])))
+    assert c.nodes.tolist() == [0, 1, 2] and not len(c.moved)  # a chain accepted in place: nothing moved
 
 
 def test_commit_greedy_batch_refuses_a_telemetry_table_it_cannot_write():
@@ -364,7 +413,7 @@ def test_step_plan_limits_and_depths_follow_the_rows_emitted_tokens(b):
         row.tid = i
         rows.append(row)
     stepper = Stepper.__new__(Stepper)
-    stepper._plan = None
+    stepper._plan, stepper.runner = None, None
     plan = stepper._plan_of(rows)
     assert plan.kind == "python" and _FEW_ROWS == 4  # b = 5 and 9 take the numpy path
     assert plan.eos.shape == (b, 2) and plan.tids.tolist() == list(range(b))
@@ -404,3 +453,54 @@ def test_each_rows_step_times_add_up_to_the_batch_forward_time(fused):
     assert len(results) == 7 and all(r.stats.verify_ms > 0 and r.stats.draft_ms > 0 for r in results)
     total = sum(r.stats.verify_ms for r in results)
     assert total == pytest.approx(batch.stats.verify_ms, rel=1e-9)
+
+
+def _long_run(fused: bool):
+    """Four rows of 60 new tokens at capacity 2 through a StreamBatch (many steps over the same rows), one with
+    a stop string; tokens and finish reasons."""
+    engine = Engine(tiny_bundle(seed=1, head_scale=60.0), DecodingConfig(method="racer", capacity=2), streams=4)
+    engine.stepper.fused = fused
+    batch = StreamBatch()
+    for i, p in enumerate(PROMPTS[:3] + PROMPTS[:1]):
+        gp = GenerationParams(max_new_tokens=60 - 7 * i, stop=["::"] if i == 3 else [])
+        batch.add(i, engine.stream(p * 2, gp))
+    out = {}
+    while len(batch):
+        for f in batch.step():
+            assert f.error is None
+            out[f.key] = f.result
+    return [(out[i].token_ids, out[i].finish_reason) for i in range(4)]
+
+
+def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkeypatch):
+    """A fused step on the CPU's KV cache keeps the accepted KV rows inside the native commit (no
+    ``Stepper._keep`` / ``keep_rows_batch``) and takes each row's emitted tokens off the plan's ``limits`` and
+    ``depth`` in place: before every step that skips ``_Plan.measure``, those arrays equal what ``measure``
+    computes from the rows' checkers; the tokens equal the per-part step's (which keeps rows with
+    ``keep_rows_batch``)."""
+    from racer_batch.engine import step as step_mod
+
+    want = _long_run(False)
+    checked, pools = [0], []
+    orig = step_mod.Stepper._plan_of
+
+    def plan_of(self, rows):
+        plan = self._plan
+        if plan is not None and plan.rows == rows and plan.advanced:
+            got = (plan.limits.copy(), plan.depth.copy())
+            plan.measure()
+            assert np.array_equal(got[0], plan.limits) and np.array_equal(got[1], plan.depth)
+            checked[0] += 1
+        out = orig(self, rows)
+        pools.append(out.pool is not None)
+        return out
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Stepper._keep called on a fused CPU step")
+
+    monkeypatch.setattr(step_mod.Stepper, "_plan_of", plan_of)
+    monkeypatch.setattr(step_mod.Stepper, "_keep", refuse)
+    got = _long_run(True)
+    assert checked[0] > 20 and all(pools)
+    assert got == want
+    assert sum(len(t) for t, _ in got) > 150

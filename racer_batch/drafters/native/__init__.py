@@ -404,7 +404,7 @@ class Commit(NamedTuple):
 
 
 def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, tokens, choices, sources, order, topk,
-                        limits, eos, telemetry=None) -> Commit:
+                        limits, eos, telemetry=None, kv=None, depths=None) -> Commit:
     """The greedy commit of one step of every stream, in one native call (docs/method.md 4 and 9.11).
 
     Per stream ``b`` (rows ``cu[b] : cu[b + 1]`` of the flat trees): the greedy longest path and its bonus
@@ -425,15 +425,25 @@ def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, t
         where the drafters learned here (``updated``), every stream's step is added to them in place (columns
         steps, emitted, accepted, the four source counts, tree_tokens; one histogram count of its accepted
         length, clipped to the last bin).
+        kv: None, or ``(kv, slots, starts)``: the KV cache as a writeable C-contiguous numpy array
+            ``[L, 2, S, H, P, D]`` of any element type (engine/kv_cache.py's layout; ``KVCache.host_view``), each
+            stream's slot ``[B]`` and committed length ``[B]`` (its tree's rows at ``starts[b] ..``); every
+            stream's accepted rows are then moved down in place in the same call (``Commit.moved``, as
+            ``KVCache.keep_rows_batch`` would; a stream that ended is moved too, harmlessly).
+        depths: None, or ``[B]`` each stream's draft depth limit (``propose_batch``'s ``max_depths``): each
+            stream's emitted tokens are then subtracted from it and from columns 0 and 1 of ``limits`` in place,
+            so both hold the next step's values for a stream that goes on (both must be writeable C-contiguous
+            int64 arrays, read in place).
 
     Returns: a :class:`Commit`.
 
     Raises:
         ValueError: shapes, offsets, parents not a forest, a closed/unknown/unstarted row, a freed state, a token
-            outside the vocabulary or too few top-k columns (checked before any state changes).
+            outside the vocabulary, too few top-k columns, a KV slot or tree outside ``kv``, or ``depths`` /
+            ``limits`` not writeable in place (checked before any state changes).
     """
     return Commit._make(_core().commit_greedy_batch(_cores(states), rows, cu, parents, tokens, choices, sources,
-                                                          order, topk, limits, eos, telemetry))
+                                                          order, topk, limits, eos, telemetry, kv, depths))
 
 
 def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:

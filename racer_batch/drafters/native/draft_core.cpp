@@ -1394,10 +1394,74 @@ void count_step(const Tel& t, const CommitArgs& a, const CommitOut& o, i64 b) {
   }
 }
 
+// The KV cache a commit keeps the accepted rows of, in place (engine/kv_cache.py's layout): ``kv`` [L, 2, S, H, P, D]
+// of any element type, C-contiguous and writeable; each stream's slot and committed length (its tree's rows sit at
+// positions start .. start + T - 1 of its slot).
+struct Keep {
+  char* base = nullptr;
+  i64 planes = 0, slots = 0, heads = 0, positions = 0, row = 0;  // planes = L * 2; row: bytes of one position
+  std::vector<i64> slot, start;
+};
+
+Keep keep_of(const py::object& obj, const I64Array& cu, i64 b) {
+  Keep k;
+  if (obj.is_none()) return k;
+  const py::tuple tup = obj.cast<py::tuple>();
+  if (tup.size() != 3) bad("kv must be (kv, slots, starts)");
+  py::array kv = tup[0].cast<py::array>();
+  const I64Array slots = tup[1].cast<I64Array>(), starts = tup[2].cast<I64Array>();
+  if (kv.ndim() != 6 || kv.shape(1) != 2 || !(kv.flags() & py::array::c_style) || !kv.writeable())
+    bad("kv must be a writeable C-contiguous [L, 2, S, H, P, D] array");
+  check_1d(slots, b, "kv slots");
+  check_1d(starts, b, "kv starts");
+  k.planes = i64(kv.shape(0)) * 2;
+  k.slots = i64(kv.shape(2));
+  k.heads = i64(kv.shape(3));
+  k.positions = i64(kv.shape(4));
+  k.row = i64(kv.shape(5)) * i64(kv.itemsize());
+  for (i64 s = 0; s < b; ++s) {
+    const i64 sl = slots.data()[s], st = starts.data()[s];
+    if (sl < 0 || sl >= k.slots) bad("kv slots[" + std::to_string(s) + "] = " + std::to_string(sl) + " is not a slot");
+    if (st < 0 || st + (cu.data()[s + 1] - cu.data()[s]) > k.positions)
+      bad("kv starts[" + std::to_string(s) + "] = " + std::to_string(st) + ": the tree does not fit in " +
+          std::to_string(k.positions) + " positions");
+  }
+  k.base = static_cast<char*>(kv.mutable_data());
+  k.slot.assign(slots.data(), slots.data() + b);
+  k.start.assign(starts.data(), starts.data() + b);
+  return k;
+}
+
+// Moves every stream's accepted rows down in place (the moves of ``CommitOut::moved``: stream, source node,
+// destination index along its path), in every layer, key/value and head. A stream's moves come in ascending
+// destination with source >= destination, so no source is an earlier move's destination.
+void keep_rows(const Keep& k, const CommitOut& o) {
+  for (size_t m = 0; m + 2 < o.moved.size(); m += 3) {
+    const size_t s = size_t(o.moved[m]);
+    const i64 src = k.start[s] + o.moved[m + 1], dst = k.start[s] + o.moved[m + 2];
+    for (i64 lc = 0; lc < k.planes; ++lc)
+      for (i64 h = 0; h < k.heads; ++h) {
+        char* plane = k.base + (((lc * k.slots + k.slot[s]) * k.heads + h) * k.positions) * k.row;
+        std::memmove(plane + dst * k.row, plane + src * k.row, size_t(k.row));
+      }
+  }
+}
+
+// An int64 array the call writes in place: read in place (no converted copy, whose writes would be lost) and
+// writeable, else ValueError naming it.
+i64* writeable_i64(const py::object& obj, const I64Array& a, const char* name) {
+  if (!readable_in_place(obj) || a.keep.ptr() != obj.ptr() ||
+      !(py::detail::array_proxy(obj.ptr())->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_))
+    bad(std::string(name) + " must be a writeable C-contiguous int64 array (the call writes it in place)");
+  return const_cast<i64*>(a.data());
+}
+
 py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu,
                               const I64Array& parents, const I64Array& tokens, const I64Array& choices,
                               const I64Array& sources, const I64Array& order, const I64Array& topk,
-                              const I64Array& limits, const I64Array& eos, const py::object& telemetry) {
+                              const py::object& limits_obj, const I64Array& eos, const py::object& telemetry,
+                              const py::object& kv, const py::object& depths) {
+  const I64Array limits = limits_obj.cast<I64Array>();
   const std::vector<DraftCore*> states = cores_of(states_in);
   const i64 b = i64(states.size());
   check_1d(rows, b, "rows");
@@ -1417,6 +1481,16 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
                      order.data(), topk.data(),    limits.data(), eos.data(),          i64(topk.shape(1)),
                      i64(eos.shape(1))};
   const Tel tel = tel_of(telemetry, b);
+  const Keep keep = keep_of(kv, cu, b);
+  // where given, each stream's emitted tokens come off its limits and draft depth in place (the next step's)
+  i64 *left = nullptr, *depth = nullptr;
+  I64Array depth_arr;
+  if (!depths.is_none()) {
+    depth_arr = depths.cast<I64Array>();
+    check_1d(depth_arr, b, "depths");
+    depth = writeable_i64(depths, depth_arr, "depths");
+    left = writeable_i64(limits_obj, limits, "limits (with depths)");
+  }
   CommitOut o;
   bool all_checked = true;
   {
@@ -1441,6 +1515,14 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
       for (size_t s = 0; s < states.size(); ++s) update_one(*states[s], *st.rows[s], u, s);
       if (tel.table != nullptr) count_step(tel, a, o, b);
     }
+    if (keep.base != nullptr) keep_rows(keep, o);
+    if (depth != nullptr)
+      for (i64 s = 0; s < b; ++s) {
+        const i64 e = o.emitted[size_t(s)];
+        left[3 * s] -= e;
+        left[3 * s + 1] -= e;
+        depth[s] -= e;
+      }
   }
   const i64 nm = i64(o.moved.size() / 3);
   py::array_t<i64> counts({b, i64(4)}), moved({nm, i64(3)});
@@ -1614,6 +1696,7 @@ PYBIND11_MODULE(racer_draft_core, m) {
   m.def("accept_greedy_batch", &accept_greedy_batch);
   m.def("commit_greedy_batch", &commit_greedy_batch, py::arg("states"), py::arg("rows"), py::arg("cu"),
         py::arg("parents"), py::arg("tokens"), py::arg("choices"), py::arg("sources"), py::arg("order"),
-        py::arg("topk"), py::arg("limits"), py::arg("eos"), py::arg("telemetry") = py::none());
+        py::arg("topk"), py::arg("limits"), py::arg("eos"), py::arg("telemetry") = py::none(),
+        py::arg("kv") = py::none(), py::arg("depths") = py::none());
   m.def("fill_tree_mask", &fill_tree_mask);
 }
