@@ -61,7 +61,9 @@ class DecodeRow:
     Attributes:
         drafter: the row's drafter (its ``native`` attribute, when set, is ``(NativeDraftState, row handle)``).
         cache: the row's KV-cache handle. committed_len: positions in it (prompt + kept tokens).
-        root: the last emitted token, not yet in the KV cache (the next tree's root).
+        root: the last emitted token, not yet in the KV cache (the next tree's root). While a fused plan steps the
+            row, these two and the cache's length are the plan's (``_Plan.roots`` / ``starts``), written back when
+            the plan ends (``_Plan.sync_rows``).
         stops: the row's ``StopChecker``; done/finish once it ended.
         gen: the row's seeded generator (sampling). k: top-k ids its drafter learns from (0: none).
         keep_steps: keep one StepRecord per step (``records``) besides the counters.
@@ -197,6 +199,8 @@ class Stepper:
         """Move the row's counters into ``stats`` (a ``RowStats``; StepRecords too when kept). The step plan goes
         too (its times added first): the next step's rows differ, and it holds the rows' drafters and caches."""
         self._flush_times()
+        if self._plan is not None:
+            self._plan.sync_rows()
         self._plan = None
         if row.tid >= 0:
             self.telemetry.close(row.tid, stats)
@@ -219,7 +223,8 @@ class Stepper:
         clock.lap("flatten")
         self.last_rows = flat.rows
         self.last_cu = flat.cu
-        self.last_starts = flat.starts
+        # the contexts of step_shares (method auto's engine); a fused plan's starts advance in place in the commit
+        self.last_starts = flat.starts.copy() if plan.fused and self.engine.step_cost else flat.starts
         t0 = time.perf_counter()
         logits = self.runner.verify_flat(flat)  # [R, V]
         t1 = time.perf_counter()
@@ -231,7 +236,7 @@ class Stepper:
         host[SCORES_PART] = host.get(SCORES_PART, 0.0) + (t2 - t1) * 1000.0
         clock.skip()
         commit = counted = None
-        if self._fusable(plan):
+        if plan.fused:
             nodes, cu_paths, blocks, emitted, commit, counted = self._commit_native(
                 rows, flat, sources, order, choices, topk, clock, plan)
         else:
@@ -240,9 +245,7 @@ class Stepper:
             self.committing = True
             blocks, emitted = self._stops(rows, flat, nodes, cu_paths, bonus)
             clock.lap("stops")
-        if commit is not None and plan.pool is not None:  # the commit kept the rows: lengths only
-            _advance(rows, cu_paths)
-        else:
+        if commit is None or plan.pool is None:  # else the native commit kept the rows (and advanced the plan)
             self._keep(rows, flat, nodes, cu_paths, None if commit is None else commit.moved)
         clock.lap("keep_rows")
         if commit is None:
@@ -258,8 +261,11 @@ class Stepper:
         plan = self._plan
         if plan is None or plan.rows != rows:  # DecodeRow compares by identity (eq=False)
             self._flush_times()
+            if plan is not None:
+                plan.sync_rows()
             plan = self._plan = _Plan(rows, self.runner)
-        if plan.kind != "root":  # AR's steps read neither limits nor depths
+            plan.fused = self._fusable(plan)
+        if plan.kind != "root":  # AR's steps read none of roots, starts, limits and depths from the plan
             if plan.advanced:  # the last step's native commit left them as they are now
                 plan.advanced = False
             else:
@@ -276,8 +282,9 @@ class Stepper:
             plan.times, plan.timed = [0.0, 0.0, 0.0], False
 
     def _fusable(self, plan: "_Plan") -> bool:
-        """Whether the step commits in one native call (``_commit_native``): every row on the native draft core,
-        greedy and lossless (sampled and relaxed rows draw per row), and the fused commit not turned off."""
+        """Whether the steps of a plan commit in one native call (``_commit_native``): every row on the native draft
+        core, greedy and lossless (sampled and relaxed rows draw per row), and the fused commit not turned off;
+        decided once per plan (``_Plan.fused``)."""
         if plan.kind != "native" or not plan.greedy or not self.fused or self.config.acceptance != "lossless":
             return False
         return bool(self._native_accept_fn())
@@ -308,11 +315,13 @@ class Stepper:
         handles, pool = plan.handles, plan.pool
         # on the CPU the call keeps every row's accepted KV rows too (the step then only advances the lengths)
         kv = None if pool is None else (pool.host_view(), plan.slots, flat.starts)
-        # the call also takes each row's emitted tokens off its limits and depth: the next step's, unless a stop
-        # string cuts a block below (then that row is done, and the next step's rows make a new plan)
+        # the call also writes each row's next root, committed length, depth and limits into the plan (the rows'
+        # own fields are written back when the plan ends, _Plan.sync_rows), unless a stop string cuts a block
+        # below: that row is then done, and the next step's rows make a new plan
         c = native_mod.commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices,
-                                           sources, order, topk, limits, eos, tel, kv, plan.depth)
-        plan.advanced = True
+                                           sources, order, topk, limits, eos, tel, kv,
+                                           (plan.roots, plan.starts, plan.depth))
+        plan.advanced = plan.stale = True
         clock.lap("accept")
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
         blocks: list[list[int]] = []
@@ -328,7 +337,6 @@ class Stepper:
                 r.stops.commit_checked(block[: emitted_l[i]], native_mod.FINISH_OF_CODE[fin[i]])
             if r.stops.finish is not None:
                 r.done, r.finish = True, r.stops.finish
-            r.root = block[-1]
             blocks.append(block)
         emitted = c.emitted if not strings else np.asarray(emitted_l, dtype=np.int64)  # as the call's unless cut here
         clock.lap("stops")
@@ -347,19 +355,22 @@ class Stepper:
         ``_Plan`` (how the rows draft, their handles and draft depths)."""
         b = len(rows)
         kind = plan.kind
-        if b <= _FEW_ROWS:  # a list and one array: cheaper than fromiter over a generator for a few rows
-            starts = np.array([r.committed_len for r in rows], dtype=np.int64)
-            roots = np.array([r.root for r in rows], dtype=np.int64)
-        else:
-            starts = np.fromiter((r.committed_len for r in rows), np.int64, b)
-            roots = np.fromiter((r.root for r in rows), np.int64, b)
         caches = plan.caches
-        if kind == "root":
+        if kind == "root":  # AR: the rows' own fields (an AR plan keeps no arrays)
+            if b <= _FEW_ROWS:  # a list and one array: cheaper than fromiter over a generator for a few rows
+                starts = np.array([r.committed_len for r in rows], dtype=np.int64)
+                roots = np.array([r.root for r in rows], dtype=np.int64)
+            else:
+                starts = np.fromiter((r.committed_len for r in rows), np.int64, b)
+                roots = np.fromiter((r.root for r in rows), np.int64, b)
             zeros = np.zeros(b, dtype=np.int64)
             flat = FlatTrees(roots, zeros - 1, zeros, np.arange(b + 1, dtype=np.int64), starts, caches)
             clock.lap("propose")
             return flat, zeros, zeros
-        depth = plan.depth
+        depth, roots = plan.depth, plan.roots
+        # a fused plan's starts advance in place in the commit: the KV keep off the CPU (Stepper._keep) and the
+        # tree's positions read this step's, so those get a copy
+        starts = plan.starts if not plan.fused or plan.pool is not None else plan.starts.copy()
         if kind == "native":
             got = native_mod.propose_batch(plan.handles[0], plan.handles[1], roots, plan.capacities(cap), depth)
             flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
@@ -562,16 +573,6 @@ class Stepper:
             keep_records(rows, vals)
 
 
-def _advance(rows: list[DecodeRow], cu_paths: np.ndarray) -> None:
-    """Each row that goes on now holds its accepted path too (committed length and KV-cache length), where the
-    native commit kept the KV rows itself (``Stepper._commit_native``)."""
-    cu = cu_paths.tolist()
-    for i, r in enumerate(rows):
-        if not r.done:
-            r.committed_len = n = r.committed_len + cu[i + 1] - cu[i]
-            r.cache.length = n
-
-
 def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.ndarray:
     """``[B, 4]`` accepted draft nodes per row by source (retrieval, logits, both, other), counting only the
     nodes within each row's emitted tokens."""
@@ -605,15 +606,20 @@ class _Plan:
         depth: ``[B]`` the deepest draft node each row may take, ``StopChecker.remaining - 1`` (:meth:`measure`).
         times, timed: each row's draft, verify and update ms summed over the plan's fused steps, not yet added to
             the telemetry table, and whether there are any (``Stepper._flush_times``).
-        advanced: the last step's native commit took its emitted tokens off ``limits`` and ``depth`` in place, so
-            the next step need not :meth:`measure`.
+        roots, starts: ``[B]`` each row's root token and committed length (:meth:`measure` from the rows, or the
+            last fused commit's in place).
+        fused: the steps commit in one native call (``Stepper._fusable``, set by ``Stepper._plan_of``).
+        advanced: the last step's native commit wrote the next ``roots``, ``starts``, ``limits`` and ``depth`` in
+            place, so the next step need not :meth:`measure`. stale: the rows' own ``root``, ``committed_len`` and
+            KV-cache length are behind the plan's (written back by :meth:`sync_rows`).
         pool, slots: the runner's ``KVCache`` and the rows' slots ``[B]``, where the native commit keeps the KV rows
             (a native plan, every row a slot of that cache, the cache on the CPU: ``KVCache.host_view``); else
             None (``Stepper._keep``).
     """
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
-                 "greedy", "times", "timed", "pool", "slots", "advanced", "_caps", "_left", "_deepest", "_cap")
+                 "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts",
+                 "_caps", "_left", "_deepest", "_cap")
 
     def __init__(self, rows: list[DecodeRow], runner: Any = None) -> None:
         b = len(rows)
@@ -628,10 +634,13 @@ class _Plan:
         self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
         self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
         self.pool = self.slots = None
-        self.advanced = False
+        self.advanced = self.stale = self.fused = False
         if self.kind == "root":  # AR: no draft depth, no native commit
             self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
+            self.roots = self.starts = None
             return
+        self.roots = np.zeros(b, dtype=np.int64)
+        self.starts = np.zeros(b, dtype=np.int64)
         pool = getattr(runner, "kv_cache", None)
         if (self.kind == "native" and pool is not None and pool.host_view() is not None
                 and all(getattr(c, "pool", None) is pool for c in self.caches)):
@@ -665,16 +674,32 @@ class _Plan:
         (``StopChecker.remaining`` >= 1)."""
         b = len(self.checkers)
         if b <= _FEW_ROWS:
-            lim, depth = self.limits, self.depth
+            lim, depth, roots, starts = self.limits, self.depth, self.roots, self.starts
             for i, c in enumerate(self.checkers):
                 n = len(c.tokens)
                 lim[i, 0] = c.max_new_tokens - n
                 lim[i, 1] = c.room - n
                 depth[i] = min(c.max_new_tokens, c.room) - 1 - n
+                r = self.rows[i]
+                roots[i], starts[i] = r.root, r.committed_len
             return
         n = np.fromiter((len(c.tokens) for c in self.checkers), np.int64, b)
         np.subtract(self._caps, n[:, None], out=self._left)
         np.subtract(self._deepest, n, out=self.depth)
+        self.roots[:] = np.fromiter((r.root for r in self.rows), np.int64, b)
+        self.starts[:] = np.fromiter((r.committed_len for r in self.rows), np.int64, b)
+
+    def sync_rows(self) -> None:
+        """Write the plan's ``roots`` and ``starts`` back into its rows (``root``, ``committed_len`` and the KV
+        cache's ``length``) where fused commits advanced them in place (``stale``): before the plan is dropped, so
+        the rows' own fields are right for the next plan and anything else that reads them."""
+        if not self.stale:
+            return
+        self.stale = False
+        roots, starts = self.roots.tolist(), self.starts.tolist()
+        for i, r in enumerate(self.rows):
+            r.root, r.committed_len = roots[i], starts[i]
+            r.cache.length = starts[i]
 
 
 def _drafting(rows: list[DecodeRow]) -> tuple[str, list]:

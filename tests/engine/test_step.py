@@ -239,13 +239,15 @@ def test_commit_greedy_batch_equals_its_parts_on_random_trees():
             kv = kv.view(np.uint8)
         kv0, slots = kv.copy(), rng.permutation(6)[:b]
         starts = np.array([int(rng.integers(0, 17 - (flat.cu[i + 1] - flat.cu[i]))) for i in range(b)])
-        depths = rng.integers(0, 9, b)
+        depths, roots, starts1 = rng.integers(0, 9, b), rng.integers(0, 4, b), starts.copy()
         limits0, depths0 = limits.copy(), depths.copy()
         c = commit_greedy_batch([st] * b, rows, flat.cu, flat.parents, flat.tokens, choices, sources, order, topk,
-                                limits, eos, (table, hist, tids), (kv, slots, starts), depths)
+                                limits, eos, (table, hist, tids), (kv, slots, starts1), (roots, starts1, depths))
         assert np.array_equal(depths, depths0 - c.emitted)  # the emitted tokens off the depths and limits
         assert np.array_equal(limits[:, :2], limits0[:, :2] - c.emitted[:, None])
         assert np.array_equal(limits[:, 2], limits0[:, 2])
+        assert np.array_equal(starts1, starts + np.diff(c.cu_paths))  # kv read the starts before they advanced
+        assert roots.tolist() == [c.blocks[c.cu_paths[i + 1] - 1] for i in range(b)]
         nodes, cu, bonus, glob = greedy_paths(flat, choices)
         assert (c.nodes.tolist(), c.cu_paths.tolist(), c.bonus.tolist()) == (nodes.tolist(), cu.tolist(),
                                                                            bonus.tolist())
@@ -317,13 +319,18 @@ def test_commit_greedy_batch_refuses_a_kv_cache_it_cannot_keep_rows_in():
         assert np.array_equal(kv, snapshot)
     frozen_depths = np.zeros(1, np.int64)
     frozen_depths.flags.writeable = False
+    ok = np.zeros(1, np.int64)
     for depths in [np.zeros(1, np.int32), np.zeros(2, np.int64), frozen_depths]:
-        with pytest.raises(ValueError, match="depths"):
-            commit_greedy_batch([st], rows, *args, None, None, depths)
+        with pytest.raises(ValueError, match="advance"):
+            commit_greedy_batch([st], rows, *args, None, None, (ok.copy(), ok.copy(), depths))
+        with pytest.raises(ValueError, match="advance"):
+            commit_greedy_batch([st], rows, *args, None, None, (depths, ok.copy(), ok.copy()))
+    with pytest.raises(ValueError, match="advance"):
+        commit_greedy_batch([st], rows, *args, None, None, (ok.copy(), ok.copy()))
     frozen_limits = args[7].copy()
     frozen_limits.flags.writeable = False
     with pytest.raises(ValueError, match="limits"):
-        commit_greedy_batch([st], rows, *args[:7], frozen_limits, args[8], None, None, np.zeros(1, np.int64))
+        commit_greedy_batch([st], rows, *args[:7], frozen_limits, args[8], None, None, (ok, ok.copy(), ok.copy()))
     assert (st.num_nodes, st.store_table().tolist()) == before
     c = commit_greedy_batch([st], rows, *args, None, (kv, np.array([2]), np.array([5])))
     assert c.nodes.tolist() == [0, 1, 2] and not len(c.moved)  # a chain accepted in place: nothing moved
@@ -487,9 +494,18 @@ def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkey
     def plan_of(self, rows):
         plan = self._plan
         if plan is not None and plan.rows == rows and plan.advanced:
+            assert plan.stale
+            roots, starts = plan.roots.copy(), plan.starts.copy()
+            # the root is the last emitted token; the KV cache holds the prompt and every other emitted token
+            assert roots.tolist() == [r.stops.tokens[-1] for r in rows]
+            lengths = [r.committed_len - len(r.stops.tokens) for r in rows]  # the rows' own fields lag behind
+            plan.sync_rows()
+            assert plan.starts.tolist() == [r.committed_len for r in rows] == [r.cache.length for r in rows]
+            assert [r.committed_len - len(r.stops.tokens) for r in rows] != lengths or checked[0] == 0
             got = (plan.limits.copy(), plan.depth.copy())
             plan.measure()
             assert np.array_equal(got[0], plan.limits) and np.array_equal(got[1], plan.depth)
+            assert np.array_equal(roots, plan.roots) and np.array_equal(starts, plan.starts)
             checked[0] += 1
         out = orig(self, rows)
         pools.append(out.pool is not None)

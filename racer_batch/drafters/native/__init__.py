@@ -404,7 +404,7 @@ class Commit(NamedTuple):
 
 
 def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, tokens, choices, sources, order, topk,
-                        limits, eos, telemetry=None, kv=None, depths=None) -> Commit:
+                        limits, eos, telemetry=None, kv=None, advance=None) -> Commit:
     """The greedy commit of one step of every stream, in one native call (docs/method.md 4 and 9.11).
 
     Per stream ``b`` (rows ``cu[b] : cu[b + 1]`` of the flat trees): the greedy longest path and its bonus
@@ -430,20 +430,21 @@ def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, t
             stream's slot ``[B]`` and committed length ``[B]`` (its tree's rows at ``starts[b] ..``); every
             stream's accepted rows are then moved down in place in the same call (``Commit.moved``, as
             ``KVCache.keep_rows_batch`` would; a stream that ended is moved too, harmlessly).
-        depths: None, or ``[B]`` each stream's draft depth limit (``propose_batch``'s ``max_depths``): each
-            stream's emitted tokens are then subtracted from it and from columns 0 and 1 of ``limits`` in place,
-            so both hold the next step's values for a stream that goes on (both must be writeable C-contiguous
-            int64 arrays, read in place).
+        advance: None, or ``(roots, starts, depths)``, each ``[B]``: every stream's root token, committed length
+            and draft depth limit (``propose_batch``'s ``max_depths``), rewritten in place with the next step's
+            for a stream that goes on: the root becomes the block's last token, the committed length grows by the
+            path's length, and the emitted tokens come off the depth and off columns 0 and 1 of ``limits`` (all
+            four must be writeable C-contiguous int64 arrays, read in place).
 
     Returns: a :class:`Commit`.
 
     Raises:
         ValueError: shapes, offsets, parents not a forest, a closed/unknown/unstarted row, a freed state, a token
-            outside the vocabulary, too few top-k columns, a KV slot or tree outside ``kv``, or ``depths`` /
+            outside the vocabulary, too few top-k columns, a KV slot or tree outside ``kv``, or ``advance`` /
             ``limits`` not writeable in place (checked before any state changes).
     """
     return Commit._make(_core().commit_greedy_batch(_cores(states), rows, cu, parents, tokens, choices, sources,
-                                                          order, topk, limits, eos, telemetry, kv, depths))
+                                                          order, topk, limits, eos, telemetry, kv, advance))
 
 
 def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:

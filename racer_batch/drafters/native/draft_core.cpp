@@ -1460,7 +1460,7 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
                               const I64Array& parents, const I64Array& tokens, const I64Array& choices,
                               const I64Array& sources, const I64Array& order, const I64Array& topk,
                               const py::object& limits_obj, const I64Array& eos, const py::object& telemetry,
-                              const py::object& kv, const py::object& depths) {
+                              const py::object& kv, const py::object& advance) {
   const I64Array limits = limits_obj.cast<I64Array>();
   const std::vector<DraftCore*> states = cores_of(states_in);
   const i64 b = i64(states.size());
@@ -1482,14 +1482,23 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
                      i64(eos.shape(1))};
   const Tel tel = tel_of(telemetry, b);
   const Keep keep = keep_of(kv, cu, b);
-  // where given, each stream's emitted tokens come off its limits and draft depth in place (the next step's)
-  i64 *left = nullptr, *depth = nullptr;
-  I64Array depth_arr;
-  if (!depths.is_none()) {
-    depth_arr = depths.cast<I64Array>();
-    check_1d(depth_arr, b, "depths");
-    depth = writeable_i64(depths, depth_arr, "depths");
-    left = writeable_i64(limits_obj, limits, "limits (with depths)");
+  // where given, each stream's next root, committed length, draft depth and limits, written in place
+  i64 *left = nullptr, *next_root = nullptr, *next_start = nullptr, *depth = nullptr;
+  I64Array adv[3];
+  if (!advance.is_none()) {
+    const py::tuple tup = advance.cast<py::tuple>();
+    if (tup.size() != 3) bad("advance must be (roots, starts, depths)");
+    const char* names[3] = {"advance roots", "advance starts", "advance depths"};
+    i64* ptrs[3];
+    for (size_t j = 0; j < 3; ++j) {
+      adv[j] = tup[j].cast<I64Array>();
+      check_1d(adv[j], b, names[j]);
+      ptrs[j] = writeable_i64(tup[j], adv[j], names[j]);
+    }
+    next_root = ptrs[0];
+    next_start = ptrs[1];
+    depth = ptrs[2];
+    left = writeable_i64(limits_obj, limits, "limits (with advance)");
   }
   CommitOut o;
   bool all_checked = true;
@@ -1518,7 +1527,10 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
     if (keep.base != nullptr) keep_rows(keep, o);
     if (depth != nullptr)
       for (i64 s = 0; s < b; ++s) {
-        const i64 e = o.emitted[size_t(s)];
+        const size_t z = size_t(s);
+        const i64 e = o.emitted[z];
+        next_root[s] = o.block[size_t(o.cu_path[z + 1] - 1)];
+        next_start[s] += o.cu_path[z + 1] - o.cu_path[z];
         left[3 * s] -= e;
         left[3 * s + 1] -= e;
         depth[s] -= e;
@@ -1697,6 +1709,6 @@ PYBIND11_MODULE(racer_draft_core, m) {
   m.def("commit_greedy_batch", &commit_greedy_batch, py::arg("states"), py::arg("rows"), py::arg("cu"),
         py::arg("parents"), py::arg("tokens"), py::arg("choices"), py::arg("sources"), py::arg("order"),
         py::arg("topk"), py::arg("limits"), py::arg("eos"), py::arg("telemetry") = py::none(),
-        py::arg("kv") = py::none(), py::arg("depths") = py::none());
+        py::arg("kv") = py::none(), py::arg("advance") = py::none());
   m.def("fill_tree_mask", &fill_tree_mask);
 }
