@@ -263,7 +263,7 @@ class Stepper:
             self._flush_times()
             if plan is not None:
                 plan.sync_rows()
-            plan = self._plan = _Plan(rows, self.runner)
+            plan = self._plan = _Plan(rows, self.runner, self.telemetry)
             plan.fused = self._fusable(plan)
         if plan.kind != "root":  # AR's steps read none of roots, starts, limits and depths from the plan
             if plan.advanced:  # the last step's native commit left them as they are now
@@ -305,22 +305,17 @@ class Stepper:
         those); ``counted``: the rows' telemetry ids where the call added the step's counts to the table (every
         row checked by id and none keeping StepRecords), else None."""
         b = len(rows)
-        limits, eos = plan.limits, plan.eos
         if topk is None:
             topk = np.zeros((flat.rows, 1), dtype=np.int64)
-        # the telemetry table's counts are added in the call (where it updates), unless a row keeps StepRecords
-        tids = plan.tids
-        tel = None if tids is None else (self.telemetry.table, self.telemetry.hist, tids)
+        # the telemetry table's counts are added in the call (where it updates), unless a row keeps StepRecords;
+        # on the CPU the call keeps every row's accepted KV rows too. The call also writes each row's next root,
+        # committed length, depth and limits into the plan (the rows' own fields are written back when the plan
+        # ends, _Plan.sync_rows), unless a stop string cuts a block below: that row is then done, and the next
+        # step's rows make a new plan
+        plan.bind(self.telemetry)
         self.committing = True  # the call below updates the drafters: no retry past it
-        handles, pool = plan.handles, plan.pool
-        # on the CPU the call keeps every row's accepted KV rows too (the step then only advances the lengths)
-        kv = None if pool is None else (pool.host_view(), plan.slots, flat.starts)
-        # the call also writes each row's next root, committed length, depth and limits into the plan (the rows'
-        # own fields are written back when the plan ends, _Plan.sync_rows), unless a stop string cuts a block
-        # below: that row is then done, and the next step's rows make a new plan
-        c = native_mod.commit_greedy_batch(handles[0], handles[1], flat.cu, flat.parents, flat.tokens, choices,
-                                           sources, order, topk, limits, eos, tel, kv,
-                                           (plan.roots, plan.starts, plan.depth))
+        c = native_mod.Commit._make(plan.ctx.commit(flat.cu, flat.parents, flat.tokens, choices, sources, order,
+                                                    topk))
         plan.advanced = plan.stale = True
         clock.lap("accept")
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
@@ -341,11 +336,11 @@ class Stepper:
         emitted = c.emitted if not strings else np.asarray(emitted_l, dtype=np.int64)  # as the call's unless cut here
         clock.lap("stops")
         if not c.updated:
-            _update_native(plan.native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)], handles)
+            _update_native(plan.native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)], plan.handles)
         clock.lap("update")  # ~0 where the call above updated every row (that time is in ``accept``)
         if cut:
             c = c._replace(counts=None)
-        return c.nodes, c.cu_paths, blocks, emitted, c, (tids if c.updated else None)
+        return c.nodes, c.cu_paths, blocks, emitted, c, (plan.tids if c.updated else None)
 
     @staticmethod
     def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", plan: "_Plan",
@@ -371,11 +366,11 @@ class Stepper:
         # a fused plan's starts advance in place in the commit: the KV keep off the CPU (Stepper._keep) and the
         # tree's positions read this step's, so those get a copy
         starts = plan.starts if not plan.fused or plan.pool is not None else plan.starts.copy()
-        if kind == "native":
-            got = native_mod.propose_batch(plan.handles[0], plan.handles[1], roots, plan.capacities(cap), depth)
-            flat = FlatTrees(got.tokens, got.parents, got.depths, got.cu, starts, caches)
+        if kind == "native":  # the plan's context reads its roots and depths (propose_batch's tuple)
+            cu, tokens, parents, depths, sources, order = plan.ctx.propose(plan.capacities(cap))
+            flat = FlatTrees(tokens, parents, depths, cu, starts, caches)
             clock.lap("propose")
-            return flat, got.sources, got.order
+            return flat, sources, order
         if kind == "mixed":  # rows of several methods in one forward: the native rows in one call, the rest each
             drafts = _mixed_drafts(rows, plan.native, roots, cap, depth, own)
         else:
@@ -615,13 +610,16 @@ class _Plan:
         pool, slots: the runner's ``KVCache`` and the rows' slots ``[B]``, where the native commit keeps the KV rows
             (a native plan, every row a slot of that cache, the cache on the CPU: ``KVCache.host_view``); else
             None (``Stepper._keep``).
+        ctx: a native plan's ``drafters.native.step_context`` over its handles, roots, starts, depth, limits, EOS
+            ids, telemetry rows and slots (parsed once; :meth:`bind` gives it the current telemetry table and KV
+            buffer), else None.
     """
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
-                 "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts",
-                 "_caps", "_left", "_deepest", "_cap")
+                 "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts", "ctx",
+                 "_caps", "_left", "_deepest", "_cap", "_table", "_kv")
 
-    def __init__(self, rows: list[DecodeRow], runner: Any = None) -> None:
+    def __init__(self, rows: list[DecodeRow], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
         b = len(rows)
         self.rows = list(rows)
         self.kind, self.native = _drafting(rows)
@@ -633,7 +631,7 @@ class _Plan:
         self.times = [0.0, 0.0, 0.0]  # draft, verify and update ms per row summed over the plan's steps
         self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
         self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
-        self.pool = self.slots = None
+        self.pool = self.slots = self.ctx = self._table = self._kv = None
         self.advanced = self.stale = self.fused = False
         if self.kind == "root":  # AR: no draft depth, no native commit
             self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
@@ -659,6 +657,23 @@ class _Plan:
         self._left = self.limits[:, :2]  # a view: measure writes the two columns in place
         self._deepest = self._caps.min(axis=1) - 1
         self.depth = np.zeros(b, dtype=np.int64)
+        if self.kind == "native":
+            tel = None
+            if self.tids is not None and telemetry is not None:
+                tel, self._table = (telemetry.table, telemetry.hist, self.tids), telemetry.table
+            self.ctx = native_mod.step_context(self.handles[0], self.handles[1], self.roots, self.starts, self.depth,
+                                               self.limits, self.eos, tel, self.slots)
+
+    def bind(self, telemetry: Telemetry) -> None:
+        """Give the context the telemetry table and the KV buffer as they are now, where either was replaced
+        since (a table grown for a new row, a cache grown or made fresh)."""
+        if self._table is not None and telemetry.table is not self._table:
+            self.ctx.set_telemetry((telemetry.table, telemetry.hist, self.tids))
+            self._table = telemetry.table
+        pool = self.pool
+        if pool is not None and pool.kv is not self._kv:
+            self.ctx.set_kv(pool.host_view())
+            self._kv = pool.kv
 
     def capacities(self, cap: int) -> np.ndarray:
         """``[B]`` int64 filled with ``cap`` (the native propose's capacities), made again only when it changes."""

@@ -420,7 +420,7 @@ def test_step_plan_limits_and_depths_follow_the_rows_emitted_tokens(b):
         row.tid = i
         rows.append(row)
     stepper = Stepper.__new__(Stepper)
-    stepper._plan, stepper.runner = None, None
+    stepper._plan, stepper.runner, stepper.telemetry = None, None, None
     plan = stepper._plan_of(rows)
     assert plan.kind == "python" and _FEW_ROWS == 4  # b = 5 and 9 take the numpy path
     assert plan.eos.shape == (b, 2) and plan.tids.tolist() == list(range(b))
@@ -520,3 +520,66 @@ def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkey
     assert checked[0] > 20 and all(pools)
     assert got == want
     assert sum(len(t) for t, _ in got) > 150
+
+
+def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
+    """``drafters.native.step_context`` over several steps against ``propose_batch`` + ``commit_greedy_batch``
+    given the same arguments every step: the same trees, commits, advanced arrays, telemetry counts, KV rows and
+    learned state; the telemetry table and KV buffer swapped mid-run (``set_telemetry`` / ``set_kv``) are the
+    ones written after; bad arguments raise ValueError."""
+    from racer_batch.drafters.native import Commit, FlatDraft, commit_greedy_batch, propose_batch, step_context
+
+    rng = np.random.default_rng(11)
+    b, vocab = 3, 16
+    st, rows = _started_state(np.random.default_rng(1), b, vocab)
+    ref, ref_rows = _started_state(np.random.default_rng(1), b, vocab)
+    mk = lambda: (rng.integers(0, 4, b), np.full(b, 5, np.int64), np.full(b, 40, np.int64),  # noqa: E731
+                  np.array([[41, 50, 1]] * b, np.int64))
+    roots, starts, depths, limits = mk()
+    r_roots, r_starts, r_depths, r_limits = roots.copy(), starts.copy(), depths.copy(), limits.copy()
+    eos = np.full((b, 1), 15, np.int64)
+    table, hist, tids = np.zeros((4, 11)), np.zeros((4, 65), np.int64), np.array([2, 0, 3])
+    r_table, r_hist = table.copy(), hist.copy()
+    kv = rng.random((2, 2, 4, 2, 64, 3)).astype(np.float32)
+    r_kv, slots = kv.copy(), np.array([3, 1, 0])
+    ctx = step_context([st] * b, rows, roots, starts, depths, limits, eos, (table, hist, tids), slots)
+    ctx.set_kv(kv)
+    for step in range(8):
+        if step == 4:  # both buffers replaced: the context writes the new ones from now on
+            old_table, old_kv = table, kv
+            table, r_table = table.copy(), r_table.copy()
+            kv, r_kv = kv.copy(), r_kv.copy()
+            before = (old_table.copy(), old_kv.copy())
+            ctx.set_telemetry((table, hist, tids))
+            ctx.set_kv(kv)
+        caps = np.full(b, 4, np.int64)
+        got, want = FlatDraft(*ctx.propose(caps)), propose_batch([ref] * b, ref_rows, r_roots, caps, r_depths)
+        assert all(np.array_equal(getattr(got, f), getattr(want, f)) for f in ("cu", "tokens", "parents", "sources"))
+        choices = np.where(rng.random(len(got.tokens)) < 0.7, rng.integers(0, 4, len(got.tokens)), 9)
+        topk = rng.integers(0, vocab, (len(got.tokens), 3))
+        args = (got.cu, got.parents, got.tokens, choices, got.sources, got.order, topk)
+        c = Commit._make(ctx.commit(*args))
+        w = commit_greedy_batch([ref] * b, ref_rows, *args, r_limits, eos, (r_table, r_hist, tids),
+                                (r_kv, slots, r_starts), (r_roots, r_starts, r_depths))
+        assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(c, w))
+        for x, y in [(roots, r_roots), (starts, r_starts), (depths, r_depths), (limits, r_limits), (table, r_table),
+                     (hist, r_hist), (kv, r_kv)]:
+            assert np.array_equal(x, y)
+    assert st.store_table().tolist() == ref.store_table().tolist() and st.num_nodes == ref.num_nodes
+    assert starts.min() > 5 and table[tids, 0].tolist() == [8, 8, 8]
+    assert np.array_equal(old_table, before[0]) and np.array_equal(old_kv, before[1])  # untouched once replaced
+    assert not np.array_equal(kv, before[1])  # rows were moved in the new buffer
+    with pytest.raises(ValueError, match="without kv slots"):
+        step_context([st] * b, rows, roots, starts, depths, limits, eos, None, None).set_kv(kv)
+    frozen = roots.copy()
+    frozen.flags.writeable = False
+    for bad in [(frozen, starts, depths, limits), (roots, starts.astype(np.int32), depths, limits),
+                (roots, starts, depths[:2], limits), (roots, starts, depths, limits[:, :2])]:
+        with pytest.raises(ValueError):
+            step_context([st] * b, rows, *bad, eos, None, slots)
+    with pytest.raises(ValueError, match="kv must"):
+        ctx.set_kv(kv[0])
+    st.free()
+    with pytest.raises(ValueError, match="freed"):
+        ctx.propose(np.full(b, 4, np.int64))
+    ref.free()

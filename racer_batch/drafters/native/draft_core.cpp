@@ -1124,6 +1124,27 @@ py::array_t<i64> to_array(const std::vector<i64>& v) {
   return a;
 }
 
+// Every stream's draft tree, flattened (propose_batch and StepContext::propose, their arguments checked).
+py::tuple propose_impl(const std::vector<DraftCore*>& states, const i64* rows, const i64* roots, const i64* caps,
+                       const i64* depths) {
+  const i64 b = i64(states.size());
+  FlatOut out;
+  {
+    py::gil_scoped_release nogil;
+    MultiLock lock(states);
+    const Streams s = resolve(states, rows);
+    for (i64 i = 0; i < b; ++i) check_stream(roots[i], caps[i], depths[i], *states[size_t(i)], i);
+    thread_local Scratch scratch;
+    out.cu.assign(1, 0);
+    for (i64 i = 0; i < b; ++i) {
+      propose_one(*states[size_t(i)], *s.rows[size_t(i)], i32(roots[i]), caps[i], depths[i], scratch);
+      flatten_into(scratch.builder, scratch, out);
+    }
+  }
+  return py::make_tuple(to_array(out.cu), to_array(out.tokens), to_array(out.parents), to_array(out.depths),
+                        to_array(out.sources), to_array(out.order));
+}
+
 py::tuple propose_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& roots,
                         const I64Array& caps, const I64Array& depths) {
   const std::vector<DraftCore*> states = cores_of(states_in);
@@ -1132,22 +1153,7 @@ py::tuple propose_batch(const py::sequence& states_in, const I64Array& rows, con
   check_1d(roots, b, "roots");
   check_1d(caps, b, "capacities");
   check_1d(depths, b, "max_depths");
-  FlatOut out;
-  {
-    py::gil_scoped_release nogil;
-    MultiLock lock(states);
-    const Streams s = resolve(states, rows.data());
-    for (i64 i = 0; i < b; ++i) check_stream(roots.data()[i], caps.data()[i], depths.data()[i], *states[size_t(i)], i);
-    thread_local Scratch scratch;
-    out.cu.assign(1, 0);
-    for (i64 i = 0; i < b; ++i) {
-      propose_one(*states[size_t(i)], *s.rows[size_t(i)], i32(roots.data()[i]), caps.data()[i], depths.data()[i],
-                  scratch);
-      flatten_into(scratch.builder, scratch, out);
-    }
-  }
-  return py::make_tuple(to_array(out.cu), to_array(out.tokens), to_array(out.parents), to_array(out.depths),
-                        to_array(out.sources), to_array(out.order));
+  return propose_impl(states, rows.data(), roots.data(), caps.data(), depths.data());
 }
 
 // ------------------------------------------------------------------------------------------------ update
@@ -1400,35 +1406,49 @@ void count_step(const Tel& t, const CommitArgs& a, const CommitOut& o, i64 b) {
 struct Keep {
   char* base = nullptr;
   i64 planes = 0, slots = 0, heads = 0, positions = 0, row = 0;  // planes = L * 2; row: bytes of one position
-  std::vector<i64> slot, start;
+  const i64 *slot = nullptr, *start = nullptr;                   // [B] each (read before any advance)
+  py::object keep_kv;
+  I64Array slot_arr, start_arr;
 };
+
+// The layout fields of ``kv`` into `k` (ValueError where it is not a writeable C-contiguous 6-D array).
+void kv_layout(const py::object& obj, Keep& k) {
+  py::array kv = obj.cast<py::array>();
+  if (kv.ndim() != 6 || kv.shape(1) != 2 || !(kv.flags() & py::array::c_style) || !kv.writeable())
+    bad("kv must be a writeable C-contiguous [L, 2, S, H, P, D] array");
+  k.planes = i64(kv.shape(0)) * 2;
+  k.slots = i64(kv.shape(2));
+  k.heads = i64(kv.shape(3));
+  k.positions = i64(kv.shape(4));
+  k.row = i64(kv.shape(5)) * i64(kv.itemsize());
+  k.base = static_cast<char*>(kv.mutable_data());
+  k.keep_kv = kv;
+}
+
+// Every stream's slot inside the cache and its tree (rows cu[s] .. cu[s + 1] after its start) inside its slot.
+void check_keep(const Keep& k, const i64* cu, i64 b) {
+  for (i64 s = 0; s < b; ++s) {
+    const i64 sl = k.slot[s], st = k.start[s];
+    if (sl < 0 || sl >= k.slots) bad("kv slots[" + std::to_string(s) + "] = " + std::to_string(sl) + " is not a slot");
+    if (st < 0 || st + (cu[s + 1] - cu[s]) > k.positions)
+      bad("kv starts[" + std::to_string(s) + "] = " + std::to_string(st) + ": the tree does not fit in " +
+          std::to_string(k.positions) + " positions");
+  }
+}
 
 Keep keep_of(const py::object& obj, const I64Array& cu, i64 b) {
   Keep k;
   if (obj.is_none()) return k;
   const py::tuple tup = obj.cast<py::tuple>();
   if (tup.size() != 3) bad("kv must be (kv, slots, starts)");
-  py::array kv = tup[0].cast<py::array>();
-  const I64Array slots = tup[1].cast<I64Array>(), starts = tup[2].cast<I64Array>();
-  if (kv.ndim() != 6 || kv.shape(1) != 2 || !(kv.flags() & py::array::c_style) || !kv.writeable())
-    bad("kv must be a writeable C-contiguous [L, 2, S, H, P, D] array");
-  check_1d(slots, b, "kv slots");
-  check_1d(starts, b, "kv starts");
-  k.planes = i64(kv.shape(0)) * 2;
-  k.slots = i64(kv.shape(2));
-  k.heads = i64(kv.shape(3));
-  k.positions = i64(kv.shape(4));
-  k.row = i64(kv.shape(5)) * i64(kv.itemsize());
-  for (i64 s = 0; s < b; ++s) {
-    const i64 sl = slots.data()[s], st = starts.data()[s];
-    if (sl < 0 || sl >= k.slots) bad("kv slots[" + std::to_string(s) + "] = " + std::to_string(sl) + " is not a slot");
-    if (st < 0 || st + (cu.data()[s + 1] - cu.data()[s]) > k.positions)
-      bad("kv starts[" + std::to_string(s) + "] = " + std::to_string(st) + ": the tree does not fit in " +
-          std::to_string(k.positions) + " positions");
-  }
-  k.base = static_cast<char*>(kv.mutable_data());
-  k.slot.assign(slots.data(), slots.data() + b);
-  k.start.assign(starts.data(), starts.data() + b);
+  kv_layout(tup[0], k);
+  k.slot_arr = tup[1].cast<I64Array>();
+  k.start_arr = tup[2].cast<I64Array>();
+  check_1d(k.slot_arr, b, "kv slots");
+  check_1d(k.start_arr, b, "kv starts");
+  k.slot = k.slot_arr.data();
+  k.start = k.start_arr.data();
+  check_keep(k, cu.data(), b);
   return k;
 }
 
@@ -1436,6 +1456,7 @@ Keep keep_of(const py::object& obj, const I64Array& cu, i64 b) {
 // destination index along its path), in every layer, key/value and head. A stream's moves come in ascending
 // destination with source >= destination, so no source is an earlier move's destination.
 void keep_rows(const Keep& k, const CommitOut& o) {
+  // the moves read the starts before the advance (the same array where the caller passes it for both)
   for (size_t m = 0; m + 2 < o.moved.size(); m += 3) {
     const size_t s = size_t(o.moved[m]);
     const i64 src = k.start[s] + o.moved[m + 1], dst = k.start[s] + o.moved[m + 2];
@@ -1456,15 +1477,17 @@ i64* writeable_i64(const py::object& obj, const I64Array& a, const char* name) {
   return const_cast<i64*>(a.data());
 }
 
-py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu,
-                              const I64Array& parents, const I64Array& tokens, const I64Array& choices,
-                              const I64Array& sources, const I64Array& order, const I64Array& topk,
-                              const py::object& limits_obj, const I64Array& eos, const py::object& telemetry,
-                              const py::object& kv, const py::object& advance) {
-  const I64Array limits = limits_obj.cast<I64Array>();
-  const std::vector<DraftCore*> states = cores_of(states_in);
-  const i64 b = i64(states.size());
-  check_1d(rows, b, "rows");
+// Each stream's next root, committed length, draft depth and limits, rewritten in place after a commit (all null:
+// not asked for).
+struct Advance {
+  i64 *roots = nullptr, *starts = nullptr, *depths = nullptr, *left = nullptr;  // left: limits [B, 3]
+};
+
+// The per-step arrays of a commit, checked: the flat trees (cu [B + 1], parents, tokens, choices, sources, order
+// [R]) and topk [R, k']; limits / eos as given (checked by the caller).
+CommitArgs step_args(const I64Array& cu, const I64Array& parents, const I64Array& tokens, const I64Array& choices,
+                     const I64Array& sources, const I64Array& order, const I64Array& topk, i64 b, const i64* limits,
+                     const i64* eos, i64 n_eos) {
   check_trees(cu, parents, b);
   const i64 r = parents.shape(0);
   check_1d(tokens, r, "tokens");
@@ -1473,39 +1496,29 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
   check_1d(order, r, "order");
   if (topk.ndim() != 2 || topk.shape(0) != r)
     bad("topk must be 2-D [R=" + std::to_string(r) + ", k'], got " + std::to_string(topk.ndim()) + "-D");
+  return CommitArgs{cu.data(),    parents.data(), tokens.data(), choices.data(), sources.data(),
+                    order.data(), topk.data(),    limits,        eos,            i64(topk.shape(1)),
+                    n_eos};
+}
+
+void check_limits(const I64Array& limits, const I64Array& eos, i64 b) {
   if (limits.ndim() != 2 || limits.shape(0) != b || limits.shape(1) != 3)
     bad("limits must be 2-D [B=" + std::to_string(b) + ", 3], got " + std::to_string(limits.ndim()) + "-D");
   if (eos.ndim() != 2 || eos.shape(0) != b)
     bad("eos must be 2-D [B=" + std::to_string(b) + ", E], got " + std::to_string(eos.ndim()) + "-D");
-  const CommitArgs a{cu.data(),    parents.data(), tokens.data(), choices.data(),      sources.data(),
-                     order.data(), topk.data(),    limits.data(), eos.data(),          i64(topk.shape(1)),
-                     i64(eos.shape(1))};
-  const Tel tel = tel_of(telemetry, b);
-  const Keep keep = keep_of(kv, cu, b);
-  // where given, each stream's next root, committed length, draft depth and limits, written in place
-  i64 *left = nullptr, *next_root = nullptr, *next_start = nullptr, *depth = nullptr;
-  I64Array adv[3];
-  if (!advance.is_none()) {
-    const py::tuple tup = advance.cast<py::tuple>();
-    if (tup.size() != 3) bad("advance must be (roots, starts, depths)");
-    const char* names[3] = {"advance roots", "advance starts", "advance depths"};
-    i64* ptrs[3];
-    for (size_t j = 0; j < 3; ++j) {
-      adv[j] = tup[j].cast<I64Array>();
-      check_1d(adv[j], b, names[j]);
-      ptrs[j] = writeable_i64(tup[j], adv[j], names[j]);
-    }
-    next_root = ptrs[0];
-    next_start = ptrs[1];
-    depth = ptrs[2];
-    left = writeable_i64(limits_obj, limits, "limits (with advance)");
-  }
+}
+
+// The commit of one step (commit_greedy_batch and StepContext::commit, their arguments checked): acceptance, stop
+// checks, the drafters' update, the telemetry counts, the KV rows kept and the plan advanced, as documented there.
+py::tuple commit_impl(const std::vector<DraftCore*>& states, const i64* rows, const CommitArgs& a, const Tel& tel,
+                      const Keep& keep, const Advance& adv) {
+  const i64 b = i64(states.size());
   CommitOut o;
   bool all_checked = true;
   {
     py::gil_scoped_release nogil;
     MultiLock lock(states);
-    const Streams st = resolve(states, rows.data());
+    const Streams st = resolve(states, rows);
     thread_local AcceptScratch sc;
     o.cu_path.assign(1, 0);
     for (i64 s = 0; s < b; ++s) commit_one(a, s, sc, o);
@@ -1525,15 +1538,15 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
       if (tel.table != nullptr) count_step(tel, a, o, b);
     }
     if (keep.base != nullptr) keep_rows(keep, o);
-    if (depth != nullptr)
+    if (adv.depths != nullptr)
       for (i64 s = 0; s < b; ++s) {
         const size_t z = size_t(s);
         const i64 e = o.emitted[z];
-        next_root[s] = o.block[size_t(o.cu_path[z + 1] - 1)];
-        next_start[s] += o.cu_path[z + 1] - o.cu_path[z];
-        left[3 * s] -= e;
-        left[3 * s + 1] -= e;
-        depth[s] -= e;
+        adv.roots[s] = o.block[size_t(o.cu_path[z + 1] - 1)];
+        adv.starts[s] += o.cu_path[z + 1] - o.cu_path[z];
+        adv.left[3 * s] -= e;
+        adv.left[3 * s + 1] -= e;
+        adv.depths[s] -= e;
       }
   }
   const i64 nm = i64(o.moved.size() / 3);
@@ -1543,6 +1556,117 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
   return py::make_tuple(to_array(o.path), to_array(o.cu_path), to_array(o.bonus), to_array(o.block),
                         to_array(o.emitted), to_array(o.finish), counts, to_array(o.created), moved, all_checked);
 }
+
+// ``advance`` = (roots, starts, depths) into `adv` (each a writeable int64 [B] read in place), with ``limits``.
+Advance advance_of(const py::object& advance, const py::object& limits_obj, const I64Array& limits, i64 b,
+                   I64Array (&keep)[3]) {
+  Advance adv;
+  if (advance.is_none()) return adv;
+  const py::tuple tup = advance.cast<py::tuple>();
+  if (tup.size() != 3) bad("advance must be (roots, starts, depths)");
+  const char* names[3] = {"advance roots", "advance starts", "advance depths"};
+  i64* ptrs[3];
+  for (size_t j = 0; j < 3; ++j) {
+    keep[j] = tup[j].cast<I64Array>();
+    check_1d(keep[j], b, names[j]);
+    ptrs[j] = writeable_i64(tup[j], keep[j], names[j]);
+  }
+  adv.roots = ptrs[0];
+  adv.starts = ptrs[1];
+  adv.depths = ptrs[2];
+  adv.left = writeable_i64(limits_obj, limits, "limits (with advance)");
+  return adv;
+}
+
+py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu,
+                              const I64Array& parents, const I64Array& tokens, const I64Array& choices,
+                              const I64Array& sources, const I64Array& order, const I64Array& topk,
+                              const py::object& limits_obj, const I64Array& eos, const py::object& telemetry,
+                              const py::object& kv, const py::object& advance) {
+  const I64Array limits = limits_obj.cast<I64Array>();
+  const std::vector<DraftCore*> states = cores_of(states_in);
+  const i64 b = i64(states.size());
+  check_1d(rows, b, "rows");
+  check_limits(limits, eos, b);
+  const CommitArgs a =
+      step_args(cu, parents, tokens, choices, sources, order, topk, b, limits.data(), eos.data(), i64(eos.shape(1)));
+  const Tel tel = tel_of(telemetry, b);
+  const Keep keep = keep_of(kv, cu, b);
+  I64Array adv_arrays[3];
+  const Advance adv = advance_of(advance, limits_obj, limits, b, adv_arrays);
+  return commit_impl(states, rows.data(), a, tel, keep, adv);
+}
+
+// ------------------------------------------------------------------------------------------------ step context
+
+// What every step of a run over the same streams passes to propose_batch and commit_greedy_batch, parsed and
+// checked once (engine/step.py's _Plan): the states and row handles, each stream's root, committed length and draft
+// depth (advanced in place by every commit), its limits and EOS ids, the telemetry table and the KV cache with each
+// stream's slot. The arrays are held (kept alive) and read or written in place.
+class StepContext {
+ public:
+  StepContext(const py::sequence& states, const I64Array& rows, const py::object& roots, const py::object& starts,
+              const py::object& depths, const py::object& limits, const I64Array& eos, const py::object& telemetry,
+              const py::object& slots)
+      : states_(cores_of(states)), b_(i64(states_.size())), held_(py::list(states)), limits_(limits.cast<I64Array>()),
+        eos_(eos) {
+    check_1d(rows, b_, "rows");
+    rows_.assign(rows.data(), rows.data() + b_);
+    check_limits(limits_, eos_, b_);
+    adv_ = advance_of(py::make_tuple(roots, starts, depths), limits, limits_, b_, adv_arrays_);
+    set_telemetry(telemetry);
+    if (!slots.is_none()) {
+      keep_.slot_arr = slots.cast<I64Array>();
+      check_1d(keep_.slot_arr, b_, "kv slots");
+      keep_.slot = keep_.slot_arr.data();
+      keep_.start = adv_.starts;
+    }
+  }
+
+  // The telemetry arrays (table, hist, tids) or None, again after the table was replaced.
+  void set_telemetry(const py::object& telemetry) {
+    tel_ = tel_of(telemetry, b_);
+    held_tel_ = telemetry;
+  }
+
+  // The KV cache (a writeable C-contiguous [L, 2, S, H, P, D] array) whose rows every commit keeps, again after the
+  // buffer was replaced; None: the caller keeps them. Needs the slots given at construction.
+  void set_kv(const py::object& kv) {
+    if (kv.is_none()) {
+      keep_.base = nullptr;
+      keep_.keep_kv = py::none();
+      return;
+    }
+    if (keep_.slot == nullptr) bad("set_kv: the context was made without kv slots");
+    Keep k = keep_;
+    kv_layout(kv, k);
+    keep_ = k;
+  }
+
+  py::tuple propose(const I64Array& caps) {
+    check_1d(caps, b_, "capacities");
+    return propose_impl(states_, rows_.data(), adv_.roots, caps.data(), adv_.depths);
+  }
+
+  py::tuple commit(const I64Array& cu, const I64Array& parents, const I64Array& tokens, const I64Array& choices,
+                   const I64Array& sources, const I64Array& order, const I64Array& topk) {
+    const CommitArgs a = step_args(cu, parents, tokens, choices, sources, order, topk, b_, limits_.data(),
+                                   eos_.data(), i64(eos_.shape(1)));
+    if (keep_.base != nullptr) check_keep(keep_, cu.data(), b_);
+    return commit_impl(states_, rows_.data(), a, tel_, keep_, adv_);
+  }
+
+ private:
+  std::vector<DraftCore*> states_;
+  i64 b_;
+  py::list held_;  // the states
+  std::vector<i64> rows_;
+  I64Array limits_, eos_, adv_arrays_[3];
+  Advance adv_;
+  Tel tel_;
+  py::object held_tel_;
+  Keep keep_;
+};
 
 // ------------------------------------------------------------------------------------------------ mask
 
@@ -1711,4 +1835,13 @@ PYBIND11_MODULE(racer_draft_core, m) {
         py::arg("topk"), py::arg("limits"), py::arg("eos"), py::arg("telemetry") = py::none(),
         py::arg("kv") = py::none(), py::arg("advance") = py::none());
   m.def("fill_tree_mask", &fill_tree_mask);
+  py::class_<StepContext>(m, "StepContext")
+      .def(py::init<const py::sequence&, const I64Array&, const py::object&, const py::object&, const py::object&,
+                    const py::object&, const I64Array&, const py::object&, const py::object&>(),
+           py::arg("states"), py::arg("rows"), py::arg("roots"), py::arg("starts"), py::arg("depths"),
+           py::arg("limits"), py::arg("eos"), py::arg("telemetry"), py::arg("slots"))
+      .def("set_telemetry", &StepContext::set_telemetry)
+      .def("set_kv", &StepContext::set_kv)
+      .def("propose", &StepContext::propose)
+      .def("commit", &StepContext::commit);
 }
