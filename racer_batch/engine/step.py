@@ -237,7 +237,7 @@ class Stepper:
         clock.skip()
         commit = counted = None
         if plan.fused:
-            nodes, cu_paths, blocks, emitted, commit, counted = self._commit_native(
+            nodes, cu_paths, emitted, commit, counted = self._commit_native(
                 rows, flat, sources, order, choices, topk, clock, plan)
         else:
             nodes, cu_paths, bonus = self._accept(rows, flat, logits, choices)
@@ -300,7 +300,7 @@ class Stepper:
         CPU's KV cache (``_Plan.pool``), keeping the accepted KV rows of every row in one
         ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
-        then every row's update is one ``update_batch``, ``update``). Returns ``(nodes, cu_paths, blocks,
+        then every row's update is one ``update_batch``, ``update``). Returns ``(nodes, cu_paths,
         emitted, commit, counted)``; ``commit.counts`` is None where a stop string cut a block (``_observe`` counts
         those); ``counted``: the rows' telemetry ids where the call added the step's counts to the table (every
         row checked by id and none keeping StepRecords), else None."""
@@ -314,33 +314,36 @@ class Stepper:
         # step's rows make a new plan
         plan.bind(self.telemetry)
         self.committing = True  # the call below updates the drafters: no retry past it
+        # it appends each checked row's emitted tokens to its checker's list (_Plan.ctx)
         c = native_mod.Commit._make(plan.ctx.commit(flat.cu, flat.parents, flat.tokens, choices, sources, order,
                                                     topk))
         plan.advanced = plan.stale = True
         clock.lap("accept")
+        if not c.ended and not plan.strings:  # every row goes on, its tokens already on its checker's list
+            clock.lap("stops")
+            return c.nodes, c.cu_paths, c.emitted, c, (plan.tids if c.updated else None)
         flat_blocks, cu, emitted_l, fin = c.blocks.tolist(), c.cu_paths.tolist(), c.emitted.tolist(), c.finish.tolist()
         blocks: list[list[int]] = []
-        cut = strings = False
+        cut = False
         for i, r in enumerate(rows):
             block = flat_blocks[cu[i]: cu[i + 1]]
             if fin[i] < 0:  # stop strings: the row's own checker decodes text
-                strings = True
                 n = r.stops.push_many(block)
                 cut = cut or n != len(block)
                 emitted_l[i] = n
-            else:
-                r.stops.commit_checked(block[: emitted_l[i]], native_mod.FINISH_OF_CODE[fin[i]])
+            elif fin[i] > 0:  # checked by id and ended (its tokens are on its checker's list)
+                r.stops.end_checked(native_mod.FINISH_OF_CODE[fin[i]])
             if r.stops.finish is not None:
                 r.done, r.finish = True, r.stops.finish
             blocks.append(block)
-        emitted = c.emitted if not strings else np.asarray(emitted_l, dtype=np.int64)  # as the call's unless cut here
+        emitted = np.asarray(emitted_l, dtype=np.int64) if plan.strings else c.emitted  # a stop string may cut
         clock.lap("stops")
         if not c.updated:
             _update_native(plan.native, flat, topk, [blocks[i][: emitted_l[i]] for i in range(b)], plan.handles)
         clock.lap("update")  # ~0 where the call above updated every row (that time is in ``accept``)
         if cut:
             c = c._replace(counts=None)
-        return c.nodes, c.cu_paths, blocks, emitted, c, (plan.tids if c.updated else None)
+        return c.nodes, c.cu_paths, emitted, c, (plan.tids if c.updated else None)
 
     @staticmethod
     def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", plan: "_Plan",
@@ -611,12 +614,13 @@ class _Plan:
             (a native plan, every row a slot of that cache, the cache on the CPU: ``KVCache.host_view``); else
             None (``Stepper._keep``).
         ctx: a native plan's ``drafters.native.step_context`` over its handles, roots, starts, depth, limits, EOS
-            ids, telemetry rows and slots (parsed once; :meth:`bind` gives it the current telemetry table and KV
-            buffer), else None.
+            ids, telemetry rows, slots and the checkers' token lists (parsed once; :meth:`bind` gives it the current
+            telemetry table and KV buffer), else None. strings: some row has stop strings (checked in Python).
     """
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
                  "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts", "ctx",
+                 "strings",
                  "_caps", "_left", "_deepest", "_cap", "_table", "_kv")
 
     def __init__(self, rows: list[DecodeRow], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
@@ -632,7 +636,7 @@ class _Plan:
         self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
         self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
         self.pool = self.slots = self.ctx = self._table = self._kv = None
-        self.advanced = self.stale = self.fused = False
+        self.advanced = self.stale = self.fused = self.strings = False
         if self.kind == "root":  # AR: no draft depth, no native commit
             self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
             self.roots = self.starts = None
@@ -652,6 +656,7 @@ class _Plan:
         self.tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
         self.limits = np.empty((b, 3), dtype=np.int64)  # columns 0 and 1: measure
         self.limits[:, 2] = [c.limits()[2] for c in checkers]
+        self.strings = any(c.stop for c in checkers)  # rows whose stop strings the fused commit leaves to Python
         self._caps = np.fromiter(chain.from_iterable((c.max_new_tokens, c.room) for c in self.checkers), np.int64,
                                  2 * b).reshape(b, 2)
         self._left = self.limits[:, :2]  # a view: measure writes the two columns in place
@@ -662,7 +667,8 @@ class _Plan:
             if self.tids is not None and telemetry is not None:
                 tel, self._table = (telemetry.table, telemetry.hist, self.tids), telemetry.table
             self.ctx = native_mod.step_context(self.handles[0], self.handles[1], self.roots, self.starts, self.depth,
-                                               self.limits, self.eos, tel, self.slots)
+                                               self.limits, self.eos, tel, self.slots,
+                                               [None if c.stop else c.tokens for c in checkers])
 
     def bind(self, telemetry: Telemetry) -> None:
         """Give the context the telemetry table and the KV buffer as they are now, where either was replaced

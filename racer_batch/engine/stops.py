@@ -87,6 +87,16 @@ class StopChecker:
         self.tokens.extend(tokens)
         self.finish = finish
 
+    def end_checked(self, finish: FinishReason) -> None:
+        """Set ``finish`` where the tokens ending generation were appended to ``tokens`` elsewhere, already checked
+        by id (``drafters.native.step_context`` with this checker's list appends a step's emitted tokens itself).
+
+        Raises:
+            ValueError: the checker has stop strings, or already finished."""
+        if self.stop or self.finish is not None:
+            raise ValueError("end_checked needs a checker without stop strings that has not finished")
+        self.finish = finish
+
     def _stop_completed(self) -> bool:
         # Cheap check on the tail first (a stop string of m characters spans at most m tokens that each
         # decode to at least one character; the margin covers byte-fallback pieces), then the exact cut.

@@ -542,8 +542,10 @@ def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
     r_table, r_hist = table.copy(), hist.copy()
     kv = rng.random((2, 2, 4, 2, 64, 3)).astype(np.float32)
     r_kv, slots = kv.copy(), np.array([3, 1, 0])
-    ctx = step_context([st] * b, rows, roots, starts, depths, limits, eos, (table, hist, tids), slots)
+    lists = [[], [7], []]  # each stream's StopChecker.tokens: the context appends its emitted tokens
+    ctx = step_context([st] * b, rows, roots, starts, depths, limits, eos, (table, hist, tids), slots, lists)
     ctx.set_kv(kv)
+    emitted = [[], [7], []]
     for step in range(8):
         if step == 4:  # both buffers replaced: the context writes the new ones from now on
             old_table, old_kv = table, kv
@@ -562,6 +564,9 @@ def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
         w = commit_greedy_batch([ref] * b, ref_rows, *args, r_limits, eos, (r_table, r_hist, tids),
                                 (r_kv, slots, r_starts), (r_roots, r_starts, r_depths))
         assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(c, w))
+        for i in range(b):
+            emitted[i] += c.blocks[c.cu_paths[i]: c.cu_paths[i] + c.emitted[i]].tolist()
+        assert lists == emitted and c.ended == int((c.finish > 0).sum())
         for x, y in [(roots, r_roots), (starts, r_starts), (depths, r_depths), (limits, r_limits), (table, r_table),
                      (hist, r_hist), (kv, r_kv)]:
             assert np.array_equal(x, y)
@@ -579,6 +584,9 @@ def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
             step_context([st] * b, rows, *bad, eos, None, slots)
     with pytest.raises(ValueError, match="kv must"):
         ctx.set_kv(kv[0])
+    for bad, match in [([[], []], "one list"), ([[], (), []], "a list or None"), ([[], None, []], "needs its list")]:
+        with pytest.raises(ValueError, match=match):
+            step_context([st] * b, rows, roots, starts, depths, limits, eos, None, None, bad)
     st.free()
     with pytest.raises(ValueError, match="freed"):
         ctx.propose(np.full(b, 4, np.int64))

@@ -390,6 +390,8 @@ class Commit(NamedTuple):
         moved: ``[M, 3]`` KV rows to move, (stream, source node, destination index along the path) for every
             path entry whose node is not its own index.
         updated: whether the drafters learned here (every stream checked).
+        ended: how many checked streams a stop rule ended (``finish > 0``): none, and the caller has nothing to
+            finish.
     """
 
     nodes: np.ndarray
@@ -402,6 +404,7 @@ class Commit(NamedTuple):
     created: np.ndarray
     moved: np.ndarray
     updated: bool
+    ended: int
 
 
 def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, tokens, choices, sources, order, topk,
@@ -449,7 +452,7 @@ def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, t
 
 
 def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths, limits, eos, telemetry=None,
-                 slots=None):
+                 slots=None, tokens=None):
     """The arguments every step of a run over the same streams gives :func:`propose_batch` and
     :func:`commit_greedy_batch`, parsed and checked once (engine/step.py's ``_Plan``; after a forward the per-call
     parsing of ~15 arguments cost ~25 µs, measured on an AMD EPYC at B = 1 on SmolLM2-135M).
@@ -459,7 +462,9 @@ def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths
         depths ``[B]`` and limits ``[B, 3]``: each stream's root token, committed length, draft depth limit and
         ``StopChecker.limits``, read by every propose and commit and advanced in place by every commit (as
         ``commit_greedy_batch``'s ``advance``); eos ``[B, E]``; telemetry as there, or None; slots ``[B]`` each
-        stream's KV-cache slot, or None (no KV rows kept).
+        stream's KV-cache slot, or None (no KV rows kept); tokens: None, or per stream its ``StopChecker.tokens``
+        list, None for a stream with stop strings (``limits[b, 2] == 0``): every commit then appends each checked
+        stream's emitted tokens to its list (the caller only sets the finish reason of the streams that ended).
 
     Returns the native ``StepContext``: ``propose(capacities [B])`` -> the tuple :func:`propose_batch` wraps in a
     :class:`FlatDraft` (``cu, tokens, parents, depths, sources, order``), from the context's roots and depths;
@@ -472,7 +477,7 @@ def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths
         ValueError: as the two calls (shapes, an array not writeable in place, a freed state), when made or when
             called.
     """
-    return _core().StepContext(_cores(states), rows, roots, starts, depths, limits, eos, telemetry, slots)
+    return _core().StepContext(_cores(states), rows, roots, starts, depths, limits, eos, telemetry, slots, tokens)
 
 
 def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:

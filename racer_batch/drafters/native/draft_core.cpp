@@ -1511,7 +1511,7 @@ void check_limits(const I64Array& limits, const I64Array& eos, i64 b) {
 // The commit of one step (commit_greedy_batch and StepContext::commit, their arguments checked): acceptance, stop
 // checks, the drafters' update, the telemetry counts, the KV rows kept and the plan advanced, as documented there.
 py::tuple commit_impl(const std::vector<DraftCore*>& states, const i64* rows, const CommitArgs& a, const Tel& tel,
-                      const Keep& keep, const Advance& adv) {
+                      const Keep& keep, const Advance& adv, const std::vector<PyObject*>* token_lists = nullptr) {
   const i64 b = i64(states.size());
   CommitOut o;
   bool all_checked = true;
@@ -1549,12 +1549,25 @@ py::tuple commit_impl(const std::vector<DraftCore*>& states, const i64* rows, co
         adv.depths[s] -= e;
       }
   }
+  i64 ended = 0;  // checked streams a stop rule ended
+  for (i64 s = 0; s < b; ++s) ended += o.finish[size_t(s)] > 0 ? 1 : 0;
+  if (token_lists != nullptr)  // each checked stream's emitted tokens onto its StopChecker's list
+    for (i64 s = 0; s < b; ++s) {
+      PyObject* lst = (*token_lists)[size_t(s)];
+      if (lst == nullptr || !a.checked(s)) continue;
+      const i64* blk = o.block.data() + o.cu_path[size_t(s)];
+      for (i64 j = 0; j < o.emitted[size_t(s)]; ++j) {
+        py::object tok = py::reinterpret_steal<py::object>(PyLong_FromLongLong(blk[j]));
+        if (!tok || PyList_Append(lst, tok.ptr()) != 0) throw py::error_already_set();
+      }
+    }
   const i64 nm = i64(o.moved.size() / 3);
   py::array_t<i64> counts({b, i64(4)}), moved({nm, i64(3)});
   if (b) std::memcpy(counts.mutable_data(), o.counts.data(), o.counts.size() * sizeof(i64));
   if (nm) std::memcpy(moved.mutable_data(), o.moved.data(), o.moved.size() * sizeof(i64));
   return py::make_tuple(to_array(o.path), to_array(o.cu_path), to_array(o.bonus), to_array(o.block),
-                        to_array(o.emitted), to_array(o.finish), counts, to_array(o.created), moved, all_checked);
+                        to_array(o.emitted), to_array(o.finish), counts, to_array(o.created), moved, all_checked,
+                        ended);
 }
 
 // ``advance`` = (roots, starts, depths) into `adv` (each a writeable int64 [B] read in place), with ``limits``.
@@ -1607,7 +1620,7 @@ class StepContext {
  public:
   StepContext(const py::sequence& states, const I64Array& rows, const py::object& roots, const py::object& starts,
               const py::object& depths, const py::object& limits, const I64Array& eos, const py::object& telemetry,
-              const py::object& slots)
+              const py::object& slots, const py::object& tokens)
       : states_(cores_of(states)), b_(i64(states_.size())), held_(py::list(states)), limits_(limits.cast<I64Array>()),
         eos_(eos) {
     check_1d(rows, b_, "rows");
@@ -1620,6 +1633,20 @@ class StepContext {
       check_1d(keep_.slot_arr, b_, "kv slots");
       keep_.slot = keep_.slot_arr.data();
       keep_.start = adv_.starts;
+    }
+    if (!tokens.is_none()) {  // each stream's StopChecker token list (None for a stream the caller checks)
+      held_lists_ = py::list(tokens);
+      if (i64(py::len(held_lists_)) != b_) bad("tokens must hold one list (or None) per stream");
+      for (i64 s = 0; s < b_; ++s) {
+        py::handle h = held_lists_[size_t(s)];
+        if (h.is_none()) {
+          if (limits_.data()[3 * s + 2] != 0) bad("tokens[" + std::to_string(s) + "]: a checked stream needs its list");
+          lists_.push_back(nullptr);
+        } else {
+          if (!PyList_Check(h.ptr())) bad("tokens[" + std::to_string(s) + "] must be a list or None");
+          lists_.push_back(h.ptr());
+        }
+      }
     }
   }
 
@@ -1653,7 +1680,7 @@ class StepContext {
     const CommitArgs a = step_args(cu, parents, tokens, choices, sources, order, topk, b_, limits_.data(),
                                    eos_.data(), i64(eos_.shape(1)));
     if (keep_.base != nullptr) check_keep(keep_, cu.data(), b_);
-    return commit_impl(states_, rows_.data(), a, tel_, keep_, adv_);
+    return commit_impl(states_, rows_.data(), a, tel_, keep_, adv_, lists_.empty() ? nullptr : &lists_);
   }
 
  private:
@@ -1666,6 +1693,8 @@ class StepContext {
   Tel tel_;
   py::object held_tel_;
   Keep keep_;
+  py::list held_lists_;
+  std::vector<PyObject*> lists_;  // borrowed from held_lists_
 };
 
 // ------------------------------------------------------------------------------------------------ mask
@@ -1837,9 +1866,9 @@ PYBIND11_MODULE(racer_draft_core, m) {
   m.def("fill_tree_mask", &fill_tree_mask);
   py::class_<StepContext>(m, "StepContext")
       .def(py::init<const py::sequence&, const I64Array&, const py::object&, const py::object&, const py::object&,
-                    const py::object&, const I64Array&, const py::object&, const py::object&>(),
+                    const py::object&, const I64Array&, const py::object&, const py::object&, const py::object&>(),
            py::arg("states"), py::arg("rows"), py::arg("roots"), py::arg("starts"), py::arg("depths"),
-           py::arg("limits"), py::arg("eos"), py::arg("telemetry"), py::arg("slots"))
+           py::arg("limits"), py::arg("eos"), py::arg("telemetry"), py::arg("slots"), py::arg("tokens") = py::none())
       .def("set_telemetry", &StepContext::set_telemetry)
       .def("set_kv", &StepContext::set_kv)
       .def("propose", &StepContext::propose)
