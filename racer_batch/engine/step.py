@@ -212,6 +212,9 @@ class Stepper:
         """One decode step of every row in ``rows`` (rows of this engine, none done). Returns the forward's
         milliseconds. ``host_ms``: part name -> ms, added to."""
         host = host_ms if host_ms is not None else {}
+        if len(host) <= len(HOST_PARTS):  # every part named from the first step on (a fused step skips some)
+            for part in (*HOST_PARTS, SCORES_PART):
+                host.setdefault(part, 0.0)
         clock = _Clock(host)
         self.committing = False
         cap = self.engine._capacity(self.engine._in_flight)
