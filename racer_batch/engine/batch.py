@@ -140,12 +140,19 @@ class _Live:
 @dataclass(eq=False)
 class _Group:
     """The pending ``Decode`` requests of one engine (one ``Stepper``) in one step: their keys, requests and rows
-    in step order."""
+    in step order; whether its runner computes on the CPU (``_on_cpu``) and its engine measured a step cost
+    (``_shares``); and, while the group is kept for the next steps (``StreamBatch._steady``), the ms of its steps
+    to split equally among its streams, not yet charged (``pending``: added to every stream's share at once when
+    the group is dropped, before any of its streams can end)."""
 
     keys: list
     reqs: list
     rows: list
     stepper: Any
+    cpu: bool = True
+    costed: bool = False
+    defer: bool = False
+    pending: float = 0.0
 
 
 @dataclass
@@ -199,7 +206,7 @@ class StreamBatch:
         """
         if key in self._live:
             raise KeyError(f"stream {key!r} is already in flight")
-        self._steady = None
+        self._unsteady()
         try:
             self._live[key] = _Live(stream, next(stream))
         except StopIteration as stop:
@@ -211,8 +218,8 @@ class StreamBatch:
 
     def cancel(self, key: Hashable) -> None:
         """Drop a stream now (closing its generator releases its slot); nothing is reported for it."""
+        self._unsteady()
         live = self._live.pop(key, None)
-        self._steady = None
         self._share.pop(key, None)
         self._prefill.pop(key, None)
         if live is not None:
@@ -225,7 +232,7 @@ class StreamBatch:
 
     def _send(self, key: Hashable, value: Any = None, error: Optional[BaseException] = None) -> None:
         live = self._live[key]
-        self._steady = None  # the stream's request changes, or it ends
+        self._unsteady()  # the stream's request changes, or it ends
         try:
             live.request = live.stream.throw(error) if error is not None else live.stream.send(value)
         except StopIteration as stop:
@@ -236,6 +243,23 @@ class StreamBatch:
             del self._live[key]
             self._done.append(Finished(key, error=exc, device_ms=self._share.pop(key, {}),
                                        prefill_ms=self._prefill.pop(key, {})))
+
+    def _unsteady(self) -> None:
+        """Drop the kept decode groups (a stream joins, leaves or changes its request), charging each its pending
+        ms first."""
+        steady, self._steady = self._steady, None
+        for group in steady or ():
+            self._charge_pending(group)
+            group.defer = False  # a step of it still under way charges at once
+
+    def _charge_pending(self, group: _Group) -> None:
+        if group.pending:
+            each, rid = group.pending / len(group.keys), id(group.stepper.runner)
+            for key in group.keys:
+                share = self._share.get(key)
+                if share is not None:
+                    share[rid] = share.get(rid, 0.0) + each
+            group.pending = 0.0
 
     def _charge(self, key: Hashable, runner: Any, ms: float) -> None:
         share = self._share.setdefault(key, {})
@@ -280,7 +304,9 @@ class StreamBatch:
             if isinstance(req, Decode):
                 g = decodes.get(id(req.stepper))
                 if g is None:
-                    g = decodes[id(req.stepper)] = _Group([], [], [], req.stepper)
+                    stepper = req.stepper
+                    g = decodes[id(stepper)] = _Group([], [], [], stepper, cpu=_on_cpu(stepper.runner),
+                                                      costed=bool(getattr(stepper.engine, "step_cost", None)))
                 g.keys.append(key)
                 g.reqs.append(req)
                 g.rows.append(req.row)
@@ -288,6 +314,8 @@ class StreamBatch:
                 groups.setdefault(id(req.runner), []).append(key)
         steady = list(decodes.values())
         self._steady = steady if steady and not groups else None
+        for group in self._steady or ():
+            group.defer = True
         for group in steady:
             self._decode_group(group)
         for keys in groups.values():
@@ -298,7 +326,6 @@ class StreamBatch:
         """Count one batched step of ``ms`` forward time over ``keys``; each stream is charged its share of
         ``charge`` (default ``ms``; a CPU step: its whole wall time, host work included): ``shares`` (summing to
         1), else an equal share."""
-        st = self.stats
         total = ms if charge is None else charge
         rid, share_of = id(runner), self._share
         if shares is None:
@@ -310,11 +337,16 @@ class StreamBatch:
             for key, s in zip(keys, shares):
                 share = share_of[key]
                 share[rid] = share.get(rid, 0.0) + total * s
+        self._tally(len(keys), ms, rows)
+
+    def _tally(self, b: int, ms: float, rows: int) -> None:
+        """The batch's counters of one step of ``b`` streams, ``rows`` tree rows and ``ms`` forward time."""
+        st = self.stats
         st.verify_ms += ms
         st.steps += 1
-        st.streams += len(keys)
+        st.streams += b
         st.rows += rows
-        st.sizes[len(keys)] = st.sizes.get(len(keys), 0) + 1
+        st.sizes[b] = st.sizes.get(b, 0) + 1
 
     def _decode_group(self, group: _Group) -> None:
         """One batched decode step of these streams (one engine's); where it fails before any row committed
@@ -342,11 +374,16 @@ class StreamBatch:
                         self._send(key, None)
             return
         wall = (time.perf_counter() - t0) * 1000.0
-        cpu = _on_cpu(stepper.runner)
-        shares = _shares(stepper)
-        if cpu:  # the host work is charged too: each row's own part (a mixed step's drafting) first
-            shares = row_charges(wall, stepper.last_own_ms, shares)
-        self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if cpu else ms, shares=shares)
+        cpu = group.cpu
+        shares = _shares(stepper) if group.costed else None
+        own = stepper.last_own_ms
+        if cpu and own:  # the host work is charged too: each row's own part (a mixed step's drafting) first
+            shares = row_charges(wall, own, shares)
+        if shares is None and group.defer:  # equal shares: added up, charged when the group is dropped
+            group.pending += wall if cpu else ms
+            self._tally(len(keys), ms, stepper.last_rows)
+        else:
+            self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if cpu else ms, shares=shares)
         for key, req in zip(keys, reqs):
             if req.settle(asked):
                 self._send(key, None)

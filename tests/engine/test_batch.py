@@ -436,3 +436,37 @@ def test_slots_grow_on_demand_up_to_max_slots():
         runner.new_cache(16)
     b.release()
     assert runner.new_cache(16).slot == b.slot  # the lowest free slot
+
+
+def _charges(deferred: bool, monkeypatch) -> tuple[dict, int]:
+    """Each stream's charged ms (device_ms) of three streams through a StreamBatch, on a clock that reads
+    whole ms; with ``deferred`` False every step charges at once (kept groups' ``defer`` forced off)."""
+    import itertools
+
+    from racer_batch.engine import batch as batch_mod
+
+    engine = Engine(tiny_bundle(seed=1), DecodingConfig(method="racer", capacity=4), streams=3)
+    with monkeypatch.context() as m:
+        if not deferred:
+            m.setattr(batch_mod._Group, "defer", property(lambda self: False, lambda self, v: None))
+        ticks = itertools.count()
+        m.setattr(batch_mod.time, "perf_counter", lambda: next(ticks) * 1e-3)
+        batch = StreamBatch()
+        for i, n in enumerate([12, 30, 20]):
+            batch.add(i, engine.stream(PROMPTS[i], GenerationParams(max_new_tokens=n)))
+        done, kept = [], 0
+        while len(batch):
+            kept += batch._steady is not None
+            done += batch.step()
+    assert all(f.error is None for f in done)
+    return {f.key: f.device_ms[id(engine.runner)] for f in done}, kept
+
+
+def test_kept_decode_groups_charge_each_stream_its_equal_share_when_dropped(monkeypatch):
+    """Steps of the same streams reuse their decode group (``StreamBatch._steady``) and add its wall time up,
+    charged when a stream joins, leaves or ends: every stream's ``device_ms`` equals what charging each step
+    at once gives (the same clock readings), and most steps did reuse the groups."""
+    deferred, kept = _charges(True, monkeypatch)
+    at_once, _ = _charges(False, monkeypatch)
+    assert kept >= 5 and set(deferred) == {0, 1, 2}
+    assert deferred == pytest.approx(at_once, rel=1e-9) and min(deferred.values()) > 0
