@@ -233,7 +233,7 @@ class Stepper:
         t1 = time.perf_counter()
         # the argmax / top-k over the vocabulary reads the logits where they are: device work on a GPU (counted
         # with the forward in the rows' verify time), kept apart from the host parts as SCORES_PART
-        choices, topk, probs = self._scores(rows, logits)
+        choices, topk, probs = self._scores(plan, logits)
         t2 = time.perf_counter()
         forward_ms = (t2 - t0) * 1000.0
         host[SCORES_PART] = host.get(SCORES_PART, 0.0) + (t2 - t1) * 1000.0
@@ -388,10 +388,10 @@ class Stepper:
         clock.lap("propose")
         return flat_of_drafts(drafts, starts, caches)
 
-    def _scores(self, rows: list[DecodeRow], logits: torch.Tensor) -> tuple[np.ndarray, Optional[np.ndarray], Any]:
-        """``(argmax [R], top-k ids [R, k] or None, top-k probabilities [R, k] or None)`` of every row."""
-        k = max(r.k for r in rows)  # rows of several methods (method auto): the widest; a row reads what it needs
-        want_probs = any(r.want_probs for r in rows)
+    def _scores(self, plan: "_Plan", logits: torch.Tensor) -> tuple[np.ndarray, Optional[np.ndarray], Any]:
+        """``(argmax [R], top-k ids [R, k] or None, top-k probabilities [R, k] or None)`` of every row of the
+        plan (``_Plan.k``, ``want_probs``)."""
+        k, want_probs = plan.k, plan.want_probs
         if not want_probs:
             fused = argmax_and_topk(logits, max(k, 1), self._ops)
             if fused is not None:
@@ -597,9 +597,10 @@ class _Plan:
     (``Stepper._plan_of``), and the per-step arrays derived from the rows' emitted counts (:meth:`measure`).
 
     Attributes (B = len(rows)):
-        rows: the rows, in step order. kind, native: ``_drafting(rows)``. handles: the native rows' (states, row
-            handles ``[B]``) where kind is native, else None. caches: the rows' KV-cache handles. greedy: whether
-            every row is greedy.
+        rows: the rows, in step order. kind, native: ``_drafting(rows)``. k, want_probs: the top-k ids the step's
+            scores give (the widest any row's drafter learns from) and whether their probabilities too.
+        handles: the native rows' (states, row handles ``[B]``) where kind is native, else None. caches: the
+            rows' KV-cache handles. greedy: whether every row is greedy.
         checkers: the rows' ``StopChecker``. eos: ``[B, E]`` their EOS ids (``_eos_table``). tids: ``[B]`` their
             telemetry rows, or None where a row keeps StepRecords (``_commit_native``). eos, tids, limits and depth
             are None in an AR plan (kind root), whose steps read none of them.
@@ -623,7 +624,7 @@ class _Plan:
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
                  "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts", "ctx",
-                 "strings",
+                 "strings", "k", "want_probs",
                  "_caps", "_left", "_deepest", "_cap", "_table", "_kv")
 
     def __init__(self, rows: list[DecodeRow], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
@@ -634,6 +635,8 @@ class _Plan:
             if self.kind == "native" else None
         self.caches = [r.cache for r in rows]
         self.greedy = all(r.greedy for r in rows)
+        self.k = max(r.k for r in rows)  # rows of several methods (method auto): the widest; a row reads its own
+        self.want_probs = any(r.want_probs for r in rows)
         self.checkers = checkers = [r.stops for r in rows]
         self.times = [0.0, 0.0, 0.0]  # draft, verify and update ms per row summed over the plan's steps
         self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
