@@ -21,9 +21,11 @@ hands a lone stream's the same way (B = 1 is the same code). One step of B rows 
 7. **telemetry**: per-row counters in one table (``Telemetry``: a row of numbers per stream, added to with
    one vectorised call per step), the capacity tuner observes the step once (``CapacityTuner.observe_batch``).
 
-A step whose rows are all native and greedy (lossless) runs 3, 4, 6 and the counts of 7 as one native call
-(``Stepper._commit_native``, ``drafters.native.commit_greedy_batch``; its host time is ``accept``, the
-checkers' bookkeeping ``stops``); ``Stepper.fused = False`` keeps the per-part path, its oracle in tests.
+A step whose rows are all native and greedy (lossless) runs 3, 4, 6, the counts of 7 and, on the CPU's KV cache,
+5 as one native call (``Stepper._commit_native``, through the plan's ``drafters.native.step_context``; its host
+time is ``accept``, the checkers' bookkeeping ``stops``); ``Stepper.fused = False`` keeps the per-part path, its
+oracle in tests. Native rows propose and commit through that context, which holds every argument that stays the
+same while the same rows step (``_Plan``).
 
 The host time of each part is added to ``host_ms`` (part name -> ms; ``HOST_PARTS``), which a ``StreamBatch``
 keeps in ``BatchStats.host_ms`` (benchmarks/host.py reports it per stream-step); the argmax / top-k pass over

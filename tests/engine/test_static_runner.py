@@ -810,3 +810,24 @@ def test_engine_greedy_equals_reference_on_the_new_families(family):
         assert got.token_ids == want, (family, prompt)
         drafted += got.stats.emitted_tokens - got.stats.steps
     assert drafted > 0  # drafts were accepted, not only roots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_host_view_is_the_cache_memory_and_follows_a_new_buffer(dtype):
+    """``KVCache.host_view`` (what the native commit keeps rows in): the cache's own memory (float32 as is, other
+    dtypes as bytes, each position's row the same bytes), the same array while the buffer stays, a new one after
+    it grows."""
+    from racer_batch.engine.kv_cache import KVCache
+
+    pool = KVCache((2, 3, 4), dtype=dtype, device=torch.device("cpu"), context_length=64, pad=4, slots=2,
+                   max_slots=4, start_len=8)
+    view = pool.host_view()
+    assert view.shape[:5] == tuple(pool.kv.shape[:5]) and view.nbytes == pool.kv.numel() * pool.kv.element_size()
+    assert view.ctypes.data == pool.kv.data_ptr() and pool.host_view() is view
+    with torch.inference_mode():
+        pool.kv[1, 0, 1, 2, 5] = torch.arange(4, dtype=dtype) + 1
+    row = view[1, 0, 1, 2, 5]
+    assert row.tobytes() == pool.kv[1, 0, 1, 2, 5].contiguous().view(torch.uint8).numpy().tobytes()
+    assert pool.grow(40)
+    again = pool.host_view()
+    assert again is not view and again.ctypes.data == pool.kv.data_ptr() and again.shape[4] == pool.max_len
