@@ -560,7 +560,7 @@ def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
         choices = np.where(rng.random(len(got.tokens)) < 0.7, rng.integers(0, 4, len(got.tokens)), 9)
         topk = rng.integers(0, vocab, (len(got.tokens), 3))
         args = (got.cu, got.parents, got.tokens, choices, got.sources, got.order, topk)
-        c = Commit._make(ctx.commit(*args))
+        c = Commit._make(ctx.commit(choices, topk))
         w = commit_greedy_batch([ref] * b, ref_rows, *args, r_limits, eos, (r_table, r_hist, tids),
                                 (r_kv, slots, r_starts), (r_roots, r_starts, r_depths))
         assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(c, w))
@@ -582,6 +582,11 @@ def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
                 (roots, starts, depths[:2], limits), (roots, starts, depths, limits[:, :2])]:
         with pytest.raises(ValueError):
             step_context([st] * b, rows, *bad, eos, None, slots)
+    with pytest.raises(ValueError, match="propose first"):  # the last trees were committed already
+        ctx.commit(choices, topk)
+    ctx.propose(np.full(b, 4, np.int64))
+    with pytest.raises(ValueError, match="choices"):
+        ctx.commit(choices[:-1], topk)
     with pytest.raises(ValueError, match="kv must"):
         ctx.set_kv(kv[0])
     for bad, match in [([[], []], "one list"), ([[], (), []], "a list or None"), ([[], None, []], "needs its list")]:

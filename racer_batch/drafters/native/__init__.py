@@ -468,8 +468,9 @@ def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths
 
     Returns the native ``StepContext``: ``propose(capacities [B])`` -> the tuple :func:`propose_batch` wraps in a
     :class:`FlatDraft` (``cu, tokens, parents, depths, sources, order``), from the context's roots and depths;
-    ``commit(cu, parents, tokens, choices, sources, order, topk)`` -> the tuple :func:`commit_greedy_batch` wraps
-    in a :class:`Commit`, with the context's limits, EOS ids, telemetry, KV cache (where set) and advance;
+    ``commit(choices [R], topk [R, k'])`` -> the tuple :func:`commit_greedy_batch` wraps in a :class:`Commit`, over
+    the trees the last ``propose`` made (kept in the context: committed once, ValueError without a propose before),
+    with the context's limits, EOS ids, telemetry, KV cache (where set) and advance;
     ``set_telemetry((table, hist, tids) or None)`` and ``set_kv(kv array or None)`` again after either buffer
     was replaced (``set_kv`` needs ``slots``).
 

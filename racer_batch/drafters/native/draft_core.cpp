@@ -1124,11 +1124,12 @@ py::array_t<i64> to_array(const std::vector<i64>& v) {
   return a;
 }
 
-// Every stream's draft tree, flattened (propose_batch and StepContext::propose, their arguments checked).
+// Every stream's draft tree, flattened into `out` (emptied first; propose_batch and StepContext::propose, their
+// arguments checked); returns the tuple (cu, tokens, parents, depths, sources, order) of int64 arrays.
 py::tuple propose_impl(const std::vector<DraftCore*>& states, const i64* rows, const i64* roots, const i64* caps,
-                       const i64* depths) {
+                       const i64* depths, FlatOut& out) {
   const i64 b = i64(states.size());
-  FlatOut out;
+  for (auto* v : {&out.tokens, &out.parents, &out.depths, &out.sources, &out.order}) v->clear();
   {
     py::gil_scoped_release nogil;
     MultiLock lock(states);
@@ -1153,7 +1154,8 @@ py::tuple propose_batch(const py::sequence& states_in, const I64Array& rows, con
   check_1d(roots, b, "roots");
   check_1d(caps, b, "capacities");
   check_1d(depths, b, "max_depths");
-  return propose_impl(states, rows.data(), roots.data(), caps.data(), depths.data());
+  FlatOut out;
+  return propose_impl(states, rows.data(), roots.data(), caps.data(), depths.data(), out);
 }
 
 // ------------------------------------------------------------------------------------------------ update
@@ -1670,16 +1672,28 @@ class StepContext {
     keep_ = k;
   }
 
+  // Every stream's tree from the context's roots and depths; the trees are kept for the next commit.
   py::tuple propose(const I64Array& caps) {
     check_1d(caps, b_, "capacities");
-    return propose_impl(states_, rows_.data(), adv_.roots, caps.data(), adv_.depths);
+    proposed_ = false;
+    py::tuple out = propose_impl(states_, rows_.data(), adv_.roots, caps.data(), adv_.depths, last_);
+    proposed_ = true;
+    return out;
   }
 
-  py::tuple commit(const I64Array& cu, const I64Array& parents, const I64Array& tokens, const I64Array& choices,
-                   const I64Array& sources, const I64Array& order, const I64Array& topk) {
-    const CommitArgs a = step_args(cu, parents, tokens, choices, sources, order, topk, b_, limits_.data(),
-                                   eos_.data(), i64(eos_.shape(1)));
-    if (keep_.base != nullptr) check_keep(keep_, cu.data(), b_);
+  // The commit of the trees the last propose made, given the target's argmax at every node (choices [R]) and
+  // its top-k ids (topk [R, k']).
+  py::tuple commit(const I64Array& choices, const I64Array& topk) {
+    if (!proposed_) bad("commit needs a propose first (each proposed batch of trees is committed once)");
+    const i64 r = i64(last_.tokens.size());
+    check_1d(choices, r, "choices");
+    if (topk.ndim() != 2 || topk.shape(0) != r)
+      bad("topk must be 2-D [R=" + std::to_string(r) + ", k'], got " + std::to_string(topk.ndim()) + "-D");
+    const CommitArgs a{last_.cu.data(),    last_.parents.data(), last_.tokens.data(), choices.data(),
+                       last_.sources.data(), last_.order.data(), topk.data(),         limits_.data(),
+                       eos_.data(),        i64(topk.shape(1)),   i64(eos_.shape(1))};
+    if (keep_.base != nullptr) check_keep(keep_, last_.cu.data(), b_);
+    proposed_ = false;
     return commit_impl(states_, rows_.data(), a, tel_, keep_, adv_, lists_.empty() ? nullptr : &lists_);
   }
 
@@ -1695,6 +1709,8 @@ class StepContext {
   Keep keep_;
   py::list held_lists_;
   std::vector<PyObject*> lists_;  // borrowed from held_lists_
+  FlatOut last_;                  // the trees of the last propose (the next commit's)
+  bool proposed_ = false;
 };
 
 // ------------------------------------------------------------------------------------------------ mask
