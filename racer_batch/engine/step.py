@@ -320,7 +320,7 @@ class Stepper:
         plan.bind(self.telemetry)
         self.committing = True  # the call below updates the drafters: no retry past it
         # it appends each checked row's emitted tokens to its checker's list (_Plan.ctx)
-        c = native_mod.Commit._make(plan.ctx.commit(choices, topk))  # over the trees its propose made
+        c = plan.ctx.commit(choices, topk)  # a Commit, over the trees its propose made
         plan.advanced = plan.stale = True
         clock.lap("accept")
         if not c.ended and not plan.strings:  # every row goes on, its tokens already on its checker's list

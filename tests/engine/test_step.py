@@ -560,7 +560,8 @@ def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
         choices = np.where(rng.random(len(got.tokens)) < 0.7, rng.integers(0, 4, len(got.tokens)), 9)
         topk = rng.integers(0, vocab, (len(got.tokens), 3))
         args = (got.cu, got.parents, got.tokens, choices, got.sources, got.order, topk)
-        c = Commit._make(ctx.commit(choices, topk))
+        c = ctx.commit(choices, topk)
+        assert type(c) is Commit
         w = commit_greedy_batch([ref] * b, ref_rows, *args, r_limits, eos, (r_table, r_hist, tids),
                                 (r_kv, slots, r_starts), (r_roots, r_starts, r_depths))
         assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(c, w))

@@ -468,7 +468,7 @@ def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths
 
     Returns the native ``StepContext``: ``propose(capacities [B])`` -> the tuple :func:`propose_batch` wraps in a
     :class:`FlatDraft` (``cu, tokens, parents, depths, sources, order``), from the context's roots and depths;
-    ``commit(choices [R], topk [R, k'])`` -> the tuple :func:`commit_greedy_batch` wraps in a :class:`Commit`, over
+    ``commit(choices [R], topk [R, k'])`` -> a :class:`Commit` as :func:`commit_greedy_batch`'s (made in C++), over
     the trees the last ``propose`` made (kept in the context: committed once, ValueError without a propose before),
     with the context's limits, EOS ids, telemetry, KV cache (where set) and advance;
     ``set_telemetry((table, hist, tids) or None)`` and ``set_kv(kv array or None)`` again after either buffer
@@ -478,7 +478,8 @@ def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths
         ValueError: as the two calls (shapes, an array not writeable in place, a freed state), when made or when
             called.
     """
-    return _core().StepContext(_cores(states), rows, roots, starts, depths, limits, eos, telemetry, slots, tokens)
+    return _core().StepContext(_cores(states), rows, roots, starts, depths, limits, eos, telemetry, slots, tokens,
+                               Commit)
 
 
 def _mask_bits(mask, neg: float) -> tuple[np.ndarray, int]:

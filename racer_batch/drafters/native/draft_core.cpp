@@ -1622,7 +1622,7 @@ class StepContext {
  public:
   StepContext(const py::sequence& states, const I64Array& rows, const py::object& roots, const py::object& starts,
               const py::object& depths, const py::object& limits, const I64Array& eos, const py::object& telemetry,
-              const py::object& slots, const py::object& tokens)
+              const py::object& slots, const py::object& tokens, const py::object& result_type)
       : states_(cores_of(states)), b_(i64(states_.size())), held_(py::list(states)), limits_(limits.cast<I64Array>()),
         eos_(eos) {
     check_1d(rows, b_, "rows");
@@ -1635,6 +1635,12 @@ class StepContext {
       check_1d(keep_.slot_arr, b_, "kv slots");
       keep_.slot = keep_.slot_arr.data();
       keep_.start = adv_.starts;
+    }
+    if (!result_type.is_none()) {  // a tuple subclass (the Python Commit) the commit's tuple is returned as
+      if (!PyType_Check(result_type.ptr()) ||
+          !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(result_type.ptr()), &PyTuple_Type))
+        bad("result_type must be a tuple subclass");
+      result_type_ = result_type;
     }
     if (!tokens.is_none()) {  // each stream's StopChecker token list (None for a stream the caller checks)
       held_lists_ = py::list(tokens);
@@ -1694,7 +1700,13 @@ class StepContext {
                        eos_.data(),        i64(topk.shape(1)),   i64(eos_.shape(1))};
     if (keep_.base != nullptr) check_keep(keep_, last_.cu.data(), b_);
     proposed_ = false;
-    return commit_impl(states_, rows_.data(), a, tel_, keep_, adv_, lists_.empty() ? nullptr : &lists_);
+    py::tuple out = commit_impl(states_, rows_.data(), a, tel_, keep_, adv_, lists_.empty() ? nullptr : &lists_);
+    if (!result_type_) return out;
+    // tuple.__new__(result_type, out) at the C level: no Python frame on the step's path
+    const py::tuple args = py::make_tuple(out);
+    PyObject* obj = PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(result_type_.ptr()), args.ptr(), nullptr);
+    if (obj == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::tuple>(obj);
   }
 
  private:
@@ -1710,6 +1722,7 @@ class StepContext {
   py::list held_lists_;
   std::vector<PyObject*> lists_;  // borrowed from held_lists_
   FlatOut last_;                  // the trees of the last propose (the next commit's)
+  py::object result_type_;        // what commit returns its tuple as (None: a plain tuple)
   bool proposed_ = false;
 };
 
@@ -1882,9 +1895,11 @@ PYBIND11_MODULE(racer_draft_core, m) {
   m.def("fill_tree_mask", &fill_tree_mask);
   py::class_<StepContext>(m, "StepContext")
       .def(py::init<const py::sequence&, const I64Array&, const py::object&, const py::object&, const py::object&,
-                    const py::object&, const I64Array&, const py::object&, const py::object&, const py::object&>(),
+                    const py::object&, const I64Array&, const py::object&, const py::object&, const py::object&,
+                    const py::object&>(),
            py::arg("states"), py::arg("rows"), py::arg("roots"), py::arg("starts"), py::arg("depths"),
-           py::arg("limits"), py::arg("eos"), py::arg("telemetry"), py::arg("slots"), py::arg("tokens") = py::none())
+           py::arg("limits"), py::arg("eos"), py::arg("telemetry"), py::arg("slots"), py::arg("tokens") = py::none(),
+           py::arg("result_type") = py::none())
       .def("set_telemetry", &StepContext::set_telemetry)
       .def("set_kv", &StepContext::set_kv)
       .def("propose", &StepContext::propose)
