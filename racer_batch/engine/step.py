@@ -320,7 +320,7 @@ class Stepper:
         plan.bind(self.telemetry)
         self.committing = True  # the call below updates the drafters: no retry past it
         # it appends each checked row's emitted tokens to its checker's list (_Plan.ctx)
-        c = plan.ctx.commit(choices, topk)  # a Commit, over the trees its propose made
+        c = plan.commit(choices, topk)  # a Commit, over the trees its propose made
         plan.advanced = plan.stale = True
         clock.lap("accept")
         if not c.ended and not plan.strings:  # every row goes on, its tokens already on its checker's list
@@ -374,7 +374,7 @@ class Stepper:
         # tree's positions read this step's, so those get a copy
         starts = plan.starts if not plan.fused or plan.pool is not None else plan.starts.copy()
         if kind == "native":  # the plan's context reads its roots and depths (propose_batch's tuple)
-            cu, tokens, parents, depths, sources, order = plan.ctx.propose(plan.capacities(cap))
+            cu, tokens, parents, depths, sources, order = plan.propose(plan.capacities(cap))
             flat = FlatTrees(tokens, parents, depths, cu, starts, caches)
             clock.lap("propose")
             return flat, sources, order
@@ -620,12 +620,13 @@ class _Plan:
             None (``Stepper._keep``).
         ctx: a native plan's ``drafters.native.step_context`` over its handles, roots, starts, depth, limits, EOS
             ids, telemetry rows, slots and the checkers' token lists (parsed once; :meth:`bind` gives it the current
-            telemetry table and KV buffer), else None. strings: some row has stop strings (checked in Python).
+            telemetry table and KV buffer), else None; propose, commit: its two calls as plain CPython functions
+            (``fast_propose`` / ``fast_commit``). strings: some row has stop strings (checked in Python).
     """
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
                  "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts", "ctx",
-                 "strings", "k", "want_probs",
+                 "strings", "k", "want_probs", "propose", "commit",
                  "_caps", "_left", "_deepest", "_cap", "_table", "_kv")
 
     def __init__(self, rows: list[DecodeRow], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
@@ -642,7 +643,7 @@ class _Plan:
         self.times = [0.0, 0.0, 0.0]  # draft, verify and update ms per row summed over the plan's steps
         self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
         self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
-        self.pool = self.slots = self.ctx = self._table = self._kv = None
+        self.pool = self.slots = self.ctx = self._table = self._kv = self.propose = self.commit = None
         self.advanced = self.stale = self.fused = self.strings = False
         if self.kind == "root":  # AR: no draft depth, no native commit
             self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
@@ -676,6 +677,7 @@ class _Plan:
             self.ctx = native_mod.step_context(self.handles[0], self.handles[1], self.roots, self.starts, self.depth,
                                                self.limits, self.eos, tel, self.slots,
                                                [None if c.stop else c.tokens for c in checkers])
+            self.propose, self.commit = self.ctx.fast_propose, self.ctx.fast_commit
 
     def bind(self, telemetry: Telemetry) -> None:
         """Give the context the telemetry table and the KV buffer as they are now, where either was replaced

@@ -1,6 +1,8 @@
 """The batched decode step (engine/step.py): flat acceptance, flattening, telemetry and the tuner's batched
 observation against their one-tree-at-a-time definitions."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -555,12 +557,13 @@ def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
             ctx.set_telemetry((table, hist, tids))
             ctx.set_kv(kv)
         caps = np.full(b, 4, np.int64)
-        got, want = FlatDraft(*ctx.propose(caps)), propose_batch([ref] * b, ref_rows, r_roots, caps, r_depths)
+        propose = ctx.propose if step % 2 else ctx.fast_propose
+        got, want = FlatDraft(*propose(caps)), propose_batch([ref] * b, ref_rows, r_roots, caps, r_depths)
         assert all(np.array_equal(getattr(got, f), getattr(want, f)) for f in ("cu", "tokens", "parents", "sources"))
         choices = np.where(rng.random(len(got.tokens)) < 0.7, rng.integers(0, 4, len(got.tokens)), 9)
         topk = rng.integers(0, vocab, (len(got.tokens), 3))
         args = (got.cu, got.parents, got.tokens, choices, got.sources, got.order, topk)
-        c = ctx.commit(choices, topk)
+        c = (ctx.commit if step % 2 else ctx.fast_commit)(choices, topk)  # the pybind method or the plain one
         assert type(c) is Commit
         w = commit_greedy_batch([ref] * b, ref_rows, *args, r_limits, eos, (r_table, r_hist, tids),
                                 (r_kv, slots, r_starts), (r_roots, r_starts, r_depths))
@@ -585,6 +588,18 @@ def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():
             step_context([st] * b, rows, *bad, eos, None, slots)
     with pytest.raises(ValueError, match="propose first"):  # the last trees were committed already
         ctx.commit(choices, topk)
+    with pytest.raises(ValueError, match="propose first"):
+        ctx.fast_commit(choices, topk)
+    with pytest.raises(ValueError, match="takes"):
+        ctx.fast_commit(choices)
+    with pytest.raises(TypeError):
+        ctx.fast_commit(choices, topk, x=1)
+    # a bound function keeps its context alive on its own
+    lone = step_context([st] * b, rows, roots.copy(), starts.copy(), depths.copy(), limits.copy(), eos)
+    fast, refs = lone.fast_propose, sys.getrefcount(lone)
+    assert refs >= 3  # the capsule inside the bound function holds one more reference
+    del lone
+    assert len(FlatDraft(*fast(np.full(b, 2, np.int64))).cu) == b + 1
     ctx.propose(np.full(b, 4, np.int64))
     with pytest.raises(ValueError, match="choices"):
         ctx.commit(choices[:-1], topk)

@@ -472,7 +472,8 @@ def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths
     the trees the last ``propose`` made (kept in the context: committed once, ValueError without a propose before),
     with the context's limits, EOS ids, telemetry, KV cache (where set) and advance;
     ``set_telemetry((table, hist, tids) or None)`` and ``set_kv(kv array or None)`` again after either buffer
-    was replaced (``set_kv`` needs ``slots``).
+    was replaced (``set_kv`` needs ``slots``). ``fast_propose`` / ``fast_commit``: the two calls as plain CPython
+    functions bound to the context (no pybind11 dispatch; ~5-8 µs each after a forward), the same arguments.
 
     Raises:
         ValueError: as the two calls (shapes, an array not writeable in place, a freed state), when made or when
