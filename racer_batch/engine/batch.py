@@ -153,6 +153,7 @@ class _Group:
     costed: bool = False
     defer: bool = False
     pending: float = 0.0
+    cancellable: bool = False  # some request has a should_cancel to ask after every step
 
 
 @dataclass
@@ -310,6 +311,7 @@ class StreamBatch:
                 g.keys.append(key)
                 g.reqs.append(req)
                 g.rows.append(req.row)
+                g.cancellable = g.cancellable or req.should_cancel is not None
             elif isinstance(req, Verify):
                 groups.setdefault(id(req.runner), []).append(key)
         steady = list(decodes.values())
@@ -384,6 +386,8 @@ class StreamBatch:
             self._tally(len(keys), ms, stepper.last_rows)
         else:
             self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if cpu else ms, shares=shares)
+        if not (stepper.last_ended or group.cancellable):  # every row goes on and none is asked to stop
+            return
         for key, req in zip(keys, reqs):
             if req.settle(asked):
                 self._send(key, None)

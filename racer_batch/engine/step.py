@@ -174,9 +174,9 @@ class Stepper:
         self.telemetry = Telemetry()
         self._ops = getattr(self.runner, "_ops", None)
         self.committing = False  # the running step has begun committing tokens (no retry past this point)
-        self.last_rows = 0  # tree rows of the last step's forward
-        self.last_cu: Optional[np.ndarray] = None  # [B + 1] the last step's tree row offsets (its trees' sizes)
-        self.last_starts: Optional[np.ndarray] = None  # [B] the last step's committed lengths (its contexts)
+        self.last_flat: Optional[FlatTrees] = None  # the last step's trees (last_rows, last_cu, last_starts)
+        self._last_starts: Optional[np.ndarray] = None  # a copy of their starts where a fused commit advances them
+        self.last_ended = False  # some row of the last step ended (a stop rule, or the step failed)
         self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
         # greedy steps of native rows commit in one native call (_commit_native); False: the per-part path
         # (acceptance, stops, update apart), kept as its oracle in tests
@@ -219,6 +219,7 @@ class Stepper:
                 host.setdefault(part, 0.0)
         clock = _Clock(host)
         self.committing = False
+        self.last_ended = True  # until the step says otherwise (a step that raises: its rows are settled)
         cap = self.engine._capacity(self.engine._in_flight)
         plan = self._plan_of(rows)
         kind, native, handles = plan.kind, plan.native, plan.handles
@@ -226,10 +227,9 @@ class Stepper:
         self.last_own_ms = own
         flat, sources, order = self._propose(rows, cap, clock, plan, own)
         clock.lap("flatten")
-        self.last_rows = flat.rows
-        self.last_cu = flat.cu
-        # the contexts of step_shares (method auto's engine); a fused plan's starts advance in place in the commit
-        self.last_starts = flat.starts.copy() if plan.fused and self.engine.step_cost else flat.starts
+        self.last_flat = flat
+        # step_shares' contexts (method auto's engine): a fused commit advances the plan's starts in place
+        self._last_starts = flat.starts.copy() if plan.fused and self.engine.step_cost else None
         t0 = time.perf_counter()
         logits = self.runner.verify_flat(flat)  # [R, V]
         t1 = time.perf_counter()
@@ -250,6 +250,8 @@ class Stepper:
             self.committing = True
             blocks, emitted = self._stops(rows, flat, nodes, cu_paths, bonus)
             clock.lap("stops")
+        # a fused step knows whether a row ended (stop strings aside): else the batch asks every row (Decode.settle)
+        self.last_ended = commit is None or bool(commit.ended) or plan.strings
         if commit is None or plan.pool is None:  # else the native commit kept the rows (and advanced the plan)
             self._keep(rows, flat, nodes, cu_paths, None if commit is None else commit.moved)
         clock.lap("keep_rows")
@@ -259,6 +261,23 @@ class Stepper:
         self._observe(rows, flat, sources, order, cap, nodes, cu_paths, emitted, forward_ms, clock, commit, counted)
         clock.lap("telemetry")
         return forward_ms
+
+    @property
+    def last_rows(self) -> int:
+        """Tree rows of the last step's forward."""
+        return 0 if self.last_flat is None else self.last_flat.rows
+
+    @property
+    def last_cu(self) -> Optional[np.ndarray]:
+        """``[B + 1]`` the last step's tree row offsets (its trees' sizes)."""
+        return None if self.last_flat is None else self.last_flat.cu
+
+    @property
+    def last_starts(self) -> Optional[np.ndarray]:
+        """``[B]`` the last step's committed lengths (its trees' contexts)."""
+        if self.last_flat is None:
+            return None
+        return self.last_flat.starts if self._last_starts is None else self._last_starts
 
     def _plan_of(self, rows: list[DecodeRow]) -> "_Plan":
         """The step's ``_Plan``: the last step's where ``rows`` are the same rows in the same order (the common case
