@@ -25,7 +25,7 @@ A step whose rows are all native and greedy (lossless) runs 3, 4, 6, the counts 
 5 as one native call (``Stepper._commit_native``, through the plan's ``drafters.native.step_context``; its host
 time is ``accept``, the checkers' bookkeeping ``stops``); ``Stepper.fused = False`` keeps the per-part path, its
 oracle in tests. Native rows propose and commit through that context, which holds every argument that stays the
-same while the same rows step (``_Plan``).
+same while the same rows step (``StepPlan``).
 
 The host time of each part is added to ``host_ms`` (part name -> ms; ``HOST_PARTS``), which a ``StreamBatch``
 keeps in ``BatchStats.host_ms`` (benchmarks/host.py reports it per stream-step); the argmax / top-k pass over
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any, Optional
 
 import numpy as np
@@ -47,6 +46,7 @@ from ..drafters.base import Verified
 from ..values import SOURCE_LOGITS, SOURCE_RETRIEVAL
 from .kernels import fused_argmax_topk
 from .sampling import processed_probs
+from .step_plan import FEW_ROWS, StepPlan
 from .telemetry import TEL_FIELDS, Telemetry, keep_records
 from .tree import FlatTrees, accept_relaxed, accept_sampling, breadth_first
 
@@ -64,8 +64,8 @@ class DecodeRow:
         drafter: the row's drafter (its ``native`` attribute, when set, is ``(NativeDraftState, row handle)``).
         cache: the row's KV-cache handle. committed_len: positions in it (prompt + kept tokens).
         root: the last emitted token, not yet in the KV cache (the next tree's root). While a fused plan steps the
-            row, these two and the cache's length are the plan's (``_Plan.roots`` / ``starts``), written back when
-            the plan ends (``_Plan.sync_rows``).
+            row, these two and the cache's length are the plan's (``StepPlan.roots`` / ``starts``), written back when
+            the plan ends (``StepPlan.sync_rows``).
         stops: the row's ``StopChecker``; done/finish once it ended.
         gen: the row's seeded generator (sampling). k: top-k ids its drafter learns from (0: none).
         keep_steps: keep one StepRecord per step (``records``) besides the counters.
@@ -186,7 +186,7 @@ class Stepper:
         # and python); None after a step of native or root-only rows (every row's host work alike). StreamBatch
         # charges each row its own part before splitting the rest of the step (batch.row_charges)
         self.last_own_ms: Optional[list[float]] = None
-        self._plan: Optional[_Plan] = None  # what the last step read of its rows that stays while they decode
+        self._plan: Optional[StepPlan] = None  # what the last step read of its rows that stays while they decode
 
     # ---- row lifecycle
     def open(self, row: DecodeRow) -> None:
@@ -279,15 +279,15 @@ class Stepper:
             return None
         return self.last_flat.starts if self._last_starts is None else self._last_starts
 
-    def _plan_of(self, rows: list[DecodeRow]) -> "_Plan":
-        """The step's ``_Plan``: the last step's where ``rows`` are the same rows in the same order (the common case
+    def _plan_of(self, rows: list[DecodeRow]) -> "StepPlan":
+        """The step's ``StepPlan``: the last step's where ``rows`` are the same rows in the same order (the common case
         between two joins or finishes of continuous batching), else a new one."""
         plan = self._plan
         if plan is None or plan.rows != rows:  # DecodeRow compares by identity (eq=False)
             self._flush_times()
             if plan is not None:
                 plan.sync_rows()
-            plan = self._plan = _Plan(rows, self.runner, self.telemetry)
+            plan = self._plan = StepPlan(rows, self.runner, self.telemetry)
             plan.fused = self._fusable(plan)
         if plan.kind != "root":  # AR's steps read none of roots, starts, limits and depths from the plan
             if plan.advanced:  # the last step's native commit left them as they are now
@@ -297,7 +297,7 @@ class Stepper:
         return plan
 
     def _flush_times(self) -> None:
-        """Add the current plan's summed step times to its rows' telemetry (``_Plan.times``): before the plan is
+        """Add the current plan's summed step times to its rows' telemetry (``StepPlan.times``): before the plan is
         replaced and before any row closes, so a row's table entry is whole when it is read and no freed row is
         written."""
         plan = self._plan
@@ -305,10 +305,10 @@ class Stepper:
             self.telemetry.add_times(plan.tids, (plan.times[0], plan.times[1], plan.times[2]))
             plan.times, plan.timed = [0.0, 0.0, 0.0], False
 
-    def _fusable(self, plan: "_Plan") -> bool:
+    def _fusable(self, plan: "StepPlan") -> bool:
         """Whether the steps of a plan commit in one native call (``_commit_native``): every row on the native draft
         core, greedy and lossless (sampled and relaxed rows draw per row), and the fused commit not turned off;
-        decided once per plan (``_Plan.fused``)."""
+        decided once per plan (``StepPlan.fused``)."""
         if plan.kind != "native" or not plan.greedy or not self.fused or self.config.acceptance != "lossless":
             return False
         return bool(self._native_accept_fn())
@@ -321,7 +321,7 @@ class Stepper:
 
     def _commit_native(self, rows, flat, sources, order, choices, topk, clock, plan):
         """Acceptance, stop checks by token id, the telemetry's source counts, the drafters' update and, on the
-        CPU's KV cache (``_Plan.pool``), keeping the accepted KV rows of every row in one
+        CPU's KV cache (``StepPlan.pool``), keeping the accepted KV rows of every row in one
         ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
         then every row's update is one ``update_batch``, ``update``). Returns ``(nodes, cu_paths,
@@ -334,11 +334,11 @@ class Stepper:
         # the telemetry table's counts are added in the call (where it updates), unless a row keeps StepRecords;
         # on the CPU the call keeps every row's accepted KV rows too. The call also writes each row's next root,
         # committed length, depth and limits into the plan (the rows' own fields are written back when the plan
-        # ends, _Plan.sync_rows), unless a stop string cuts a block below: that row is then done, and the next
+        # ends, StepPlan.sync_rows), unless a stop string cuts a block below: that row is then done, and the next
         # step's rows make a new plan
         plan.bind(self.telemetry)
         self.committing = True  # the call below updates the drafters: no retry past it
-        # it appends each checked row's emitted tokens to its checker's list (_Plan.ctx)
+        # it appends each checked row's emitted tokens to its checker's list (StepPlan.ctx)
         c = plan.commit(choices, topk)  # a Commit, over the trees its propose made
         plan.advanced = plan.stale = True
         clock.lap("accept")
@@ -369,16 +369,16 @@ class Stepper:
         return c.nodes, c.cu_paths, emitted, c, (plan.tids if c.updated else None)
 
     @staticmethod
-    def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", plan: "_Plan",
+    def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", plan: "StepPlan",
                  own: Optional[list[float]] = None) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
         """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
         own trees are flattened here), with each row's ``sources`` and creation ``order``; ``plan`` is the step's
-        ``_Plan`` (how the rows draft, their handles and draft depths)."""
+        ``StepPlan`` (how the rows draft, their handles and draft depths)."""
         b = len(rows)
         kind = plan.kind
         caches = plan.caches
         if kind == "root":  # AR: the rows' own fields (an AR plan keeps no arrays)
-            if b <= _FEW_ROWS:  # a list and one array: cheaper than fromiter over a generator for a few rows
+            if b <= FEW_ROWS:  # a list and one array: cheaper than fromiter over a generator for a few rows
                 starts = np.array([r.committed_len for r in rows], dtype=np.int64)
                 roots = np.array([r.root for r in rows], dtype=np.int64)
             else:
@@ -408,9 +408,9 @@ class Stepper:
         clock.lap("propose")
         return flat_of_drafts(drafts, starts, caches)
 
-    def _scores(self, plan: "_Plan", logits: torch.Tensor) -> tuple[np.ndarray, Optional[np.ndarray], Any]:
+    def _scores(self, plan: "StepPlan", logits: torch.Tensor) -> tuple[np.ndarray, Optional[np.ndarray], Any]:
         """``(argmax [R], top-k ids [R, k] or None, top-k probabilities [R, k] or None)`` of every row of the
-        plan (``_Plan.k``, ``want_probs``)."""
+        plan (``StepPlan.k``, ``want_probs``)."""
         k, want_probs = plan.k, plan.want_probs
         if not want_probs:
             fused = argmax_and_topk(logits, max(k, 1), self._ops)
@@ -609,163 +609,6 @@ def _accepted_by_source(flat, sources, nodes, cu_paths, plen, accepted) -> np.nd
     return np.bincount(owner[counted] * 5 + col, minlength=5 * b).reshape(b, 5)[:, :4]
 
 
-_FEW_ROWS = 4  # _Plan.measure: up to this many rows, element by element
-
-
-class _Plan:
-    """What a step reads of its rows that stays the same while the same rows decode together, made once for them
-    (``Stepper._plan_of``), and the per-step arrays derived from the rows' emitted counts (:meth:`measure`).
-
-    Attributes (B = len(rows)):
-        rows: the rows, in step order. kind, native: ``_drafting(rows)``. k, want_probs: the top-k ids the step's
-            scores give (the widest any row's drafter learns from) and whether their probabilities too.
-        handles: the native rows' (states, row handles ``[B]``) where kind is native, else None. caches: the
-            rows' KV-cache handles. greedy: whether every row is greedy.
-        checkers: the rows' ``StopChecker``. eos: ``[B, E]`` their EOS ids (``_eos_table``). tids: ``[B]`` their
-            telemetry rows, or None where a row keeps StepRecords (``_commit_native``). eos, tids, limits and depth
-            are None in an AR plan (kind root), whose steps read none of them.
-        limits: ``[B, 3]`` ``StopChecker.limits`` of every row (columns 0 and 1 refreshed by :meth:`measure`).
-        depth: ``[B]`` the deepest draft node each row may take, ``StopChecker.remaining - 1`` (:meth:`measure`).
-        times, timed: each row's draft, verify and update ms summed over the plan's fused steps, not yet added to
-            the telemetry table, and whether there are any (``Stepper._flush_times``).
-        roots, starts: ``[B]`` each row's root token and committed length (:meth:`measure` from the rows, or the
-            last fused commit's in place).
-        fused: the steps commit in one native call (``Stepper._fusable``, set by ``Stepper._plan_of``).
-        advanced: the last step's native commit wrote the next ``roots``, ``starts``, ``limits`` and ``depth`` in
-            place, so the next step need not :meth:`measure`. stale: the rows' own ``root``, ``committed_len`` and
-            KV-cache length are behind the plan's (written back by :meth:`sync_rows`).
-        pool, slots: the runner's ``KVCache`` and the rows' slots ``[B]``, where the native commit keeps the KV rows
-            (a native plan, every row a slot of that cache, the cache on the CPU: ``KVCache.host_view``); else
-            None (``Stepper._keep``).
-        ctx: a native plan's ``drafters.native.step_context`` over its handles, roots, starts, depth, limits, EOS
-            ids, telemetry rows, slots and the checkers' token lists (parsed once; :meth:`bind` gives it the current
-            telemetry table and KV buffer), else None; propose, commit: its two calls as plain CPython functions
-            (``fast_propose`` / ``fast_commit``). strings: some row has stop strings (checked in Python).
-    """
-
-    __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
-                 "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts", "ctx",
-                 "strings", "k", "want_probs", "propose", "commit",
-                 "_caps", "_left", "_deepest", "_cap", "_table", "_kv")
-
-    def __init__(self, rows: list[DecodeRow], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
-        b = len(rows)
-        self.rows = list(rows)
-        self.kind, self.native = _drafting(rows)
-        self.handles = ([n[0] for n in self.native], np.fromiter((n[1] for n in self.native), np.int64, b)) \
-            if self.kind == "native" else None
-        self.caches = [r.cache for r in rows]
-        self.greedy = all(r.greedy for r in rows)
-        self.k = max(r.k for r in rows)  # rows of several methods (method auto): the widest; a row reads its own
-        self.want_probs = any(r.want_probs for r in rows)
-        self.checkers = checkers = [r.stops for r in rows]
-        self.times = [0.0, 0.0, 0.0]  # draft, verify and update ms per row summed over the plan's steps
-        self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
-        self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
-        self.pool = self.slots = self.ctx = self._table = self._kv = self.propose = self.commit = None
-        self.advanced = self.stale = self.fused = self.strings = False
-        if self.kind == "root":  # AR: no draft depth, no native commit
-            self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
-            self.roots = self.starts = None
-            return
-        self.roots = np.zeros(b, dtype=np.int64)
-        self.starts = np.zeros(b, dtype=np.int64)
-        pool = getattr(runner, "kv_cache", None)
-        if (self.kind == "native" and pool is not None and pool.host_view() is not None
-                and all(getattr(c, "pool", None) is pool for c in self.caches)):
-            self.pool = pool
-            self.slots = np.fromiter((c.slot for c in self.caches), np.int64, b)
-        first = checkers[0]
-        if all(c.eos == first.eos for c in checkers):  # one model's rows: one EOS row repeated
-            self.eos = first.eos_row if b == 1 else np.repeat(first.eos_row, b, axis=0)
-        else:
-            self.eos = _eos_table([c.eos_row for c in checkers])
-        self.tids = None if any(r.keep_steps for r in rows) else np.fromiter((r.tid for r in rows), np.int64, b)
-        self.limits = np.empty((b, 3), dtype=np.int64)  # columns 0 and 1: measure
-        self.limits[:, 2] = [c.limits()[2] for c in checkers]
-        self.strings = any(c.stop for c in checkers)  # rows whose stop strings the fused commit leaves to Python
-        self._caps = np.fromiter(chain.from_iterable((c.max_new_tokens, c.room) for c in self.checkers), np.int64,
-                                 2 * b).reshape(b, 2)
-        self._left = self.limits[:, :2]  # a view: measure writes the two columns in place
-        self._deepest = self._caps.min(axis=1) - 1
-        self.depth = np.zeros(b, dtype=np.int64)
-        if self.kind == "native":
-            tel = None
-            if self.tids is not None and telemetry is not None:
-                tel, self._table = (telemetry.table, telemetry.hist, self.tids), telemetry.table
-            self.ctx = native_mod.step_context(self.handles[0], self.handles[1], self.roots, self.starts, self.depth,
-                                               self.limits, self.eos, tel, self.slots,
-                                               [None if c.stop else c.tokens for c in checkers])
-            self.propose, self.commit = self.ctx.fast_propose, self.ctx.fast_commit
-
-    def bind(self, telemetry: Telemetry) -> None:
-        """Give the context the telemetry table and the KV buffer as they are now, where either was replaced
-        since (a table grown for a new row, a cache grown or made fresh)."""
-        if self._table is not None and telemetry.table is not self._table:
-            self.ctx.set_telemetry((telemetry.table, telemetry.hist, self.tids))
-            self._table = telemetry.table
-        pool = self.pool
-        if pool is not None and pool.kv is not self._kv:
-            self.ctx.set_kv(pool.host_view())
-            self._kv = pool.kv
-
-    def capacities(self, cap: int) -> np.ndarray:
-        """``[B]`` int64 filled with ``cap`` (the native propose's capacities), made again only when it changes."""
-        if self._cap[0] != cap or self._cap[1] is None:
-            self._cap = (cap, np.full(len(self.rows), cap, dtype=np.int64))
-        return self._cap[1]
-
-    def measure(self) -> None:
-        """Refresh ``limits`` (tokens left under max_new_tokens and under the context) and ``depth`` from how many
-        tokens each row has emitted. A numpy call costs a few µs on the caches a forward left cold (measured ~11 µs
-        for these three at B = 1), so a few rows are written element by element and more rows with three calls
-        whatever B. A row that steps has not finished, so it has at least one token left and ``depth`` >= 0
-        (``StopChecker.remaining`` >= 1)."""
-        b = len(self.checkers)
-        if b <= _FEW_ROWS:
-            lim, depth, roots, starts = self.limits, self.depth, self.roots, self.starts
-            for i, c in enumerate(self.checkers):
-                n = len(c.tokens)
-                lim[i, 0] = c.max_new_tokens - n
-                lim[i, 1] = c.room - n
-                depth[i] = min(c.max_new_tokens, c.room) - 1 - n
-                r = self.rows[i]
-                roots[i], starts[i] = r.root, r.committed_len
-            return
-        n = np.fromiter((len(c.tokens) for c in self.checkers), np.int64, b)
-        np.subtract(self._caps, n[:, None], out=self._left)
-        np.subtract(self._deepest, n, out=self.depth)
-        self.roots[:] = np.fromiter((r.root for r in self.rows), np.int64, b)
-        self.starts[:] = np.fromiter((r.committed_len for r in self.rows), np.int64, b)
-
-    def sync_rows(self) -> None:
-        """Write the plan's ``roots`` and ``starts`` back into its rows (``root``, ``committed_len`` and the KV
-        cache's ``length``) where fused commits advanced them in place (``stale``): before the plan is dropped, so
-        the rows' own fields are right for the next plan and anything else that reads them."""
-        if not self.stale:
-            return
-        self.stale = False
-        roots, starts = self.roots.tolist(), self.starts.tolist()
-        for i, r in enumerate(self.rows):
-            r.root, r.committed_len = roots[i], starts[i]
-            r.cache.length = starts[i]
-
-
-def _drafting(rows: list[DecodeRow]) -> tuple[str, list]:
-    """How a step's rows draft, decided once per step: ``root`` (AR: the root alone, nothing to learn),
-    ``native`` (one call of the native draft core for all rows; with each row's (state, row handle)),
-    ``mixed`` (some rows native, the others AR or another drafter: method auto's candidates in one forward; the
-    native rows in one call, with each row's (state, row handle) or None) or ``python`` (each drafter's own
-    ``propose`` / ``update``)."""
-    if all(r.root_only for r in rows):
-        return "root", []
-    native = [r.native for r in rows]
-    n = sum(1 for x in native if x is not None)
-    if n == len(rows):
-        return "native", native
-    return ("mixed", native) if n else ("python", [])
-
-
 def _split_own(own: Optional[list[float]], rows: list[int], t0: float) -> None:
     """Add the ms since ``t0`` to ``own`` (a mixed step's per-row host ms), split evenly among ``rows``."""
     if own is not None and rows:
@@ -808,20 +651,6 @@ def _update_native(native: list, flat: FlatTrees, topk: np.ndarray, committed: l
     if handles is None:
         handles = ([n[0] for n in native], np.fromiter((n[1] for n in native), np.int64, b))
     native_mod.update_batch(handles[0], handles[1], flat.cu, flat.tokens, topk, flat_c, cu_c)
-
-
-def _eos_table(rows: list[np.ndarray]) -> np.ndarray:
-    """Each row's EOS ids (``StopChecker.eos_row``, ``[1, E_i]``) as one ``[B, E]`` int64 table, padded with -1
-    (``commit_greedy_batch``'s ``eos``)."""
-    if len(rows) == 1:
-        return rows[0]
-    width = max(x.shape[1] for x in rows)
-    if all(x.shape[1] == width for x in rows):
-        return np.concatenate(rows)
-    table = np.full((len(rows), width), -1, dtype=np.int64)
-    for i, x in enumerate(rows):
-        table[i, : x.shape[1]] = x[0]
-    return table
 
 
 class _Clock:

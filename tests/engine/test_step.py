@@ -407,10 +407,11 @@ def test_ar_rows_count_the_same_with_and_without_step_records():
 
 @pytest.mark.parametrize("b", [1, 3, 4, 5, 9])
 def test_step_plan_limits_and_depths_follow_the_rows_emitted_tokens(b):
-    """``_Plan`` is made once for a run of steps over the same rows; its ``limits`` and ``depth`` must still be
+    """``StepPlan`` is made once for a run of steps over the same rows; its ``limits`` and ``depth`` must still be
     each row's ``StopChecker.limits()`` and ``remaining - 1`` after every step's tokens (element by element up to
-    ``_FEW_ROWS`` rows, numpy above), and a different row list must get a new plan."""
-    from racer_batch.engine.step import _FEW_ROWS, DecodeRow, Stepper, _Plan
+    ``FEW_ROWS`` rows, numpy above), and a different row list must get a new plan."""
+    from racer_batch.engine.step import DecodeRow, Stepper
+    from racer_batch.engine.step_plan import FEW_ROWS, StepPlan
     from racer_batch.engine.stops import StopChecker
 
     rng = np.random.default_rng(b)
@@ -424,7 +425,7 @@ def test_step_plan_limits_and_depths_follow_the_rows_emitted_tokens(b):
     stepper = Stepper.__new__(Stepper)
     stepper._plan, stepper.runner, stepper.telemetry = None, None, None
     plan = stepper._plan_of(rows)
-    assert plan.kind == "python" and _FEW_ROWS == 4  # b = 5 and 9 take the numpy path
+    assert plan.kind == "python" and FEW_ROWS == 4  # b = 5 and 9 take the numpy path
     assert plan.eos.shape == (b, 2) and plan.tids.tolist() == list(range(b))
     for _ in range(6):
         for r in rows:
@@ -436,7 +437,7 @@ def test_step_plan_limits_and_depths_follow_the_rows_emitted_tokens(b):
         assert plan.depth.tolist() == [r.stops.remaining - 1 for r in rows]
         assert plan.capacities(3).tolist() == [3] * b and plan.capacities(5).tolist() == [5] * b
     fewer = rows[1:] if b > 1 else [rows[0], rows[0]]
-    assert stepper._plan_of(fewer) is not plan and isinstance(stepper._plan, _Plan)
+    assert stepper._plan_of(fewer) is not plan and isinstance(stepper._plan, StepPlan)
     rev = list(reversed(rows))
     assert b == 1 or stepper._plan_of(rev).rows == rev
 
@@ -484,7 +485,7 @@ def _long_run(fused: bool):
 def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkeypatch):
     """A fused step on the CPU's KV cache keeps the accepted KV rows inside the native commit (no
     ``Stepper._keep`` / ``keep_rows_batch``) and takes each row's emitted tokens off the plan's ``limits`` and
-    ``depth`` in place: before every step that skips ``_Plan.measure``, those arrays equal what ``measure``
+    ``depth`` in place: before every step that skips ``StepPlan.measure``, those arrays equal what ``measure``
     computes from the rows' checkers; the tokens equal the per-part step's (which keeps rows with
     ``keep_rows_batch``)."""
     from racer_batch.engine import step as step_mod

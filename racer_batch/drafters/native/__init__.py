@@ -454,8 +454,8 @@ def commit_greedy_batch(states: Sequence[NativeDraftState], rows, cu, parents, t
 def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths, limits, eos, telemetry=None,
                  slots=None, tokens=None):
     """The arguments every step of a run over the same streams gives :func:`propose_batch` and
-    :func:`commit_greedy_batch`, parsed and checked once (engine/step.py's ``_Plan``; after a forward the per-call
-    parsing of ~15 arguments cost ~25 µs, measured on an AMD EPYC at B = 1 on SmolLM2-135M).
+    :func:`commit_greedy_batch`, parsed and checked once (engine/step_plan.py's ``StepPlan``; after a forward the
+    per-call parsing of ~15 arguments cost ~25 µs, measured on an AMD EPYC at B = 1 on SmolLM2-135M).
 
     Args (int64 numpy arrays, ``B = len(states)``; those written in place must be writeable, C-contiguous and
         read in place, and are held by the context): states / rows as :func:`propose_batch`; roots, starts,

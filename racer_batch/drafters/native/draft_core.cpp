@@ -1615,7 +1615,7 @@ py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& row
 // ------------------------------------------------------------------------------------------------ step context
 
 // What every step of a run over the same streams passes to propose_batch and commit_greedy_batch, parsed and
-// checked once (engine/step.py's _Plan): the states and row handles, each stream's root, committed length and draft
+// checked once (engine/step_plan.py's StepPlan): the states and row handles, each stream's root, committed length and draft
 // depth (advanced in place by every commit), its limits and EOS ids, the telemetry table and the KV cache with each
 // stream's slot. The arrays are held (kept alive) and read or written in place.
 class StepContext {
