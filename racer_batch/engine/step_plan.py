@@ -1,19 +1,17 @@
 """The step plan: what a decode step reads of its rows that stays the same while the same rows decode together
 (engine/step.py's ``Stepper`` makes one per row set), and the per-row arrays the native step context reads and a
-fused commit advances in place (docs/architecture.md, "One decoding step")."""
+fused commit advances in place (docs/architecture.md, "One decoding step"). Rows are engine/step.py's ``DecodeRow``
+(not imported here: step.py imports this module)."""
 
 from __future__ import annotations
 
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from ..drafters import native as native_mod
 from .telemetry import Telemetry
-
-if TYPE_CHECKING:
-    from .step import DecodeRow
 
 FEW_ROWS = 4  # StepPlan.measure: up to this many rows, element by element
 
@@ -54,7 +52,7 @@ class StepPlan:
                  "strings", "k", "want_probs", "propose", "commit",
                  "_caps", "_left", "_deepest", "_cap", "_table", "_kv")
 
-    def __init__(self, rows: list[DecodeRow], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
+    def __init__(self, rows: list[Any], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
         b = len(rows)
         self.rows = list(rows)
         self.kind, self.native = drafting(rows)
@@ -157,7 +155,7 @@ class StepPlan:
             r.cache.length = starts[i]
 
 
-def drafting(rows: list[DecodeRow]) -> tuple[str, list]:
+def drafting(rows: list[Any]) -> tuple[str, list]:
     """How a step's rows draft, decided once per step: ``root`` (AR: the root alone, nothing to learn),
     ``native`` (one call of the native draft core for all rows; with each row's (state, row handle)),
     ``mixed`` (some rows native, the others AR or another drafter: method auto's candidates in one forward; the
