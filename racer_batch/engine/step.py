@@ -6,8 +6,8 @@ hands a lone stream's the same way (B = 1 is the same code). One step of B rows 
 
 1. **propose**: every row's draft tree, as one flat batch (``tree.FlatTrees``: each tree breadth-first, ``cu``
    row offsets). RACER and its ablations on the native draft core: one call for all rows
-   (``drafters.native.propose_batch``); AR: the roots alone, no call; any other drafter: its own ``propose``
-   per row, flattened here.
+   (``drafters.native.propose_batch``'s contract, through the plan's step context); AR: the roots alone, no
+   call; any other drafter: its own ``propose`` per row, flattened here.
 2. **forward**: one ``runner.verify_flat`` over all trees (each over its own KV-cache slot).
 3. **accept**: greedy rows together (``greedy_paths``: vectorised over the concatenated trees, each row's
    longest path whose every token is its parent's argmax); sampled rows each with its own seeded generator
@@ -175,7 +175,6 @@ class Stepper:
         self._ops = getattr(self.runner, "_ops", None)
         self.committing = False  # the running step has begun committing tokens (no retry past this point)
         self.last_flat: Optional[FlatTrees] = None  # the last step's trees (last_rows, last_cu, last_starts)
-        self._last_starts: Optional[np.ndarray] = None  # a copy of their starts where a fused commit advances them
         self.last_ended = False  # some row of the last step ended (a stop rule, or the step failed)
         self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
         # greedy steps of native rows commit in one native call (_commit_native); False: the per-part path
@@ -228,8 +227,6 @@ class Stepper:
         flat, sources, order = self._propose(rows, cap, clock, plan, own)
         clock.lap("flatten")
         self.last_flat = flat
-        # step_shares' contexts (method auto's engine): a fused commit advances the plan's starts in place
-        self._last_starts = flat.starts.copy() if plan.fused and self.engine.step_cost else None
         t0 = time.perf_counter()
         logits = self.runner.verify_flat(flat)  # [R, V]
         t1 = time.perf_counter()
@@ -275,9 +272,7 @@ class Stepper:
     @property
     def last_starts(self) -> Optional[np.ndarray]:
         """``[B]`` the last step's committed lengths (its trees' contexts)."""
-        if self.last_flat is None:
-            return None
-        return self.last_flat.starts if self._last_starts is None else self._last_starts
+        return None if self.last_flat is None else self.last_flat.starts
 
     def _plan_of(self, rows: list[DecodeRow]) -> "StepPlan":
         """The step's ``StepPlan``: the last step's where ``rows`` are the same rows in the same order (the common case
@@ -321,8 +316,8 @@ class Stepper:
 
     def _commit_native(self, rows, flat, sources, order, choices, topk, clock, plan):
         """Acceptance, stop checks by token id, the telemetry's source counts, the drafters' update and, on the
-        CPU's KV cache (``StepPlan.pool``), keeping the accepted KV rows of every row in one
-        ``drafters.native.commit_greedy_batch`` call (host parts: that call is ``accept``; the
+        CPU's KV cache (``StepPlan.pool``), keeping the accepted KV rows of every row in one call of the plan's
+        step context (``drafters.native.commit_greedy_batch``'s contract; host parts: that call is ``accept``; the
         checkers' bookkeeping ``stops``; rows with stop strings go through their ``StopChecker.push_many``, and
         then every row's update is one ``update_batch``, ``update``). Returns ``(nodes, cu_paths,
         emitted, commit, counted)``; ``commit.counts`` is None where a stop string cut a block (``_observe`` counts
@@ -368,8 +363,7 @@ class Stepper:
             c = c._replace(counts=None)
         return c.nodes, c.cu_paths, emitted, c, (plan.tids if c.updated else None)
 
-    @staticmethod
-    def _propose(rows: list[DecodeRow], cap: int, clock: "_Clock", plan: "StepPlan",
+    def _propose(self, rows: list[DecodeRow], cap: int, clock: "_Clock", plan: "StepPlan",
                  own: Optional[list[float]] = None) -> tuple[FlatTrees, np.ndarray, np.ndarray]:
         """Every row's draft tree as one flat batch (host time: ``propose``, then ``flatten`` where a drafter's
         own trees are flattened here), with each row's ``sources`` and creation ``order``; ``plan`` is the step's
@@ -388,10 +382,11 @@ class Stepper:
             flat = FlatTrees(roots, zeros - 1, zeros, np.arange(b + 1, dtype=np.int64), starts, caches)
             clock.lap("propose")
             return flat, zeros, zeros
-        depth, roots = plan.depth, plan.roots
-        # a fused plan's starts advance in place in the commit: the KV keep off the CPU (Stepper._keep) and the
-        # tree's positions read this step's, so those get a copy
-        starts = plan.starts if not plan.fused or plan.pool is not None else plan.starts.copy()
+        depth, roots, starts = plan.depth, plan.roots, plan.starts
+        # a fused plan's starts advance in place in the commit: where this step's are read after it (the KV keep
+        # off the CPU, Stepper._keep; method auto's step_shares contexts, last_starts) the trees get a copy
+        if plan.fused and (plan.pool is None or self.engine.step_cost):
+            starts = starts.copy()
         if kind == "native":  # the plan's context reads its roots and depths (propose_batch's tuple)
             cu, tokens, parents, depths, sources, order = plan.propose(plan.capacities(cap))
             flat = FlatTrees(tokens, parents, depths, cu, starts, caches)

@@ -82,8 +82,7 @@ class StopChecker:
 
         Raises:
             ValueError: the checker has stop strings, or already finished."""
-        if self.stop or self.finish is not None:
-            raise ValueError("commit_checked needs a checker without stop strings that has not finished")
+        self._checkable("commit_checked")
         self.tokens.extend(tokens)
         self.finish = finish
 
@@ -93,9 +92,12 @@ class StopChecker:
 
         Raises:
             ValueError: the checker has stop strings, or already finished."""
-        if self.stop or self.finish is not None:
-            raise ValueError("end_checked needs a checker without stop strings that has not finished")
+        self._checkable("end_checked")
         self.finish = finish
+
+    def _checkable(self, what: str) -> None:
+        if self.stop or self.finish is not None:
+            raise ValueError(f"{what} needs a checker without stop strings that has not finished")
 
     def _stop_completed(self) -> bool:
         # Cheap check on the tail first (a stop string of m characters spans at most m tokens that each

@@ -1709,6 +1709,12 @@ class StepContext {
     return py::reinterpret_steal<py::tuple>(obj);
   }
 
+  // ``propose`` / ``commit`` as plain CPython functions bound to this context (METH_FASTCALL, no pybind11
+  // dispatch: its per-call overload and type lookups cost ~5-8 µs each after a forward, measured at B = 1 on
+  // SmolLM2-135M); `self` is a capsule holding the context and a reference to its Python object.
+  static PyObject* fast_propose(PyObject* self, PyObject* const* args, Py_ssize_t n);
+  static PyObject* fast_commit(PyObject* self, PyObject* const* args, Py_ssize_t n);
+
  private:
   std::vector<DraftCore*> states_;
   i64 b_;
@@ -1722,14 +1728,6 @@ class StepContext {
   py::list held_lists_;
   std::vector<PyObject*> lists_;  // borrowed from held_lists_
   FlatOut last_;                  // the trees of the last propose (the next commit's)
- public:
-  // ``propose`` / ``commit`` as plain CPython functions bound to this context (METH_FASTCALL, no pybind11
-  // dispatch: its per-call overload and type lookups cost ~5-8 µs each after a forward, measured at B = 1 on
-  // SmolLM2-135M); `self` is a capsule holding the context and a reference to its Python object.
-  static PyObject* fast_propose(PyObject* self, PyObject* const* args, Py_ssize_t n);
-  static PyObject* fast_commit(PyObject* self, PyObject* const* args, Py_ssize_t n);
-
- private:
   py::object result_type_;        // what commit returns its tuple as (None: a plain tuple)
   bool proposed_ = false;
 };
