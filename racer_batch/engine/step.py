@@ -174,7 +174,8 @@ class Stepper:
         self.telemetry = Telemetry()
         self._ops = getattr(self.runner, "_ops", None)
         self.committing = False  # the running step has begun committing tokens (no retry past this point)
-        self.last_flat: Optional[FlatTrees] = None  # the last step's trees (last_rows, last_cu, last_starts)
+        self.last_flat: Optional[FlatTrees] = None  # the last step's trees (last_cu, last_starts)
+        self.last_rows = 0  # tree rows of the last step's forward
         self.last_ended = False  # some row of the last step ended (a stop rule, or the step failed)
         self._native_accept: Any = None  # drafters.native.accept_greedy_batch, False where unavailable
         # greedy steps of native rows commit in one native call (_commit_native); False: the per-part path
@@ -216,17 +217,21 @@ class Stepper:
         if len(host) <= len(HOST_PARTS):  # every part named from the first step on (a fused step skips some)
             for part in (*HOST_PARTS, SCORES_PART):
                 host.setdefault(part, 0.0)
-        clock = _Clock(host)
+        t0 = time.perf_counter()
+        plan = self._plan_of(rows)
+        if plan.quick:
+            return self._step_quick(plan, host, t0)
+        clock = _Clock(host, t0)
         self.committing = False
         self.last_ended = True  # until the step says otherwise (a step that raises: its rows are settled)
         cap = self.engine._capacity(self.engine._in_flight)
-        plan = self._plan_of(rows)
         kind, native, handles = plan.kind, plan.native, plan.handles
         own = [0.0] * len(rows) if kind in ("mixed", "python") else None
         self.last_own_ms = own
         flat, sources, order = self._propose(rows, cap, clock, plan, own)
         clock.lap("flatten")
         self.last_flat = flat
+        self.last_rows = flat.rows
         t0 = time.perf_counter()
         logits = self.runner.verify_flat(flat)  # [R, V]
         t1 = time.perf_counter()
@@ -260,11 +265,6 @@ class Stepper:
         return forward_ms
 
     @property
-    def last_rows(self) -> int:
-        """Tree rows of the last step's forward."""
-        return 0 if self.last_flat is None else self.last_flat.rows
-
-    @property
     def last_cu(self) -> Optional[np.ndarray]:
         """``[B + 1]`` the last step's tree row offsets (its trees' sizes)."""
         return None if self.last_flat is None else self.last_flat.cu
@@ -273,6 +273,65 @@ class Stepper:
     def last_starts(self) -> Optional[np.ndarray]:
         """``[B]`` the last step's committed lengths (its trees' contexts)."""
         return None if self.last_flat is None else self.last_flat.starts
+
+    def _step_quick(self, plan: "StepPlan", host: dict, t0: float) -> float:
+        """``step`` of a quick plan (``StepPlan.quick``: native, greedy, the KV rows and telemetry counts kept in
+        the commit, no stop strings): the plan's propose, the forward, the scores and the plan's commit, and only
+        what the batch and telemetry need around them (host parts ``propose`` from ``t0``, ``accept`` and
+        ``telemetry``; after a forward each Python call or attribute costs a cache miss, ~60 µs per step at B = 1
+        on SmolLM2-135M for the general path's glue). Returns the forward's ms, as ``step``."""
+        self.committing = False
+        self.last_ended = True
+        self.last_own_ms = None
+        tuner = plan.tuner
+        engine = self.engine
+        cap = plan.cap if tuner is None else engine._capacity(engine._in_flight)
+        starts = plan.starts
+        if engine.step_cost:  # read after the commit advanced them (batch._shares): this step's own copy
+            starts = starts.copy()
+        cu, tokens, parents, depths, sources, order = plan.propose(plan.capacities(cap))
+        flat = self.last_flat = FlatTrees(tokens, parents, depths, cu, starts, plan.caches)
+        self.last_rows = len(tokens)
+        t1 = time.perf_counter()
+        logits = self.runner.verify_flat(flat)  # [R, V]
+        t2 = time.perf_counter()
+        choices, topk, _ = self._scores(plan, logits)
+        t3 = time.perf_counter()
+        plan.bind(self.telemetry)
+        self.committing = True  # the call below updates the drafters: no retry past it
+        c = plan.commit(choices, topk)  # None: every row goes on (a quiet context, no tuner to tell)
+        plan.advanced = plan.stale = True
+        self.last_ended = False
+        if c is not None and c.ended:
+            self.last_ended = True
+            self._end_rows(plan.rows, c.finish)
+        t4 = time.perf_counter()
+        b = len(plan.rows)
+        propose, forward_ms, after = (t1 - t0) * 1000.0, (t3 - t1) * 1000.0, (t4 - t3) * 1000.0
+        times = plan.times  # the rows' telemetry times, summed per plan (_flush_times)
+        times[0] += propose / b
+        times[1] += forward_ms / b
+        times[2] += after / b
+        plan.timed = True
+        if tuner is not None:
+            tuner.observe_batch(used_capacity=cap, accepted_creation_idx=c.created, streams=b,
+                                overhead_ms=(propose + after) / b)
+        t5 = time.perf_counter()
+        host["propose"] += propose
+        host["accept"] += after
+        host[SCORES_PART] += (t3 - t2) * 1000.0
+        host["telemetry"] += (t5 - t4) * 1000.0
+        return (t3 - t1) * 1000.0
+
+    @staticmethod
+    def _end_rows(rows: list[DecodeRow], finish: np.ndarray) -> None:
+        """Rows a fused commit ended by id (``finish [B]`` > 0, ``Commit.finish``): their checkers' finish reason
+        and the rows done (their tokens are already on the checkers' lists)."""
+        for i, f in enumerate(finish.tolist()):
+            if f > 0:
+                r = rows[i]
+                r.stops.end_checked(native_mod.FINISH_OF_CODE[f])
+                r.done, r.finish = True, r.stops.finish
 
     def _plan_of(self, rows: list[DecodeRow]) -> "StepPlan":
         """The step's ``StepPlan``: the last step's where ``rows`` are the same rows in the same order (the common case
@@ -284,6 +343,11 @@ class Stepper:
                 plan.sync_rows()
             plan = self._plan = StepPlan(rows, self.runner, self.telemetry)
             plan.fused = self._fusable(plan)
+            plan.quick = plan.fused and plan.pool is not None and not plan.strings and plan.tids is not None
+            if plan.quick:
+                plan.tuner = self.engine.tuner
+                plan.cap = self.engine._capacity(1)
+                plan.ctx.set_quiet(plan.tuner is None)
         if plan.kind != "root":  # AR's steps read none of roots, starts, limits and depths from the plan
             if plan.advanced:  # the last step's native commit left them as they are now
                 plan.advanced = False
@@ -654,9 +718,9 @@ class _Clock:
 
     __slots__ = ("host", "t0", "t", "propose_ms")
 
-    def __init__(self, host: dict) -> None:
+    def __init__(self, host: dict, t0: Optional[float] = None) -> None:
         self.host = host
-        self.t0 = self.t = time.perf_counter()
+        self.t0 = self.t = time.perf_counter() if t0 is None else t0
         self.propose_ms = 0.0
 
     def lap(self, part: str) -> None:

@@ -35,6 +35,10 @@ class StepPlan:
         roots, starts: ``[B]`` each row's root token and committed length (:meth:`measure` from the rows, or the
             last fused commit's in place).
         fused: the steps commit in one native call (``Stepper._fusable``, set by ``Stepper._plan_of``).
+        quick: a fused plan whose step leaves nothing to Python between its two native calls (the KV rows kept
+            and the telemetry counts added in the commit, no stop strings): ``Stepper._step_quick`` runs it. tuner,
+            cap: the engine's capacity tuner (None: the commit is quiet, ``step_context``'s ``set_quiet``) and
+            otherwise the fixed capacity, read when the plan is made (``Stepper._plan_of``).
         advanced: the last step's native commit wrote the next ``roots``, ``starts``, ``limits`` and ``depth`` in
             place, so the next step need not :meth:`measure`. stale: the rows' own ``root``, ``committed_len`` and
             KV-cache length are behind the plan's (written back by :meth:`sync_rows`).
@@ -49,7 +53,7 @@ class StepPlan:
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
                  "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts", "ctx",
-                 "strings", "k", "want_probs", "propose", "commit",
+                 "strings", "k", "want_probs", "propose", "commit", "quick", "tuner", "cap",
                  "_caps", "_left", "_deepest", "_cap", "_table", "_kv")
 
     def __init__(self, rows: list[Any], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
@@ -67,7 +71,8 @@ class StepPlan:
         self.timed = False  # times holds steps not yet in the telemetry table (Stepper._flush_times)
         self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
         self.pool = self.slots = self.ctx = self._table = self._kv = self.propose = self.commit = None
-        self.advanced = self.stale = self.fused = self.strings = False
+        self.advanced = self.stale = self.fused = self.strings = self.quick = False
+        self.tuner, self.cap = None, 1
         if self.kind == "root":  # AR: no draft depth, no native commit
             self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
             self.roots = self.starts = None

@@ -472,7 +472,10 @@ def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths
     the trees the last ``propose`` made (kept in the context: committed once, ValueError without a propose before),
     with the context's limits, EOS ids, telemetry, KV cache (where set) and advance;
     ``set_telemetry((table, hist, tids) or None)`` and ``set_kv(kv array or None)`` again after either buffer
-    was replaced (``set_kv`` needs ``slots``). ``fast_propose`` / ``fast_commit``: the two calls as plain CPython
+    was replaced (``set_kv`` needs ``slots``); ``set_quiet(True)``: a commit after which the caller has nothing
+    to read (every stream checked by id and updated, none ended, the KV rows kept) returns None instead of a
+    :class:`Commit` (no arrays built: the caller keeps no capacity tuner, and the telemetry counts are the
+    context's). ``fast_propose`` / ``fast_commit``: the two calls as plain CPython
     functions bound to the context (no pybind11 dispatch; ~5-8 µs each after a forward), the same arguments.
 
     Raises:

@@ -175,6 +175,11 @@ class ChildIndex {
 
   size_t bytes() const { return slots_.capacity() * sizeof(i32); }
 
+  // A hint: start loading the slot where find(parent, token) begins.
+  void prefetch(i32 parent, i32 token) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[size_t(key_hash(parent, token) & mask_)]);
+  }
+
  private:
   template <class Keys>
   void place(i32 node, const Keys& keys) {
@@ -277,6 +282,15 @@ class Automaton {
 
   i64 num_nodes() const { return i64(nodes_.size()) - 1; }
   i64 num_evicted() const { return num_evicted_; }
+
+  // A hint before extend(c, t...): start loading the cursor's window nodes and, for t >= 0, the child-index slots
+  // their lookups of t begin at (after a forward this memory is cold; the misses then overlap).
+  void prefetch(const Cursor& c, i32 t) const {
+    for (const i32 a : c.active) {
+      __builtin_prefetch(&nodes_[size_t(a)]);
+      if (t >= 0) index_.prefetch(a, t);
+    }
+  }
   i64 num_scanned() const { return num_scanned_; }
   i64 num_relabelled() const { return num_relabelled_; }
   // kFrontStride unless a test sets another (>= 1; 1 packs the front so that relabelling runs often)
@@ -1512,8 +1526,11 @@ void check_limits(const I64Array& limits, const I64Array& eos, i64 b) {
 
 // The commit of one step (commit_greedy_batch and StepContext::commit, their arguments checked): acceptance, stop
 // checks, the drafters' update, the telemetry counts, the KV rows kept and the plan advanced, as documented there.
-py::tuple commit_impl(const std::vector<DraftCore*>& states, const i64* rows, const CommitArgs& a, const Tel& tel,
-                      const Keep& keep, const Advance& adv, const std::vector<PyObject*>* token_lists = nullptr) {
+// `quiet`: where every stream was checked and updated here, none ended and the KV rows were kept, return None (the
+// caller reads nothing of such a step: no arrays are built).
+py::object commit_impl(const std::vector<DraftCore*>& states, const i64* rows, const CommitArgs& a, const Tel& tel,
+                       const Keep& keep, const Advance& adv, const std::vector<PyObject*>* token_lists = nullptr,
+                       bool quiet = false) {
   const i64 b = i64(states.size());
   CommitOut o;
   bool all_checked = true;
@@ -1563,6 +1580,7 @@ py::tuple commit_impl(const std::vector<DraftCore*>& states, const i64* rows, co
         if (!tok || PyList_Append(lst, tok.ptr()) != 0) throw py::error_already_set();
       }
     }
+  if (quiet && all_checked && ended == 0 && keep.base != nullptr) return py::none();
   const i64 nm = i64(o.moved.size() / 3);
   py::array_t<i64> counts({b, i64(4)}), moved({nm, i64(3)});
   if (b) std::memcpy(counts.mutable_data(), o.counts.data(), o.counts.size() * sizeof(i64));
@@ -1593,7 +1611,7 @@ Advance advance_of(const py::object& advance, const py::object& limits_obj, cons
   return adv;
 }
 
-py::tuple commit_greedy_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu,
+py::object commit_greedy_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& cu,
                               const I64Array& parents, const I64Array& tokens, const I64Array& choices,
                               const I64Array& sources, const I64Array& order, const I64Array& topk,
                               const py::object& limits_obj, const I64Array& eos, const py::object& telemetry,
@@ -1664,6 +1682,10 @@ class StepContext {
     held_tel_ = telemetry;
   }
 
+  // Whether a commit with nothing for its caller to read returns None (commit_impl's `quiet`): the caller then
+  // needs neither the arrays nor the created indices (no capacity tuner), only whether some stream ended.
+  void set_quiet(bool quiet) { quiet_ = quiet; }
+
   // The KV cache (a writeable C-contiguous [L, 2, S, H, P, D] array) whose rows every commit keeps, again after the
   // buffer was replaced; None: the caller keeps them. Needs the slots given at construction.
   void set_kv(const py::object& kv) {
@@ -1689,7 +1711,7 @@ class StepContext {
 
   // The commit of the trees the last propose made, given the target's argmax at every node (choices [R]) and
   // its top-k ids (topk [R, k']).
-  py::tuple commit(const I64Array& choices, const I64Array& topk) {
+  py::object commit(const I64Array& choices, const I64Array& topk) {
     if (!proposed_) bad("commit needs a propose first (each proposed batch of trees is committed once)");
     const i64 r = i64(last_.tokens.size());
     check_1d(choices, r, "choices");
@@ -1700,8 +1722,9 @@ class StepContext {
                        eos_.data(),        i64(topk.shape(1)),   i64(eos_.shape(1))};
     if (keep_.base != nullptr) check_keep(keep_, last_.cu.data(), b_);
     proposed_ = false;
-    py::tuple out = commit_impl(states_, rows_.data(), a, tel_, keep_, adv_, lists_.empty() ? nullptr : &lists_);
-    if (!result_type_) return out;
+    py::object out =
+        commit_impl(states_, rows_.data(), a, tel_, keep_, adv_, lists_.empty() ? nullptr : &lists_, quiet_);
+    if (!result_type_ || out.is_none()) return out;
     // tuple.__new__(result_type, out) at the C level: no Python frame on the step's path
     const py::tuple args = py::make_tuple(out);
     PyObject* obj = PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(result_type_.ptr()), args.ptr(), nullptr);
@@ -1730,6 +1753,7 @@ class StepContext {
   FlatOut last_;                  // the trees of the last propose (the next commit's)
   py::object result_type_;        // what commit returns its tuple as (None: a plain tuple)
   bool proposed_ = false;
+  bool quiet_ = false;
 };
 
 StepContext* context_of(PyObject* capsule) {
@@ -1969,6 +1993,7 @@ PYBIND11_MODULE(racer_draft_core, m) {
            py::arg("result_type") = py::none())
       .def("set_telemetry", &StepContext::set_telemetry)
       .def("set_kv", &StepContext::set_kv)
+      .def("set_quiet", &StepContext::set_quiet)
       .def("propose", &StepContext::propose)
       .def("commit", &StepContext::commit)
       .def_property_readonly("fast_propose", [](py::object self) { return bind_fast(self, &kFastPropose); },
