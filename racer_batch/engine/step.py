@@ -218,7 +218,11 @@ class Stepper:
             for part in (*HOST_PARTS, SCORES_PART):
                 host.setdefault(part, 0.0)
         t0 = time.perf_counter()
-        plan = self._plan_of(rows)
+        plan = self._plan
+        if plan is not None and plan.quick and plan.advanced and plan.rows == rows:  # _plan_of's common case
+            plan.advanced = False
+        else:
+            plan = self._plan_of(rows)
         if plan.quick:
             return self._step_quick(plan, host, t0)
         clock = _Clock(host, t0)

@@ -482,6 +482,39 @@ def _long_run(fused: bool):
     return [(out[i].token_ids, out[i].finish_reason) for i in range(4)]
 
 
+def test_the_quick_step_with_a_capacity_tuner_tells_it_every_step(monkeypatch):
+    """With ``capacity: auto`` the quick step (``Stepper._step_quick``) reads the full ``Commit`` (its context is
+    not quiet) and the tuner observes every step; the tokens equal the per-part path's (lossless, whatever the
+    capacities the tuner picks)."""
+    from racer_batch.engine import step as step_mod
+
+    def run(fused: bool):
+        engine = Engine(tiny_bundle(seed=1, head_scale=60.0), DecodingConfig(method="racer", capacity="auto"),
+                        streams=3)
+        engine.stepper.fused = fused
+        batch = StreamBatch()
+        for i, p in enumerate(PROMPTS[:3]):
+            batch.add(i, engine.stream(p * 2, GenerationParams(max_new_tokens=40 - 5 * i)))
+        out = {}
+        while len(batch):
+            for f in batch.step():
+                assert f.error is None
+                out[f.key] = f.result.token_ids
+        return [out[i] for i in range(3)], engine.tuner.steps
+
+    want, _ = run(False)
+    quick, orig = [0], step_mod.Stepper._step_quick
+
+    def counted(self, plan, host, t0):
+        assert plan.tuner is self.engine.tuner is not None
+        quick[0] += 1
+        return orig(self, plan, host, t0)
+
+    monkeypatch.setattr(step_mod.Stepper, "_step_quick", counted)
+    got, observed = run(True)
+    assert got == want and quick[0] >= 5 and observed >= quick[0]
+
+
 def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkeypatch):
     """A fused step on the CPU's KV cache keeps the accepted KV rows inside the native commit (no
     ``Stepper._keep`` / ``keep_rows_batch``) and takes each row's emitted tokens off the plan's ``limits`` and
@@ -492,9 +525,9 @@ def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkey
 
     want = _long_run(False)
     checked, pools = [0], []
-    orig = step_mod.Stepper._plan_of
+    orig, orig_step = step_mod.Stepper._plan_of, step_mod.Stepper.step
 
-    def plan_of(self, rows):
+    def step(self, rows, host_ms=None):  # before the step reads its plan (the quick path skips _plan_of)
         plan = self._plan
         if plan is not None and plan.rows == rows and plan.advanced:
             assert plan.stale
@@ -510,6 +543,9 @@ def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkey
             assert np.array_equal(got[0], plan.limits) and np.array_equal(got[1], plan.depth)
             assert np.array_equal(roots, plan.roots) and np.array_equal(starts, plan.starts)
             checked[0] += 1
+        return orig_step(self, rows, host_ms)
+
+    def plan_of(self, rows):
         out = orig(self, rows)
         pools.append(out.pool is not None)
         return out
@@ -517,12 +553,67 @@ def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkey
     def refuse(*args, **kwargs):
         raise AssertionError("Stepper._keep called on a fused CPU step")
 
+    monkeypatch.setattr(step_mod.Stepper, "step", step)
     monkeypatch.setattr(step_mod.Stepper, "_plan_of", plan_of)
     monkeypatch.setattr(step_mod.Stepper, "_keep", refuse)
     got = _long_run(True)
-    assert checked[0] > 20 and all(pools)
+    assert checked[0] > 20 and pools and all(pools)
     assert got == want
     assert sum(len(t) for t, _ in got) > 150
+
+
+def test_a_quiet_step_context_returns_none_until_a_stream_ends():
+    """``set_quiet(True)``: a commit after which the caller has nothing to read (every stream checked, none ended,
+    the KV rows kept) returns None, and each propose gives None for sources and order; otherwise the same trees,
+    commits, advanced arrays, telemetry, KV rows and learned state as a context that is not quiet. A commit where
+    a stream ends (here by length) is a whole ``Commit`` again; without KV rows to keep it is never quiet."""
+    from racer_batch.drafters.native import Commit, FlatDraft, step_context
+
+    rng = np.random.default_rng(3)
+    b, vocab = 3, 16
+    made = []
+    for _ in range(2):
+        st, rows = _started_state(np.random.default_rng(2), b, vocab)
+        arrays = [rng.integers(0, 4, b) if not made else made[0][2][0].copy(), np.full(b, 5, np.int64),
+                  np.full(b, 40, np.int64), np.array([[41, 50, 1], [9, 50, 1], [41, 50, 1]], np.int64)]
+        tel = (np.zeros((4, 11)), np.zeros((4, 65), np.int64), np.array([2, 0, 3]))
+        kv = np.random.default_rng(4).random((2, 2, 4, 2, 64, 3)).astype(np.float32)
+        ctx = step_context([st] * b, rows, *arrays, np.full((b, 1), 15, np.int64), tel, np.array([3, 1, 0]),
+                           [[], [], []])
+        ctx.set_kv(kv)
+        made.append((st, ctx, arrays, tel, kv))
+    (q_st, quiet, q_arr, q_tel, q_kv), (r_st, ref, r_arr, r_tel, r_kv) = made
+    quiet.set_quiet(True)
+    nones = whole = 0
+    for step in range(12):
+        caps = np.full(b, 4, np.int64)
+        got, want = quiet.fast_propose(caps), FlatDraft(*ref.fast_propose(caps))
+        assert got[4] is None and got[5] is None
+        assert all(np.array_equal(x, getattr(want, f)) for x, f in zip(got, ("cu", "tokens", "parents", "depths")))
+        choices = np.where(rng.random(len(want.tokens)) < 0.8, rng.integers(0, 4, len(want.tokens)), 9)
+        topk = rng.integers(0, vocab, (len(want.tokens), 3))
+        c, w = quiet.fast_commit(choices, topk), ref.fast_commit(choices, topk)
+        if w.ended:
+            assert type(c) is Commit and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(c, w))
+            whole += 1
+        else:
+            assert c is None
+            nones += 1
+        for x, y in [*zip(q_arr, r_arr), *zip(q_tel, r_tel), (q_kv, r_kv)]:
+            assert np.array_equal(x, y)
+        if w.ended:
+            break
+    assert nones >= 2 and whole == 1  # the second stream's length limit (9 tokens) ends it within 12 steps
+    assert q_st.store_table().tolist() == r_st.store_table().tolist() and q_st.num_nodes == r_st.num_nodes
+    lone, rows = _started_state(np.random.default_rng(2), 1, vocab)
+    bare = step_context([lone], rows, np.zeros(1, np.int64), np.full(1, 5, np.int64), np.full(1, 40, np.int64),
+                        np.array([[41, 50, 1]], np.int64), np.full((1, 1), 15, np.int64), None, None, [[]])
+    bare.set_quiet(True)  # no KV cache to keep rows in: the caller keeps them, so it reads the Commit
+    flat = FlatDraft(*bare.fast_propose(np.full(1, 4, np.int64)))
+    assert type(bare.fast_commit(np.zeros(len(flat.tokens), np.int64), np.zeros((len(flat.tokens), 3), np.int64))) \
+        is Commit
+    for s in (q_st, r_st, lone):
+        s.free()
 
 
 def test_a_step_context_proposes_and_commits_as_the_two_calls_it_parses_once():

@@ -1140,8 +1140,9 @@ py::array_t<i64> to_array(const std::vector<i64>& v) {
 
 // Every stream's draft tree, flattened into `out` (emptied first; propose_batch and StepContext::propose, their
 // arguments checked); returns the tuple (cu, tokens, parents, depths, sources, order) of int64 arrays.
+// `lean`: sources and order are None (a quiet context's caller reads them only through its commit).
 py::tuple propose_impl(const std::vector<DraftCore*>& states, const i64* rows, const i64* roots, const i64* caps,
-                       const i64* depths, FlatOut& out) {
+                       const i64* depths, FlatOut& out, bool lean = false) {
   const i64 b = i64(states.size());
   for (auto* v : {&out.tokens, &out.parents, &out.depths, &out.sources, &out.order}) v->clear();
   {
@@ -1156,6 +1157,8 @@ py::tuple propose_impl(const std::vector<DraftCore*>& states, const i64* rows, c
       flatten_into(scratch.builder, scratch, out);
     }
   }
+  if (lean) return py::make_tuple(to_array(out.cu), to_array(out.tokens), to_array(out.parents), to_array(out.depths),
+                                  py::none(), py::none());
   return py::make_tuple(to_array(out.cu), to_array(out.tokens), to_array(out.parents), to_array(out.depths),
                         to_array(out.sources), to_array(out.order));
 }
@@ -1683,7 +1686,8 @@ class StepContext {
   }
 
   // Whether a commit with nothing for its caller to read returns None (commit_impl's `quiet`): the caller then
-  // needs neither the arrays nor the created indices (no capacity tuner), only whether some stream ended.
+  // needs neither the arrays nor the created indices (no capacity tuner), only whether some stream ended; a
+  // propose then gives no sources and order (None: the commit reads its own copy).
   void set_quiet(bool quiet) { quiet_ = quiet; }
 
   // The KV cache (a writeable C-contiguous [L, 2, S, H, P, D] array) whose rows every commit keeps, again after the
@@ -1704,7 +1708,7 @@ class StepContext {
   py::tuple propose(const I64Array& caps) {
     check_1d(caps, b_, "capacities");
     proposed_ = false;
-    py::tuple out = propose_impl(states_, rows_.data(), adv_.roots, caps.data(), adv_.depths, last_);
+    py::tuple out = propose_impl(states_, rows_.data(), adv_.roots, caps.data(), adv_.depths, last_, quiet_);
     proposed_ = true;
     return out;
   }
