@@ -950,14 +950,28 @@ class DraftCore {
 // Locks the distinct states of a batch in address order (two batch calls never deadlock).
 class MultiLock {
  public:
-  explicit MultiLock(std::vector<DraftCore*> states) {
-    std::sort(states.begin(), states.end());
-    states.erase(std::unique(states.begin(), states.end()), states.end());
-    locks_.reserve(states.size());
-    for (DraftCore* s : states) locks_.emplace_back(s->mu);
+  explicit MultiLock(const std::vector<DraftCore*>& states) {
+    bool one = !states.empty();
+    for (const DraftCore* s : states) one = one && s == states[0];
+    if (one) {  // the rows of one job share its state (the common case): one lock, nothing allocated
+      one_ = &states[0]->mu;
+      one_->lock();
+      return;
+    }
+    std::vector<DraftCore*> order(states);
+    std::sort(order.begin(), order.end());
+    order.erase(std::unique(order.begin(), order.end()), order.end());
+    locks_.reserve(order.size());
+    for (DraftCore* s : order) locks_.emplace_back(s->mu);
   }
+  ~MultiLock() {
+    if (one_ != nullptr) one_->unlock();
+  }
+  MultiLock(const MultiLock&) = delete;
+  MultiLock& operator=(const MultiLock&) = delete;
 
  private:
+  std::mutex* one_ = nullptr;
   std::vector<std::unique_lock<std::mutex>> locks_;
 };
 
@@ -1103,14 +1117,16 @@ void flatten_into(const Builder& b, Scratch& s, FlatOut& out) {
 }
 
 struct Streams {
-  std::vector<DraftCore*> states;
-  std::vector<Row*> rows;
+  const std::vector<DraftCore*>& states;
+  std::vector<Row*>& rows;  // the calling thread's buffer, refilled by its next resolve
 };
 
-// Resolves every stream's (state, row) under the locks; the rows must be open and started.
+// Resolves every stream's (state, row) under the locks; the rows must be open and started. The rows go into a
+// per-thread buffer (no allocation per step; no call resolves twice while it uses the result).
 Streams resolve(const std::vector<DraftCore*>& states, const i64* rows) {
-  Streams s{states, {}};
-  s.rows.reserve(states.size());
+  thread_local std::vector<Row*> buf;
+  buf.clear();
+  Streams s{states, buf};
   for (size_t i = 0; i < states.size(); ++i) {
     try {
       Row& r = states[i]->row(rows[i]);
@@ -1320,6 +1336,9 @@ struct CommitArgs {
 
 struct CommitOut {
   std::vector<i64> path, cu_path, bonus, block, emitted, finish, counts, created, moved;
+  void clear() {
+    for (auto* v : {&path, &cu_path, &bonus, &block, &emitted, &finish, &counts, &created, &moved}) v->clear();
+  }
 };
 
 // StopChecker.push over one stream's block (accepted draft tokens, then the bonus) by token id: per token, an
@@ -1535,7 +1554,8 @@ py::object commit_impl(const std::vector<DraftCore*>& states, const i64* rows, c
                        const Keep& keep, const Advance& adv, const std::vector<PyObject*>* token_lists = nullptr,
                        bool quiet = false) {
   const i64 b = i64(states.size());
-  CommitOut o;
+  thread_local CommitOut o;  // refilled by every commit on this thread (its vectors keep their capacity)
+  o.clear();
   bool all_checked = true;
   {
     py::gil_scoped_release nogil;
@@ -1548,7 +1568,9 @@ py::object commit_impl(const std::vector<DraftCore*>& states, const i64* rows, c
     // own stop checks, in stream order, as update_batch: a shared state's updates stay in the same order)
     for (i64 s = 0; s < b; ++s) all_checked = all_checked && a.checked(s);
     if (all_checked) {
-      std::vector<i64> comm, cu_c(size_t(b) + 1, 0);  // each stream's emitted tokens (block[: emitted])
+      thread_local std::vector<i64> comm, cu_c;  // each stream's emitted tokens (block[: emitted])
+      comm.clear();
+      cu_c.assign(size_t(b) + 1, 0);
       for (i64 s = 0; s < b; ++s) {
         const i64* blk = o.block.data() + o.cu_path[size_t(s)];
         comm.insert(comm.end(), blk, blk + o.emitted[size_t(s)]);
