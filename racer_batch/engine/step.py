@@ -212,19 +212,23 @@ class Stepper:
     # ---- the step
     def step(self, rows: list[DecodeRow], host_ms: Optional[dict] = None) -> float:
         """One decode step of every row in ``rows`` (rows of this engine, none done). Returns the forward's
-        milliseconds. ``host_ms``: part name -> ms, added to."""
+        milliseconds. ``host_ms``: part name -> ms, added to (a quick plan's steps when the plan ends or a row
+        closes: ``_flush_times``)."""
+        t0 = time.perf_counter()
+        plan = self._plan
+        if plan is not None and plan.quick and plan.advanced and plan.host is host_ms and plan.rows == rows:
+            plan.advanced = False  # _plan_of's common case: the last step's commit advanced the plan
+            return self._step_quick(plan, t0)
         host = host_ms if host_ms is not None else {}
         if len(host) <= len(HOST_PARTS):  # every part named from the first step on (a fused step skips some)
             for part in (*HOST_PARTS, SCORES_PART):
                 host.setdefault(part, 0.0)
-        t0 = time.perf_counter()
-        plan = self._plan
-        if plan is not None and plan.quick and plan.advanced and plan.rows == rows:  # _plan_of's common case
-            plan.advanced = False
-        else:
-            plan = self._plan_of(rows)
+        plan = self._plan_of(rows)
         if plan.quick:
-            return self._step_quick(plan, host, t0)
+            if plan.host is not host_ms:  # its times so far go where they were asked for
+                self._flush_times()
+                plan.host = host_ms
+            return self._step_quick(plan, t0)
         clock = _Clock(host, t0)
         self.committing = False
         self.last_ended = True  # until the step says otherwise (a step that raises: its rows are settled)
@@ -278,12 +282,14 @@ class Stepper:
         """``[B]`` the last step's committed lengths (its trees' contexts)."""
         return None if self.last_flat is None else self.last_flat.starts
 
-    def _step_quick(self, plan: "StepPlan", host: dict, t0: float) -> float:
+    def _step_quick(self, plan: "StepPlan", t0: float) -> float:
         """``step`` of a quick plan (``StepPlan.quick``: native, greedy, the KV rows and telemetry counts kept in
-        the commit, no stop strings): the plan's propose, the forward, the scores and the plan's commit, and only
-        what the batch and telemetry need around them (host parts ``propose`` from ``t0``, ``accept`` and
-        ``telemetry``; after a forward each Python call or attribute costs a cache miss, ~60 µs per step at B = 1
-        on SmolLM2-135M for the general path's glue). Returns the forward's ms, as ``step``."""
+        the commit, no stop strings): the plan's propose, the forward, the scores and the plan's commit, which
+        also adds the step's times to the plan's clock (``StepPlan.clock``: host parts ``propose`` from ``t0``,
+        ``scores`` and ``accept``, the commit itself; added to ``host_ms`` and the rows' telemetry by
+        ``_flush_times``), and only what the batch needs around them. After a forward each Python attribute or
+        call touched costs a cache miss: the general path's glue around the same calls cost ~60 µs per step at
+        B = 1 on SmolLM2-135M. Returns the forward's ms, as ``step``."""
         self.committing = False
         self.last_ended = True
         self.last_own_ms = None
@@ -293,7 +299,7 @@ class Stepper:
         starts = plan.starts
         if engine.step_cost:  # read after the commit advanced them (batch._shares): this step's own copy
             starts = starts.copy()
-        cu, tokens, parents, depths, sources, order = plan.propose(plan.capacities(cap))
+        cu, tokens, parents, depths, _, _ = plan.propose(plan.capacities(cap))  # a quiet context: no sources, order
         flat = self.last_flat = FlatTrees(tokens, parents, depths, cu, starts, plan.caches)
         self.last_rows = len(tokens)
         t1 = time.perf_counter()
@@ -303,28 +309,17 @@ class Stepper:
         t3 = time.perf_counter()
         plan.bind(self.telemetry)
         self.committing = True  # the call below updates the drafters: no retry past it
-        c = plan.commit(choices, topk)  # None: every row goes on (a quiet context, no tuner to tell)
+        c = plan.commit(choices, topk, t0, t1, t2, t3)  # None: every row goes on (a quiet context: no tuner)
         plan.advanced = plan.stale = True
         self.last_ended = False
-        if c is not None and c.ended:
-            self.last_ended = True
-            self._end_rows(plan.rows, c.finish)
-        t4 = time.perf_counter()
-        b = len(plan.rows)
-        propose, forward_ms, after = (t1 - t0) * 1000.0, (t3 - t1) * 1000.0, (t4 - t3) * 1000.0
-        times = plan.times  # the rows' telemetry times, summed per plan (_flush_times)
-        times[0] += propose / b
-        times[1] += forward_ms / b
-        times[2] += after / b
-        plan.timed = True
-        if tuner is not None:
-            tuner.observe_batch(used_capacity=cap, accepted_creation_idx=c.created, streams=b,
-                                overhead_ms=(propose + after) / b)
-        t5 = time.perf_counter()
-        host["propose"] += propose
-        host["accept"] += after
-        host[SCORES_PART] += (t3 - t2) * 1000.0
-        host["telemetry"] += (t5 - t4) * 1000.0
+        if c is not None:
+            if c.ended:
+                self.last_ended = True
+                self._end_rows(plan.rows, c.finish)
+            if tuner is not None:
+                b = len(plan.rows)
+                tuner.observe_batch(used_capacity=cap, accepted_creation_idx=c.created, streams=b,
+                                    overhead_ms=(t1 - t0 + time.perf_counter() - t3) * 1000.0 / b)
         return (t3 - t1) * 1000.0
 
     @staticmethod
@@ -347,11 +342,14 @@ class Stepper:
                 plan.sync_rows()
             plan = self._plan = StepPlan(rows, self.runner, self.telemetry)
             plan.fused = self._fusable(plan)
-            plan.quick = plan.fused and plan.pool is not None and not plan.strings and plan.tids is not None
+            plan.quick = (plan.fused and plan.pool is not None and not plan.strings and plan.tids is not None
+                          and plan.k > 0)
             if plan.quick:
                 plan.tuner = self.engine.tuner
                 plan.cap = self.engine._capacity(1)
                 plan.ctx.set_quiet(plan.tuner is None)
+                plan.clock = np.zeros(5)
+                plan.ctx.set_clock(plan.clock)
         if plan.kind != "root":  # AR's steps read none of roots, starts, limits and depths from the plan
             if plan.advanced:  # the last step's native commit left them as they are now
                 plan.advanced = False
@@ -364,7 +362,21 @@ class Stepper:
         replaced and before any row closes, so a row's table entry is whole when it is read and no freed row is
         written."""
         plan = self._plan
-        if plan is not None and plan.timed:
+        if plan is None:
+            return
+        acc = plan.clock
+        if acc is not None and acc[3]:  # a quick plan's steps, summed in its commits
+            b = len(plan.rows)
+            t = plan.times
+            t[0] += float(acc[0]) / b
+            t[1] += float(acc[4]) / b
+            t[2] += float(acc[2]) / b
+            plan.timed = True
+            if plan.host is not None:
+                for part, i in (("propose", 0), (SCORES_PART, 1), ("accept", 2)):
+                    plan.host[part] = plan.host.get(part, 0.0) + float(acc[i])
+            acc[:] = 0.0
+        if plan.timed:
             self.telemetry.add_times(plan.tids, (plan.times[0], plan.times[1], plan.times[2]))
             plan.times, plan.timed = [0.0, 0.0, 0.0], False
 

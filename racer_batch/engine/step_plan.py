@@ -38,7 +38,9 @@ class StepPlan:
         quick: a fused plan whose step leaves nothing to Python between its two native calls (the KV rows kept
             and the telemetry counts added in the commit, no stop strings): ``Stepper._step_quick`` runs it. tuner,
             cap: the engine's capacity tuner (None: the commit is quiet, ``step_context``'s ``set_quiet``) and
-            otherwise the fixed capacity, read when the plan is made (``Stepper._plan_of``).
+            otherwise the fixed capacity, read when the plan is made (``Stepper._plan_of``). clock: a quick
+            plan's float64 ``[5]`` step clock its commits add to (``step_context``'s ``set_clock``); host: the
+            ``host_ms`` dict its steps were given (or None), which ``Stepper._flush_times`` adds the clock to.
         advanced: the last step's native commit wrote the next ``roots``, ``starts``, ``limits`` and ``depth`` in
             place, so the next step need not :meth:`measure`. stale: the rows' own ``root``, ``committed_len`` and
             KV-cache length are behind the plan's (written back by :meth:`sync_rows`).
@@ -53,7 +55,7 @@ class StepPlan:
 
     __slots__ = ("rows", "kind", "native", "handles", "caches", "checkers", "eos", "tids", "limits", "depth",
                  "greedy", "times", "timed", "pool", "slots", "advanced", "stale", "fused", "roots", "starts", "ctx",
-                 "strings", "k", "want_probs", "propose", "commit", "quick", "tuner", "cap",
+                 "strings", "k", "want_probs", "propose", "commit", "quick", "tuner", "cap", "clock", "host",
                  "_caps", "_left", "_deepest", "_cap", "_table", "_kv")
 
     def __init__(self, rows: list[Any], runner: Any = None, telemetry: Optional[Telemetry] = None) -> None:
@@ -72,7 +74,7 @@ class StepPlan:
         self._cap: tuple[int, Optional[np.ndarray]] = (0, None)
         self.pool = self.slots = self.ctx = self._table = self._kv = self.propose = self.commit = None
         self.advanced = self.stale = self.fused = self.strings = self.quick = False
-        self.tuner, self.cap = None, 1
+        self.tuner, self.cap, self.clock, self.host = None, 1, None, None
         if self.kind == "root":  # AR: no draft depth, no native commit
             self.eos = self.tids = self.limits = self.depth = self._caps = self._left = self._deepest = None
             self.roots = self.starts = None

@@ -482,6 +482,52 @@ def _long_run(fused: bool):
     return [(out[i].token_ids, out[i].finish_reason) for i in range(4)]
 
 
+def test_the_quick_steps_times_reach_the_batch_and_the_rows_when_their_plan_ends(monkeypatch):
+    """A quick plan's commits add each step's times to the plan's clock (``step_context``'s ``set_clock``):
+    once the plan ends they are in ``BatchStats.host_ms`` (propose, scores, accept) and in each row's draft and
+    verify ms, each row's share at least its steps' forward time (the clock is the one ``time.perf_counter``
+    reads); ``set_clock`` refuses an array it cannot add to."""
+    from racer_batch.drafters.native import step_context
+    from racer_batch.engine import step as step_mod
+
+    flushed, orig = [], step_mod.Stepper._flush_times
+
+    def flush(self):
+        plan = self._plan
+        if plan is not None and plan.clock is not None and plan.clock[3]:
+            flushed.append((plan.clock.copy(), len(plan.rows)))
+        return orig(self)
+
+    monkeypatch.setattr(step_mod.Stepper, "_flush_times", flush)
+    engine = Engine(tiny_bundle(seed=1, head_scale=60.0), DecodingConfig(method="racer", capacity=2), streams=2)
+    batch = StreamBatch()
+    for i, p in enumerate(PROMPTS[:2]):
+        batch.add(i, engine.stream(p * 2, GenerationParams(max_new_tokens=30 + 10 * i)))
+    results = []
+    while len(batch):
+        for f in batch.step():
+            assert f.error is None
+            results.append(f.result)
+    steps = sum(c[3] for c, _ in flushed)
+    assert flushed and steps >= 10
+    host = batch.stats.host_ms
+    for part, i in (("propose", 0), ("scores", 1), ("accept", 2)):
+        assert host[part] >= sum(c[i] for c, _ in flushed) > 0
+    assert all(c[4] >= c[1] > 0 and c[2] > 0 for c, _ in flushed)  # forward and scores, then the commit
+    verify = sum(c[4] / b for c, b in flushed)
+    assert sum(r.stats.verify_ms for r in results) >= verify * 0.999 and all(r.stats.draft_ms > 0 for r in results)
+    st, rows = _started_state(np.random.default_rng(2), 1, 16)
+    ctx = step_context([st], rows, np.zeros(1, np.int64), np.full(1, 5, np.int64), np.full(1, 40, np.int64),
+                       np.array([[41, 50, 1]], np.int64), np.full((1, 1), 15, np.int64))
+    frozen = np.zeros(5)
+    frozen.flags.writeable = False
+    for bad in (np.zeros(4), np.zeros(5, np.float32), frozen, np.zeros((5, 2))[:, 0]):
+        with pytest.raises(ValueError, match="clock"):
+            ctx.set_clock(bad)
+    ctx.set_clock(None)
+    st.free()
+
+
 def test_the_quick_step_with_a_capacity_tuner_tells_it_every_step(monkeypatch):
     """With ``capacity: auto`` the quick step (``Stepper._step_quick``) reads the full ``Commit`` (its context is
     not quiet) and the tuner observes every step; the tokens equal the per-part path's (lossless, whatever the
@@ -505,10 +551,10 @@ def test_the_quick_step_with_a_capacity_tuner_tells_it_every_step(monkeypatch):
     want, _ = run(False)
     quick, orig = [0], step_mod.Stepper._step_quick
 
-    def counted(self, plan, host, t0):
+    def counted(self, plan, t0):
         assert plan.tuner is self.engine.tuner is not None
         quick[0] += 1
-        return orig(self, plan, host, t0)
+        return orig(self, plan, t0)
 
     monkeypatch.setattr(step_mod.Stepper, "_step_quick", counted)
     got, observed = run(True)

@@ -15,6 +15,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -1707,6 +1708,34 @@ class StepContext {
     held_tel_ = telemetry;
   }
 
+  // The step clock: a writeable float64 [5] array (None: none) that fast_commit(choices, topk, t0, t1, t2, t3) adds
+  // each step's milliseconds to: [0] propose (t1 - t0), [1] scores (t3 - t2), [2] the commit (t3 to its end, on
+  // the clock time.perf_counter reads: CLOCK_MONOTONIC), [3] steps, [4] forward and scores (t3 - t1).
+  void set_clock(const py::object& acc) {
+    if (acc.is_none()) {
+      clock_ = nullptr;
+      held_clock_ = py::none();
+      return;
+    }
+    auto arr = py::cast<py::array>(acc);
+    if (!arr.dtype().is(py::dtype::of<double>()) || arr.ndim() != 1 || arr.shape(0) < 5 || !arr.writeable() ||
+        !(arr.flags() & py::array::c_style))
+      bad("clock must be a writeable C-contiguous float64 array of at least 5 elements");
+    clock_ = static_cast<double*>(arr.mutable_data());
+    held_clock_ = acc;
+  }
+
+  void tick(double t0, double t1, double t2, double t3) {
+    if (clock_ == nullptr) return;
+    const double now =
+        std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    clock_[0] += (t1 - t0) * 1e3;
+    clock_[1] += (t3 - t2) * 1e3;
+    clock_[2] += (now - t3) * 1e3;
+    clock_[3] += 1.0;
+    clock_[4] += (t3 - t1) * 1e3;
+  }
+
   // Whether a commit with nothing for its caller to read returns None (commit_impl's `quiet`): the caller then
   // needs neither the arrays nor the created indices (no capacity tuner), only whether some stream ended; a
   // propose then gives no sources and order (None: the commit reads its own copy).
@@ -1780,6 +1809,8 @@ class StepContext {
   py::object result_type_;        // what commit returns its tuple as (None: a plain tuple)
   bool proposed_ = false;
   bool quiet_ = false;
+  double* clock_ = nullptr;  // set_clock's array, held by held_clock_
+  py::object held_clock_;
 };
 
 StepContext* context_of(PyObject* capsule) {
@@ -1816,8 +1847,16 @@ PyObject* StepContext::fast_propose(PyObject* self, PyObject* const* args, Py_ss
 
 PyObject* StepContext::fast_commit(PyObject* self, PyObject* const* args, Py_ssize_t n) {
   return as_c_call([&]() -> py::object {
-    if (n != 2) bad("commit takes (choices, topk)");
-    return context_of(self)->commit(i64_arg(args[0]), i64_arg(args[1]));
+    if (n != 2 && n != 6) bad("commit takes (choices, topk) or (choices, topk, t0, t1, t2, t3)");
+    double t[4] = {0, 0, 0, 0};
+    for (Py_ssize_t i = 2; i < n; ++i) {
+      t[i - 2] = PyFloat_AsDouble(args[i]);
+      if (t[i - 2] == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+    }
+    StepContext* ctx = context_of(self);
+    py::object out = ctx->commit(i64_arg(args[0]), i64_arg(args[1]));
+    if (n == 6) ctx->tick(t[0], t[1], t[2], t[3]);
+    return out;
   });
 }
 
@@ -2020,6 +2059,7 @@ PYBIND11_MODULE(racer_draft_core, m) {
       .def("set_telemetry", &StepContext::set_telemetry)
       .def("set_kv", &StepContext::set_kv)
       .def("set_quiet", &StepContext::set_quiet)
+      .def("set_clock", &StepContext::set_clock)
       .def("propose", &StepContext::propose)
       .def("commit", &StepContext::commit)
       .def_property_readonly("fast_propose", [](py::object self) { return bind_fast(self, &kFastPropose); },
