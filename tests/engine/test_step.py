@@ -631,7 +631,7 @@ def test_a_quiet_step_context_returns_none_until_a_stream_ends():
     (q_st, quiet, q_arr, q_tel, q_kv), (r_st, ref, r_arr, r_tel, r_kv) = made
     quiet.set_quiet(True)
     nones = whole = 0
-    for step in range(12):
+    for _step in range(12):
         caps = np.full(b, 4, np.int64)
         got, want = quiet.fast_propose(caps), FlatDraft(*ref.fast_propose(caps))
         assert got[4] is None and got[5] is None

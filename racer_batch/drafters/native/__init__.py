@@ -475,8 +475,12 @@ def step_context(states: Sequence[NativeDraftState], rows, roots, starts, depths
     was replaced (``set_kv`` needs ``slots``); ``set_quiet(True)``: a commit after which the caller has nothing
     to read (every stream checked by id and updated, none ended, the KV rows kept) returns None instead of a
     :class:`Commit` (no arrays built: the caller keeps no capacity tuner, and the telemetry counts are the
-    context's), and a propose gives None for ``sources`` and ``order`` (the commit reads its own copy). ``fast_propose`` / ``fast_commit``: the two calls as plain CPython
-    functions bound to the context (no pybind11 dispatch; ~5-8 µs each after a forward), the same arguments.
+    context's), and a propose gives None for ``sources`` and ``order`` (the commit reads its own copy);
+    ``set_clock(float64 [5] array or None)``: ``fast_commit(choices, topk, t0, t1, t2, t3)`` (``perf_counter``
+    stamps: before the propose, after it, after the forward, after the scores) adds each step's propose, scores
+    and commit ms, 1 step and the forward's ms to it. ``fast_propose`` / ``fast_commit``: the two calls as plain
+    CPython functions bound to the context (no pybind11 dispatch; ~5-8 µs each after a forward), the same
+    arguments.
 
     Raises:
         ValueError: as the two calls (shapes, an array not writeable in place, a freed state), when made or when
