@@ -131,7 +131,10 @@ class StepPlan:
         tokens each row has emitted. A numpy call costs a few µs on the caches a forward left cold (measured ~11 µs
         for these three at B = 1), so a few rows are written element by element and more rows with three calls
         whatever B. A row that steps has not finished, so it has at least one token left and ``depth`` >= 0
-        (``StopChecker.remaining`` >= 1)."""
+        (``StopChecker.remaining`` >= 1). Where fused commits advanced the plan past its rows (``stale``; a quick
+        step that raised before its commit leaves it so, not advanced), the rows are brought up to the plan first."""
+        if self.stale:
+            self.sync_rows()
         b = len(self.checkers)
         if b <= FEW_ROWS:
             lim, depth, roots, starts = self.limits, self.depth, self.roots, self.starts

@@ -608,6 +608,27 @@ def test_the_native_commit_advances_the_plan_and_keeps_the_kv_rows_itself(monkey
     assert sum(len(t) for t, _ in got) > 150
 
 
+def test_a_plan_measured_while_ahead_of_its_rows_keeps_its_place():
+    """``StepPlan.measure`` on a plan whose fused commits advanced it past its rows (as after a quick step that
+    raised before its commit) first writes the plan back into the rows, so the arrays stay where the commits
+    left them instead of going back to the rows' old fields."""
+    engine = Engine(tiny_bundle(seed=1, head_scale=60.0), DecodingConfig(method="racer", capacity=2), streams=2)
+    batch = StreamBatch()
+    for i, p in enumerate(PROMPTS[:2]):
+        batch.add(i, engine.stream(p * 2, GenerationParams(max_new_tokens=40)))
+    for _ in range(6):
+        assert not batch.step()
+    plan = engine.stepper._plan
+    assert plan.quick and plan.stale and plan.advanced
+    want = [a.copy() for a in (plan.roots, plan.starts, plan.limits, plan.depth)]
+    assert [r.committed_len for r in plan.rows] != want[1].tolist()  # the rows' own fields lag behind
+    plan.advanced = False
+    plan.measure()
+    assert all(np.array_equal(a, w) for a, w in zip((plan.roots, plan.starts, plan.limits, plan.depth), want))
+    assert [r.committed_len for r in plan.rows] == want[1].tolist() and not plan.stale
+    batch.close()
+
+
 def test_a_quiet_step_context_returns_none_until_a_stream_ends():
     """``set_quiet(True)``: a commit after which the caller has nothing to read (every stream checked, none ended,
     the KV rows kept) returns None, and each propose gives None for sources and order; otherwise the same trees,
