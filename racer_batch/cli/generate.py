@@ -95,7 +95,8 @@ def _weights_ran(bundle: Any, engine: Any) -> str:
 @click.command(epilog=_GENERATE_EPILOG)
 @click.argument("prompt")
 @click.option("--model", default="smollm2-135m", show_default=True,
-              help="Built-in name (smollm2-135m, tiny-random), a .gguf file, a local model folder, or a hub id.")
+              help="Built-in name (smollm2-135m, gemma3-270m, tiny-random), a .gguf file, a local model folder, "
+                   "or a hub id.")
 @_decoding_options
 @click.option("--max-new-tokens", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--temperature", type=click.FloatRange(0.0, 100.0), default=0.0, show_default=True, help="0 = greedy.")
