@@ -385,6 +385,24 @@ def test_argmax_topk_is_torchs_argmax_and_topk(k):
         vals = x[r, top[r]].tolist()
         for a in range(k - 1):
             assert vals[a] > vals[a + 1] or top[r, a] < top[r, a + 1]
+    # a vocabulary-sized row at several thread counts, with ties far apart (the first maximal index wins)
+    x = torch.randint(0, 3, (2, 49152), generator=g).float()
+    x[0, [5, 24575, 24576, 40000]] = 7.0
+    x[1, [49151, 30000]] = 7.0
+    for threads in (1, 2, 3):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            am, top = OPS.argmax_topk(x[:1], k)
+            am2, top2 = OPS.argmax_topk(x, k)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(am, x[:1].argmax(dim=-1)) and torch.equal(am2, x.argmax(dim=-1))
+        for got, rows in ((top, x[:1]), (top2, x)):
+            assert torch.equal(rows.gather(1, got), torch.topk(rows, k, dim=-1).values)
+            for r in range(rows.shape[0]):
+                vals = rows[r, got[r]].tolist()
+                assert all(vals[a] > vals[a + 1] or got[r, a] < got[r, a + 1] for a in range(k - 1))
     with pytest.raises(RuntimeError, match="k"):
         OPS.argmax_topk(x, 0)
     with pytest.raises(RuntimeError, match="float32"):
