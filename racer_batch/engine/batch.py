@@ -377,18 +377,14 @@ class StreamBatch:
             return
         wall = (time.perf_counter() - t0) * 1000.0
         cpu, own = group.cpu, stepper.last_own_ms
-        if group.defer and not group.costed and not (cpu and own):  # equal shares: added up, charged when the
-            group.pending += wall if cpu else ms                     # group is dropped
+        shares = _shares(stepper) if group.costed else None
+        if cpu and own:  # the host work is charged too: each row's own part (a mixed step's drafting) first
+            shares = row_charges(wall, own, shares)
+        if shares is None and group.defer:  # equal shares: added up, charged when the group is dropped
+            group.pending += wall if cpu else ms
             self._tally(len(keys), ms, stepper.last_rows)
         else:
-            shares = _shares(stepper) if group.costed else None
-            if cpu and own:  # the host work is charged too: each row's own part (a mixed step's drafting) first
-                shares = row_charges(wall, own, shares)
-            if shares is None and group.defer:
-                group.pending += wall if cpu else ms
-                self._tally(len(keys), ms, stepper.last_rows)
-            else:
-                self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if cpu else ms, shares=shares)
+            self._count(keys, stepper.runner, ms, stepper.last_rows, charge=wall if cpu else ms, shares=shares)
         if not (stepper.last_ended or group.cancellable):  # every row goes on and none is asked to stop
             return
         for key, req in zip(keys, reqs):

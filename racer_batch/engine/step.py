@@ -429,11 +429,10 @@ class Stepper:
                 n = r.stops.push_many(block)
                 cut = cut or n != len(block)
                 emitted_l[i] = n
-            elif fin[i] > 0:  # checked by id and ended (its tokens are on its checker's list)
-                r.stops.end_checked(native_mod.FINISH_OF_CODE[fin[i]])
-            if r.stops.finish is not None:
-                r.done, r.finish = True, r.stops.finish
+                if r.stops.finish is not None:
+                    r.done, r.finish = True, r.stops.finish
             blocks.append(block)
+        self._end_rows(rows, c.finish)  # those checked by id that ended (their tokens are on their checkers' lists)
         emitted = np.asarray(emitted_l, dtype=np.int64) if plan.strings else c.emitted  # a stop string may cut
         clock.lap("stops")
         if not c.updated:

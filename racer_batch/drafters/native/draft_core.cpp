@@ -176,11 +176,6 @@ class ChildIndex {
 
   size_t bytes() const { return slots_.capacity() * sizeof(i32); }
 
-  // A hint: start loading the slot where find(parent, token) begins.
-  void prefetch(i32 parent, i32 token) const {
-    if (!slots_.empty()) __builtin_prefetch(&slots_[size_t(key_hash(parent, token) & mask_)]);
-  }
-
  private:
   template <class Keys>
   void place(i32 node, const Keys& keys) {
@@ -283,15 +278,6 @@ class Automaton {
 
   i64 num_nodes() const { return i64(nodes_.size()) - 1; }
   i64 num_evicted() const { return num_evicted_; }
-
-  // A hint before extend(c, t...): start loading the cursor's window nodes and, for t >= 0, the child-index slots
-  // their lookups of t begin at (after a forward this memory is cold; the misses then overlap).
-  void prefetch(const Cursor& c, i32 t) const {
-    for (const i32 a : c.active) {
-      __builtin_prefetch(&nodes_[size_t(a)]);
-      if (t >= 0) index_.prefetch(a, t);
-    }
-  }
   i64 num_scanned() const { return num_scanned_; }
   i64 num_relabelled() const { return num_relabelled_; }
   // kFrontStride unless a test sets another (>= 1; 1 packs the front so that relabelling runs often)
@@ -1174,10 +1160,9 @@ py::tuple propose_impl(const std::vector<DraftCore*>& states, const i64* rows, c
       flatten_into(scratch.builder, scratch, out);
     }
   }
-  if (lean) return py::make_tuple(to_array(out.cu), to_array(out.tokens), to_array(out.parents), to_array(out.depths),
-                                  py::none(), py::none());
   return py::make_tuple(to_array(out.cu), to_array(out.tokens), to_array(out.parents), to_array(out.depths),
-                        to_array(out.sources), to_array(out.order));
+                        lean ? py::object(py::none()) : py::object(to_array(out.sources)),
+                        lean ? py::object(py::none()) : py::object(to_array(out.order)));
 }
 
 py::tuple propose_batch(const py::sequence& states_in, const I64Array& rows, const I64Array& roots,
