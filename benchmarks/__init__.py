@@ -17,6 +17,10 @@ prompt sampling, two-revision child processes). Rows are the product's own ``Row
 - ``soak``: many short rows through one actor, memory and Redis state over time.
 - ``specbench_job``: all 480 Spec-Bench questions as one racer-batch job.
 - ``rest_corpus``: a corpus for the REST drafter that leaves the benchmark items out.
+- ``warm_auto``: a job's saved draft state and ``decoding.method: auto`` on a Spec-Bench job, one racer-batch
+  job per contender (issue 30).
+- ``cross_row``: what a job's rows teach each other's drafts: RACER's MAT per draft-state scope (a state per
+  row, per shard, per actor, one for the job), on one engine without the service's timing (issue 30).
 
 Nothing here is imported by ``racer_batch``; the harness imports the product, never the other way round.
 """
