@@ -27,6 +27,7 @@ Writes ``<out>/cross-row-<stamp>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -110,6 +111,13 @@ def run_scope(args: argparse.Namespace) -> dict:
                     "steps": steps, "text": texts})
     return {"scope": args.scope, "capacity": args.capacity, "max_nodes": args.max_nodes,
             "wall_s": round(time.perf_counter() - t0, 1), "rows": out}
+
+
+def slim(run: dict) -> dict:
+    """A run as the results file keeps it: each row's text replaced by its SHA-256 (the texts are what the
+    lossless check compares, already counted by :func:`analyse`; kept whole they would be ~100 KB a run)."""
+    return {**run, "rows": [{**r, "text": hashlib.sha256(json.dumps(r["text"]).encode()).hexdigest()[:16]}
+                            for r in run["rows"]]}
 
 
 def _mat(rows: list[dict]) -> Optional[float]:
@@ -236,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     data = {"stamp": stamp, "machine": common.machine(), "command": common.command("cross_row", argv),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                      if k not in ("scope", "capacity", "threads", "result")},
-            "rows": rows, "figures": analyse(runs, args.actors), "runs": runs}
+            "rows": rows, "figures": analyse(runs, args.actors), "runs": [slim(r) for r in runs]}
     md = render(data)
     paths = common.write_results(args.out, f"cross-row-{stamp}", data, md)
     print(md)

@@ -45,3 +45,11 @@ def test_analyse_pools_the_shards_after_each_actors_first():
                            "args": {"per_group": 1, "max_new_tokens": 8, "shard_rows": 2, "actors": 2},
                            "figures": [fig]})
     assert "| 4 | 100 | 1 |  | 2 | 3 | 1.5 |  | 3 | 2 |" in md  # shard did not run: blank and "'4/100/job': 1" in md
+
+
+def test_slim_keeps_a_texts_hash_not_the_text():
+    run = _run("job", [1, 2], ["a", "b"])
+    kept = cross_row.slim(run)
+    assert [r["steps"] for r in kept["rows"]] == [1, 2] and run["rows"][0]["text"] == ["a"]  # the input untouched
+    assert kept["rows"][0]["text"] != kept["rows"][1]["text"] and len(kept["rows"][0]["text"]) == 16
+    assert cross_row.slim(_run("row", [3, 3], ["a", "b"]))["rows"][0]["text"] == kept["rows"][0]["text"]
