@@ -37,29 +37,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks import common
-from benchmarks.specbench_job import QUESTIONS, group_of
+from benchmarks.specbench_job import QUESTIONS
+from benchmarks.warm_auto import sample_rows
 
 SCOPES = ("row", "shard", "actor", "job")
-
-
-def questions(path: Path, per_group: int) -> list[dict]:
-    """The first ``per_group`` questions of each Spec-Bench group in question order (``warm_auto``'s sample):
-    ``[{"id", "route", "turns"}]``.
-
-    Raises:
-        ValueError: ``per_group`` < 1.
-    """
-    if per_group < 1:
-        raise ValueError(f"--per-group must be >= 1, got {per_group}")
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    taken: dict[str, int] = {}
-    rows = []
-    for r in sorted(records, key=lambda r: r["question_id"]):
-        g = group_of(r["category"])
-        if taken.get(g, 0) < per_group:
-            taken[g] = taken.get(g, 0) + 1
-            rows.append({"id": int(r["question_id"]), "route": g, "turns": list(r["turns"])})
-    return rows
 
 
 def state_key(scope: str, index: int, shard_rows: int, actors: int) -> int:
@@ -86,7 +67,7 @@ def run_scope(args: argparse.Namespace) -> dict:
     from racer_batch import DecodingConfig, Engine, GenerationParams, load_model
 
     torch.set_num_threads(args.threads)
-    rows = questions(args.questions, args.per_group)
+    rows = sample_rows(args.questions, args.per_group)
     engine = Engine(load_model(args.model), DecodingConfig(method="racer", capacity=args.capacity,
                                                            max_nodes=args.max_nodes, scope="job"))
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
@@ -213,7 +194,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.max_nodes = args.max_nodes[0]
         args.result.write_text(json.dumps(run_scope(args)))
         return 0
-    rows = len(questions(args.questions, args.per_group))
+    rows = len(sample_rows(args.questions, args.per_group))
     threads = max(1, (os.cpu_count() or 2) // args.jobs)
     tasks = [(c, n, s) for c in args.capacities for n in args.max_nodes for s in scopes]
     tmp = args.out / f".cross-row-{os.getpid()}"

@@ -80,9 +80,9 @@ DEFAULT_ORDER = ("racer-cold", "racer-warm", "pld", "ar", "auto")
 FIXED = ("racer-warm", "pld", "ar")  # auto is compared with the best of these per route
 
 
-def build_input(questions: Path, out: Path, per_group: int) -> list[dict]:
-    """The first ``per_group`` questions of each group in question order, as job rows (id, route = group,
-    turns); written as Parquet to ``out``.
+def sample_rows(questions: Path, per_group: int) -> list[dict]:
+    """The first ``per_group`` questions of each group in question order, as job rows
+    ``{"id", "route" (= group), "turns"}`` (also ``benchmarks.cross_row``'s sample).
 
     Raises:
         ValueError: ``per_group`` < 1.
@@ -97,6 +97,16 @@ def build_input(questions: Path, out: Path, per_group: int) -> list[dict]:
         if taken.get(g, 0) < per_group:
             taken[g] = taken.get(g, 0) + 1
             rows.append({"id": int(r["question_id"]), "route": g, "turns": list(r["turns"])})
+    return rows
+
+
+def build_input(questions: Path, out: Path, per_group: int) -> list[dict]:
+    """:func:`sample_rows`, written as Parquet to ``out``; returns the rows.
+
+    Raises:
+        ValueError: ``per_group`` < 1.
+    """
+    rows = sample_rows(questions, per_group)
     schema = pa.schema([("id", pa.int64()), ("route", pa.string()), ("turns", pa.list_(pa.string()))])
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), out)
